@@ -1,0 +1,37 @@
+# Entry points (README): `make run` sets everything up and runs the main job; `make test` runs the tests.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+# torch is installed only when absent; a CUDA torch already present is kept.
+TORCH_SPEC ?= torch==2.13.0
+BUILD ?= build/cmake
+
+.PHONY: install run test test-cuda ctest cuda-check lint format cuda-link bench
+
+install:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q --no-build-isolation -e ".[dev]"
+
+run: install
+	$(PYTHON) bench/bench_fused_adamw.py
+
+test: install
+	$(PYTHON) -m pytest -q
+
+test-cuda: install
+	$(PYTHON) -m pytest -q -m cuda
+
+# Torch-free core: CPU kernel unit tests (ctest) and the nvcc compile check of every .cu file.
+ctest:
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release
+	cmake --build $(BUILD)
+	ctest --test-dir $(BUILD) --output-on-failure
+
+lint:
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+	clang-format --dry-run --Werror $$(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh')
+
+format:
+	$(PYTHON) -m ruff check --fix .
+	$(PYTHON) -m ruff format .
+	clang-format -i $$(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh')

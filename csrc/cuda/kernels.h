@@ -1,0 +1,42 @@
+// Torch-free CUDA kernels: raw pointers + a stream. Launchers return the launch status
+// (cudaGetLastError()) and never synchronise.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "../dtype.h"
+
+namespace zero_ext::cuda {
+
+// A scalar the kernel reads either from device memory (ptr != nullptr, fp32) or by value.
+struct DeviceScalar {
+  float value;
+  const float* ptr;
+};
+
+struct AdamWArgs {
+  DeviceScalar lr, beta1, beta2, eps, weight_decay, step, grad_scale;
+  const float* found_inf;  // device fp32; nonzero => the whole call is a no-op. May be null.
+};
+
+// One fused AdamW step over n elements; same formula and rounding as the CPU kernel
+// (adamw_math.h). param_out may be null; otherwise bf16 or fp16, rounded to nearest-even.
+cudaError_t launch_fused_adamw(float* master, const void* grad, DType grad_dtype, float* exp_avg,
+                               float* exp_avg_sq, void* param_out, DType param_out_dtype,
+                               int64_t n, const AdamWArgs& args, cudaStream_t stream);
+
+// Multi-tensor copy between a flat buffer and `count` tensors in ONE launch. `device_slices` is
+// device memory holding `count` TensorSlice records; max_numel is the largest slice (sizes the grid).
+// Semantics as zero_ext::cpu::flatten.
+cudaError_t launch_flatten(void* flat, DType flat_dtype, const TensorSlice* device_slices,
+                           int64_t count, int64_t max_numel, float scale, bool to_flat,
+                           cudaStream_t stream);
+
+// Deterministic two-pass sum of squares (fp32) + non-finite flag, written to device scalars.
+// workspace: device fp32 buffer of sum_squares_workspace_size(n) elements.
+int64_t sum_squares_workspace_size(int64_t n);
+cudaError_t launch_sum_squares(const void* x, DType dtype, int64_t n, float* sumsq,
+                               float* nonfinite, float* workspace, cudaStream_t stream);
+
+}  // namespace zero_ext::cuda

@@ -1,0 +1,50 @@
+// The op schemas. Backends: cpu_ops.cpp (CPU) and cuda_ops.cpp (CUDA, only in CUDA builds).
+// Python fake impls live in zero_ext/ops.py.
+#include <torch/library.h>
+
+#include <string>
+
+#include "../cpu/kernels.h"
+
+namespace zero_ext {
+namespace {
+
+// Test/benchmark hook: force the CPU SIMD path ("scalar", "avx2", "avx512", "auto"); "" queries.
+// Returns the path now in use.
+std::string cpu_isa(const std::string& isa) {
+  using cpu::Isa;
+  if (!isa.empty()) {
+    Isa want;
+    if (isa == "auto") {
+      want = Isa::kAuto;
+    } else if (isa == "scalar") {
+      want = Isa::kScalar;
+    } else if (isa == "avx2") {
+      want = Isa::kAvx2;
+    } else if (isa == "avx512") {
+      want = Isa::kAvx512;
+    } else {
+      TORCH_CHECK(false, "zero_ext._cpu_isa: `isa` must be one of auto, scalar, avx2, avx512, got '",
+                  isa, "'");
+    }
+    cpu::force_isa(want);
+  }
+  return cpu::isa_name(cpu::active_isa());
+}
+
+}  // namespace
+}  // namespace zero_ext
+
+TORCH_LIBRARY(zero_ext, m) {
+  m.def(
+      "fused_adamw_(Tensor(a!) master, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, *, "
+      "float lr, float beta1, float beta2, float eps, float weight_decay, float step, "
+      "float grad_scale=1.0, Tensor? lr_tensor=None, Tensor? beta1_tensor=None, "
+      "Tensor? beta2_tensor=None, Tensor? eps_tensor=None, Tensor? weight_decay_tensor=None, "
+      "Tensor? step_tensor=None, Tensor? grad_scale_tensor=None, Tensor(d!)? param_out=None, "
+      "Tensor? found_inf=None) -> ()");
+  m.def("flatten_(Tensor(a!) flat, Tensor[] tensors, int[] offsets, float scale=1.0) -> ()");
+  m.def("unflatten_(Tensor flat, Tensor(a!)[] tensors, int[] offsets, float scale=1.0) -> ()");
+  m.def("sum_squares(Tensor x) -> (Tensor sumsq, Tensor nonfinite)");
+  m.def("_cpu_isa(str isa=\"\") -> str", &zero_ext::cpu_isa);
+}
