@@ -35,3 +35,8 @@ format:
 	$(PYTHON) -m ruff check --fix .
 	$(PYTHON) -m ruff format .
 	clang-format -i $$(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh')
+
+# Builds and links the real CUDA extension against the CUDA build of torch in its own venv (.venv-cuda),
+# on a machine with no GPU: proves csrc/torch/cuda_ops.cpp and csrc/cuda/*.cu link into zero_ext._C.
+cuda-link:
+	bash scripts/cuda_link_check.sh
