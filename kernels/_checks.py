@@ -1,0 +1,78 @@
+"""Argument checks and launch constants shared by the Triton op launchers (plain Python, no kernels)."""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from numbers import Real
+from typing import Optional, Union
+
+import torch
+
+Scalar = Union[float, int, torch.Tensor]
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# The interpreter pays a fixed Python cost per program, so it wants few, large blocks; compiled
+# kernels want many small ones (16 fp32 elements per thread at 8 warps). GPU values are the usual
+# choice for an elementwise memory-bound kernel, not yet measured on this project.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+BLOCK = 1 << 16 if INTERPRETED else 4096
+NUM_WARPS = 8
+
+
+def to_fp32(value: float) -> float:
+    """``value`` rounded to the nearest fp32 (as torch rounds a Python scalar multiplying an fp32 tensor)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # rounds past the largest finite fp32
+        return math.copysign(math.inf, value)
+
+
+def split_scale(op: str, scale: Scalar, device: torch.device) -> tuple[float, Optional[torch.Tensor]]:
+    """``(fp32 value, None)`` for a Python number, ``(1.0, tensor)`` for a one-element fp32 device tensor."""
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ValueError(f"{op}: `scale` tensor must have exactly one element, got shape {tuple(scale.shape)}")
+        if scale.dtype != torch.float32:
+            raise TypeError(f"{op}: `scale` tensor must be float32, got {scale.dtype}")
+        if scale.device != device:
+            raise ValueError(f"{op}: `scale` tensor must be on {device} (read in the kernel), got {scale.device}")
+        return 1.0, scale
+    if isinstance(scale, bool) or not isinstance(scale, Real):
+        raise TypeError(f"{op}: `scale` must be a Python number or a one-element tensor, got {type(scale).__name__}")
+    return to_fp32(float(scale)), None
+
+
+def check_flat(op: str, name: str, t: object, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: `{name}` must be a tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{op}: `{name}` must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"{op}: `{name}` must be contiguous (shape {tuple(t.shape)}, stride {t.stride()})")
+    return t
+
+
+def check_same(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.device != ref.device:
+        raise ValueError(f"{op}: `{name}` is on {t.device} but `{ref_name}` is on {ref.device}")
+    if t.numel() != ref.numel():
+        raise ValueError(f"{op}: `{name}` has {t.numel()} elements but `{ref_name}` has {ref.numel()}")
+
+
+def check_no_partial_overlap(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    """Allow ``t`` to be exactly ``ref`` (same address and dtype: each element is read, then written, by
+    the same program); reject any other overlap, where one program could read what another wrote."""
+    if t.numel() == 0 or ref.numel() == 0 or torch.compiler.is_compiling():
+        return  # (tracing sees fake tensors, whose addresses mean nothing; eager calls are checked)
+    if t.untyped_storage().data_ptr() != ref.untyped_storage().data_ptr():
+        return
+    t0, r0 = t.data_ptr(), ref.data_ptr()
+    t1, r1 = t0 + t.numel() * t.element_size(), r0 + ref.numel() * ref.element_size()
+    if t0 < r1 and r0 < t1 and not (t0 == r0 and t.dtype == ref.dtype):
+        raise ValueError(
+            f"{op}: `{name}` overlaps `{ref_name}` in memory; only the identical tensor (same address and "
+            f"dtype, an in-place update) is allowed"
+        )
