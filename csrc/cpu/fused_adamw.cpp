@@ -1,0 +1,98 @@
+// cpu::fused_adamw: OpenMP over large chunks, each chunk handed to the SIMD path chosen at run time
+// (isa.cpp), with the scalar path below finishing what the SIMD path leaves (the last < 16
+// elements).
+//
+// The scalar path is the reference: the SIMD paths perform the same IEEE operations in the same
+// order (no FMA), so every path gives bitwise the same result. Contraction into FMA is switched off
+// here too in case this file is ever built with -march flags that have FMA.
+#pragma GCC optimize("fp-contract=off")
+
+#include <algorithm>
+
+#include "float_convert.h"
+#include "fused_adamw_paths.h"
+#include "kernels.h"
+
+namespace zero_ext::cpu {
+namespace {
+
+// NOTE: below ~64K elements (~1.8 MB of traffic) a parallel region costs more than it saves: on the
+// 2-core dev VM, 64K elements take ~15 us on one thread, about the cost of waking the OpenMP team.
+constexpr int64_t kChunk = int64_t{1} << 16;
+
+template <DType kGrad, int kOut>  // kOut: 0 = no param_out, 1 = bf16, 2 = fp16
+void scalar_range(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c) {
+  for (int64_t i = begin; i < end; ++i) {
+    float p = b.master[i];
+    float m = b.exp_avg[i];
+    float v = b.exp_avg_sq[i];
+    adamw_update(p, load_as_float(b.grad, kGrad, i), m, v, c);
+    b.master[i] = p;
+    b.exp_avg[i] = m;
+    b.exp_avg_sq[i] = v;
+    if constexpr (kOut == 1) static_cast<uint16_t*>(b.param_out)[i] = float_to_bf16(p);
+    if constexpr (kOut == 2) static_cast<uint16_t*>(b.param_out)[i] = float_to_fp16(p);
+  }
+}
+
+template <DType kGrad>
+void scalar_range_out(const AdamWBuffers& b, int64_t begin, int64_t end,
+                      const AdamWCoefficients& c) {
+  if (b.param_out == nullptr) {
+    scalar_range<kGrad, 0>(b, begin, end, c);
+  } else if (b.param_out_dtype == DType::kBFloat16) {
+    scalar_range<kGrad, 1>(b, begin, end, c);
+  } else {
+    scalar_range<kGrad, 2>(b, begin, end, c);
+  }
+}
+
+void run_range(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c,
+               Isa isa) {
+  if (isa == Isa::kAvx512) {
+    begin = fused_adamw_avx512(b, begin, end, c);
+  } else if (isa == Isa::kAvx2) {
+    begin = fused_adamw_avx2(b, begin, end, c);
+  }
+  fused_adamw_scalar(b, begin, end, c);
+}
+
+}  // namespace
+
+int64_t fused_adamw_scalar(const AdamWBuffers& b, int64_t begin, int64_t end,
+                           const AdamWCoefficients& c) {
+  switch (b.grad_dtype) {
+    case DType::kBFloat16:
+      scalar_range_out<DType::kBFloat16>(b, begin, end, c);
+      break;
+    case DType::kFloat16:
+      scalar_range_out<DType::kFloat16>(b, begin, end, c);
+      break;
+    default:
+      scalar_range_out<DType::kFloat32>(b, begin, end, c);
+      break;
+  }
+  return end;
+}
+
+void fused_adamw(float* master, const void* grad, DType grad_dtype, float* exp_avg,
+                 float* exp_avg_sq, void* param_out, DType param_out_dtype, int64_t n,
+                 const AdamWCoefficients& coeffs, int num_threads) {
+  if (n <= 0) return;
+  const AdamWBuffers b{master, grad, grad_dtype, exp_avg, exp_avg_sq, param_out, param_out_dtype};
+  const Isa isa = active_isa();
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  if (chunks <= 1 || num_threads <= 1) {
+    run_range(b, 0, n, coeffs, isa);
+    return;
+  }
+  const int threads = static_cast<int>(std::min<int64_t>(num_threads, chunks));
+  // Static schedule: thread t streams one contiguous run of chunks, so the hardware prefetcher
+  // sees long sequential streams.
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t k = 0; k < chunks; ++k) {
+    run_range(b, k * kChunk, std::min(n, (k + 1) * kChunk), coeffs, isa);
+  }
+}
+
+}  // namespace zero_ext::cpu

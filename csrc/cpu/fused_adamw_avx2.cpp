@@ -1,0 +1,107 @@
+// AVX2 (+F16C) body of cpu::fused_adamw, 8 floats per vector. Compiled for AVX2 by
+// the target pragma alone, so the rest of the library needs no -march flag and runs on any x86-64;
+// isa.cpp only calls this when cpuid reports AVX2 and F16C.
+//
+// Same operations in the same order as adamw_update (adamw_math.h) and no FMA (contraction is off),
+// so the result is bitwise that of the scalar path.
+#pragma GCC target("avx2,f16c")
+#pragma GCC optimize("fp-contract=off")
+
+#include <immintrin.h>
+
+#include "fused_adamw_paths.h"
+
+namespace zero_ext::cpu {
+namespace {
+
+constexpr int64_t kWidth = 8;
+
+template <DType kGrad>
+inline __m256 load_grad(const void* grad, int64_t i) {
+  if constexpr (kGrad == DType::kFloat32) {
+    return _mm256_loadu_ps(static_cast<const float*>(grad) + i);
+  } else {
+    const __m128i h =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(grad) + i));
+    if constexpr (kGrad == DType::kFloat16) return _mm256_cvtph_ps(h);  // exact, subnormals too
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+// Round to nearest even with integer math: VCVTNEPS2BF16 would flush subnormals to zero.
+inline __m128i float_to_bf16(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb);
+  r = _mm256_srli_epi32(r, 16);
+  const __m256 ordered = _mm256_cmp_ps(x, x, _CMP_ORD_Q);
+  r = _mm256_blendv_epi8(_mm256_set1_epi32(0xFFFF), r,
+                         _mm256_castps_si256(ordered));  // NaN: 0xFFFF
+  // Every lane is <= 0xFFFF, so the unsigned-saturating pack is an exact narrowing.
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+template <DType kGrad, int kOut, bool kSmallWeight>
+int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c) {
+  const __m256 grad_scale = _mm256_set1_ps(c.grad_scale);
+  const __m256 decay = _mm256_set1_ps(c.decay);
+  const __m256 weight = _mm256_set1_ps(c.lerp_weight);
+  const __m256 one_minus_weight = _mm256_set1_ps(1.0f - c.lerp_weight);
+  const __m256 beta2 = _mm256_set1_ps(c.beta2);
+  const __m256 one_minus_beta2 = _mm256_set1_ps(c.one_minus_beta2);
+  const __m256 bc2_sqrt = _mm256_set1_ps(c.bc2_sqrt);
+  const __m256 eps = _mm256_set1_ps(c.eps);
+  const __m256 neg_step_size = _mm256_set1_ps(c.neg_step_size);
+  int64_t i = begin;
+  for (; i + kWidth <= end; i += kWidth) {
+    const __m256 g = _mm256_mul_ps(load_grad<kGrad>(b.grad, i), grad_scale);
+    const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(b.master + i), decay);
+    __m256 m = _mm256_loadu_ps(b.exp_avg + i);
+    __m256 v = _mm256_loadu_ps(b.exp_avg_sq + i);
+    const __m256 diff = _mm256_sub_ps(g, m);
+    m = kSmallWeight ? _mm256_add_ps(m, _mm256_mul_ps(weight, diff))
+                     : _mm256_sub_ps(g, _mm256_mul_ps(diff, one_minus_weight));
+    v = _mm256_add_ps(_mm256_mul_ps(v, beta2), _mm256_mul_ps(_mm256_mul_ps(one_minus_beta2, g), g));
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2_sqrt), eps);
+    const __m256 p_new = _mm256_add_ps(p, _mm256_mul_ps(neg_step_size, _mm256_div_ps(m, denom)));
+    _mm256_storeu_ps(b.master + i, p_new);
+    _mm256_storeu_ps(b.exp_avg + i, m);
+    _mm256_storeu_ps(b.exp_avg_sq + i, v);
+    if constexpr (kOut != 0) {
+      const __m128i h =
+          kOut == 1 ? float_to_bf16(p_new) : _mm256_cvtps_ph(p_new, _MM_FROUND_TO_NEAREST_INT);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(b.param_out) + i), h);
+    }
+  }
+  return i;
+}
+
+template <DType kGrad, int kOut>
+int64_t body_lerp(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c) {
+  // The branch of torch's lerp (adamw_math.h) depends only on the weight: pick it once per call.
+  return __builtin_fabsf(c.lerp_weight) < 0.5f ? body<kGrad, kOut, true>(b, begin, end, c)
+                                               : body<kGrad, kOut, false>(b, begin, end, c);
+}
+
+template <DType kGrad>
+int64_t body_out(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c) {
+  if (b.param_out == nullptr) return body_lerp<kGrad, 0>(b, begin, end, c);
+  if (b.param_out_dtype == DType::kBFloat16) return body_lerp<kGrad, 1>(b, begin, end, c);
+  return body_lerp<kGrad, 2>(b, begin, end, c);
+}
+
+}  // namespace
+
+int64_t fused_adamw_avx2(const AdamWBuffers& b, int64_t begin, int64_t end,
+                         const AdamWCoefficients& c) {
+  switch (b.grad_dtype) {
+    case DType::kBFloat16:
+      return body_out<DType::kBFloat16>(b, begin, end, c);
+    case DType::kFloat16:
+      return body_out<DType::kFloat16>(b, begin, end, c);
+    default:
+      return body_out<DType::kFloat32>(b, begin, end, c);
+  }
+}
+
+}  // namespace zero_ext::cpu

@@ -1,0 +1,105 @@
+// AVX-512 (AVX512F only) body of cpu::fused_adamw, 16 floats per vector. Compiled for AVX-512 by
+// the target pragma alone, so the rest of the library needs no -march flag and runs on any x86-64;
+// isa.cpp only calls this when cpuid reports AVX512F.
+//
+// Same operations in the same order as adamw_update (adamw_math.h) and no FMA (contraction is off),
+// so the result is bitwise that of the scalar path.
+#pragma GCC target("avx512f")
+#pragma GCC optimize("fp-contract=off")
+
+#include <immintrin.h>
+
+#include "fused_adamw_paths.h"
+
+namespace zero_ext::cpu {
+namespace {
+
+constexpr int64_t kWidth = 16;
+
+template <DType kGrad>
+inline __m512 load_grad(const void* grad, int64_t i) {
+  if constexpr (kGrad == DType::kFloat32) {
+    return _mm512_loadu_ps(static_cast<const float*>(grad) + i);
+  } else {
+    const __m256i h = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(grad) + i));
+    if constexpr (kGrad == DType::kFloat16) return _mm512_cvtph_ps(h);  // exact, subnormals too
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+// Round to nearest even with integer math: VCVTNEPS2BF16 would flush subnormals to zero.
+inline __m256i float_to_bf16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
+  r = _mm512_srli_epi32(r, 16);
+  const __mmask16 ordered = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);
+  r = _mm512_mask_blend_epi32(ordered, _mm512_set1_epi32(0xFFFF), r);  // NaN -> 0xFFFF like ATen
+  return _mm512_cvtepi32_epi16(r);
+}
+
+template <DType kGrad, int kOut, bool kSmallWeight>
+int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c) {
+  const __m512 grad_scale = _mm512_set1_ps(c.grad_scale);
+  const __m512 decay = _mm512_set1_ps(c.decay);
+  const __m512 weight = _mm512_set1_ps(c.lerp_weight);
+  const __m512 one_minus_weight = _mm512_set1_ps(1.0f - c.lerp_weight);
+  const __m512 beta2 = _mm512_set1_ps(c.beta2);
+  const __m512 one_minus_beta2 = _mm512_set1_ps(c.one_minus_beta2);
+  const __m512 bc2_sqrt = _mm512_set1_ps(c.bc2_sqrt);
+  const __m512 eps = _mm512_set1_ps(c.eps);
+  const __m512 neg_step_size = _mm512_set1_ps(c.neg_step_size);
+  int64_t i = begin;
+  for (; i + kWidth <= end; i += kWidth) {
+    const __m512 g = _mm512_mul_ps(load_grad<kGrad>(b.grad, i), grad_scale);
+    const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(b.master + i), decay);
+    __m512 m = _mm512_loadu_ps(b.exp_avg + i);
+    __m512 v = _mm512_loadu_ps(b.exp_avg_sq + i);
+    const __m512 diff = _mm512_sub_ps(g, m);
+    m = kSmallWeight ? _mm512_add_ps(m, _mm512_mul_ps(weight, diff))
+                     : _mm512_sub_ps(g, _mm512_mul_ps(diff, one_minus_weight));
+    v = _mm512_add_ps(_mm512_mul_ps(v, beta2), _mm512_mul_ps(_mm512_mul_ps(one_minus_beta2, g), g));
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2_sqrt), eps);
+    const __m512 p_new = _mm512_add_ps(p, _mm512_mul_ps(neg_step_size, _mm512_div_ps(m, denom)));
+    _mm512_storeu_ps(b.master + i, p_new);
+    _mm512_storeu_ps(b.exp_avg + i, m);
+    _mm512_storeu_ps(b.exp_avg_sq + i, v);
+    if constexpr (kOut != 0) {
+      const __m256i h =
+          kOut == 1 ? float_to_bf16(p_new) : _mm512_cvtps_ph(p_new, _MM_FROUND_TO_NEAREST_INT);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(b.param_out) + i), h);
+    }
+  }
+  return i;
+}
+
+template <DType kGrad, int kOut>
+int64_t body_lerp(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c) {
+  // The branch of torch's lerp (adamw_math.h) depends only on the weight: pick it once per call.
+  return __builtin_fabsf(c.lerp_weight) < 0.5f ? body<kGrad, kOut, true>(b, begin, end, c)
+                                               : body<kGrad, kOut, false>(b, begin, end, c);
+}
+
+template <DType kGrad>
+int64_t body_out(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c) {
+  if (b.param_out == nullptr) return body_lerp<kGrad, 0>(b, begin, end, c);
+  if (b.param_out_dtype == DType::kBFloat16) return body_lerp<kGrad, 1>(b, begin, end, c);
+  return body_lerp<kGrad, 2>(b, begin, end, c);
+}
+
+}  // namespace
+
+int64_t fused_adamw_avx512(const AdamWBuffers& b, int64_t begin, int64_t end,
+                           const AdamWCoefficients& c) {
+  switch (b.grad_dtype) {
+    case DType::kBFloat16:
+      return body_out<DType::kBFloat16>(b, begin, end, c);
+    case DType::kFloat16:
+      return body_out<DType::kFloat16>(b, begin, end, c);
+    default:
+      return body_out<DType::kFloat32>(b, begin, end, c);
+  }
+}
+
+}  // namespace zero_ext::cpu

@@ -1,0 +1,30 @@
+// The per-ISA bodies of cpu::fused_adamw (kernels.h). Each processes [begin, end) of one thread's
+// chunk and returns the index where it stopped; the caller finishes the rest with the scalar path,
+// so the SIMD files need no tail code of their own.
+#pragma once
+#include <cstdint>
+
+#include "../adamw_math.h"
+#include "../dtype.h"
+
+namespace zero_ext::cpu {
+
+// Arguments of one fused_adamw call; `param_out` is null when there is no low-precision copy.
+struct AdamWBuffers {
+  float* master;
+  const void* grad;
+  DType grad_dtype;
+  float* exp_avg;
+  float* exp_avg_sq;
+  void* param_out;
+  DType param_out_dtype;
+};
+
+int64_t fused_adamw_scalar(const AdamWBuffers& b, int64_t begin, int64_t end,
+                           const AdamWCoefficients& c);
+int64_t fused_adamw_avx2(const AdamWBuffers& b, int64_t begin, int64_t end,
+                         const AdamWCoefficients& c);
+int64_t fused_adamw_avx512(const AdamWBuffers& b, int64_t begin, int64_t end,
+                           const AdamWCoefficients& c);
+
+}  // namespace zero_ext::cpu

@@ -1,0 +1,101 @@
+// CPU backend of the zero_ext ops: validate (checks.h) before any write, then call the torch-free
+// kernels in csrc/cpu. Scalar tensors are read with .item() here: on the CPU that is no sync.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <optional>
+
+#include "../adamw_math.h"
+#include "../cpu/kernels.h"
+#include "checks.h"
+
+namespace zero_ext {
+namespace {
+
+double value_of(double number, const std::optional<at::Tensor>& tensor) {
+  return tensor.has_value() ? tensor->item<double>() : number;
+}
+
+void fused_adamw_cpu(const at::Tensor& master, const at::Tensor& grad, const at::Tensor& exp_avg,
+                     const at::Tensor& exp_avg_sq, double lr, double beta1, double beta2,
+                     double eps, double weight_decay, double step, double grad_scale,
+                     const std::optional<at::Tensor>& lr_tensor,
+                     const std::optional<at::Tensor>& beta1_tensor,
+                     const std::optional<at::Tensor>& beta2_tensor,
+                     const std::optional<at::Tensor>& eps_tensor,
+                     const std::optional<at::Tensor>& weight_decay_tensor,
+                     const std::optional<at::Tensor>& step_tensor,
+                     const std::optional<at::Tensor>& grad_scale_tensor,
+                     const std::optional<at::Tensor>& param_out,
+                     const std::optional<at::Tensor>& found_inf) {
+  const AdamWScalarArgs s{lr,           beta1,
+                          beta2,        eps,
+                          weight_decay, step,
+                          grad_scale,   lr_tensor,
+                          beta1_tensor, beta2_tensor,
+                          eps_tensor,   weight_decay_tensor,
+                          step_tensor,  grad_scale_tensor};
+  check_fused_adamw_args(master, grad, exp_avg, exp_avg_sq, param_out, found_inf, s);
+  lr = value_of(lr, lr_tensor);
+  beta1 = value_of(beta1, beta1_tensor);
+  beta2 = value_of(beta2, beta2_tensor);
+  eps = value_of(eps, eps_tensor);
+  weight_decay = value_of(weight_decay, weight_decay_tensor);
+  step = value_of(step, step_tensor);
+  grad_scale = value_of(grad_scale, grad_scale_tensor);
+  check_adamw_hyperparameters(lr, beta1, beta2, eps, weight_decay, step);
+  if (found_inf.has_value() && found_inf->item<double>() != 0.0) return;
+  const int64_t n = master.numel();
+  if (n == 0) return;
+  const AdamWCoefficients coeffs =
+      adamw_coefficients(lr, beta1, beta2, eps, weight_decay, step, grad_scale);
+  void* out = param_out.has_value() ? param_out->data_ptr() : nullptr;
+  const DType out_dtype = param_out.has_value()
+                              ? to_kernel_dtype(*param_out, "fused_adamw_", "param_out")
+                              : DType::kBFloat16;
+  cpu::fused_adamw(master.data_ptr<float>(), grad.const_data_ptr(),
+                   to_kernel_dtype(grad, "fused_adamw_", "grad"), exp_avg.data_ptr<float>(),
+                   exp_avg_sq.data_ptr<float>(), out, out_dtype, n, coeffs, at::get_num_threads());
+}
+
+void flatten_cpu(const at::Tensor& flat, at::TensorList tensors, at::IntArrayRef offsets,
+                 double scale) {
+  const auto slices = check_flatten_args(flat, tensors, offsets, "flatten_", false);
+  if (slices.empty() || flat.numel() == 0) return;
+  cpu::flatten(flat.data_ptr(), to_kernel_dtype(flat, "flatten_", "flat"), slices.data(),
+               static_cast<int64_t>(slices.size()), static_cast<float>(scale), true,
+               at::get_num_threads());
+}
+
+void unflatten_cpu(const at::Tensor& flat, at::TensorList tensors, at::IntArrayRef offsets,
+                   double scale) {
+  const auto slices = check_flatten_args(flat, tensors, offsets, "unflatten_", true);
+  if (slices.empty() || flat.numel() == 0) return;
+  cpu::flatten(const_cast<void*>(flat.const_data_ptr()),
+               to_kernel_dtype(flat, "unflatten_", "flat"), slices.data(),
+               static_cast<int64_t>(slices.size()), static_cast<float>(scale), false,
+               at::get_num_threads());
+}
+
+std::tuple<at::Tensor, at::Tensor> sum_squares_cpu(const at::Tensor& x) {
+  const DType dtype = to_kernel_dtype(x, "sum_squares", "x");
+  TORCH_CHECK(x.is_contiguous() && x.layout() == at::kStrided,
+              "zero_ext.sum_squares: `x` must be a contiguous dense tensor");
+  at::Tensor sumsq = at::zeros({}, x.options().dtype(at::kFloat));
+  at::Tensor nonfinite = at::zeros({}, x.options().dtype(at::kFloat));
+  if (x.numel() > 0) {
+    cpu::sum_squares(x.const_data_ptr(), dtype, x.numel(), sumsq.data_ptr<float>(),
+                     nonfinite.data_ptr<float>(), at::get_num_threads());
+  }
+  return {sumsq, nonfinite};
+}
+
+}  // namespace
+}  // namespace zero_ext
+
+TORCH_LIBRARY_IMPL(zero_ext, CPU, m) {
+  m.impl("fused_adamw_", &zero_ext::fused_adamw_cpu);
+  m.impl("flatten_", &zero_ext::flatten_cpu);
+  m.impl("unflatten_", &zero_ext::unflatten_cpu);
+  m.impl("sum_squares", &zero_ext::sum_squares_cpu);
+}
