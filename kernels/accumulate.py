@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import (
+from ._launch import (
     BLOCK,
     FLOAT_DTYPES,
     INTERPRETED,
@@ -27,6 +27,7 @@ from ._checks import (
     check_flat,
     check_no_partial_overlap,
     check_same,
+    register_op,
     split_scale,
 )
 
@@ -46,7 +47,11 @@ def _accumulate_kernel(acc_ptr, x_ptr, scale, scale_ptr, n, SCALE_FROM_PTR: tl.c
     tl.store(acc_ptr + offs, acc + x * s, mask=mask)
 
 
-@torch.library.triton_op("zero_ext::accumulate_", mutates_args={"acc"})
+def _accumulate_fake(acc, x, scale, scale_tensor) -> None:
+    return None
+
+
+@register_op("zero_ext::accumulate_", mutates_args={"acc"}, fake=_accumulate_fake)
 def _accumulate_op(acc: torch.Tensor, x: torch.Tensor, scale: float, scale_tensor: Optional[torch.Tensor]) -> None:
     n = acc.numel()
     if n == 0:

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import (
+from ._launch import (
     BLOCK,
     FLOAT_DTYPES,
     NUM_WARPS,
@@ -20,6 +20,7 @@ from ._checks import (
     check_flat,
     check_no_partial_overlap,
     check_same,
+    register_op,
     split_scale,
 )
 from .rounding import round_fp32_rne
@@ -52,14 +53,22 @@ def _launch(x: torch.Tensor, out: torch.Tensor, scale: float, scale_tensor: Opti
     )
 
 
-# Registered ops so torch.compile'd code can call the kernel (triton_op makes it traceable, wrap_triton
-# lets the tracer see the launch). Validation lives in the public `cast_scale` below.
-@torch.library.triton_op("zero_ext::cast_scale_into", mutates_args={"out"})
+def _cast_scale_into_fake(x, out, scale, scale_tensor) -> None:
+    return None
+
+
+def _cast_scale_fake(x, scale, scale_tensor, out_dtype):
+    return torch.empty(x.shape, dtype=out_dtype, device=x.device)
+
+
+# torch.ops.zero_ext.* ops so torch.compile'd code can call the kernel (see register_op for how); the
+# checks live in the public `cast_scale` below, which is what callers should use.
+@register_op("zero_ext::cast_scale_into", mutates_args={"out"}, fake=_cast_scale_into_fake)
 def _cast_scale_into_op(x: torch.Tensor, out: torch.Tensor, scale: float, scale_tensor: Optional[torch.Tensor]) -> None:
     _launch(x, out, scale, scale_tensor)
 
 
-@torch.library.triton_op("zero_ext::cast_scale", mutates_args=())
+@register_op("zero_ext::cast_scale", mutates_args=(), fake=_cast_scale_fake)
 def _cast_scale_op(
     x: torch.Tensor, scale: float, scale_tensor: Optional[torch.Tensor], out_dtype: torch.dtype
 ) -> torch.Tensor:

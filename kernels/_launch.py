@@ -1,4 +1,4 @@
-"""Argument checks and launch constants shared by the Triton op launchers (plain Python, no kernels)."""
+"""Launch constants, argument checks and op registration shared by the Triton op launchers (no kernels)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 import os
 import struct
 from numbers import Real
-from typing import Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 import torch
 
@@ -76,3 +76,21 @@ def check_no_partial_overlap(op: str, name: str, t: torch.Tensor, ref_name: str,
             f"{op}: `{name}` overlaps `{ref_name}` in memory; only the identical tensor (same address and "
             f"dtype, an in-place update) is allowed"
         )
+
+
+def register_op(name: str, mutates_args: Union[str, Iterable[str]], fake: Callable) -> Callable:
+    """Decorator registering ``fn`` as the ``torch.ops`` op ``name`` with the fake impl ``fake``.
+
+    Compiled Triton: ``torch.library.triton_op``, so torch.compile sees the kernel (via ``wrap_triton``)
+    and Inductor can schedule it. Under ``TRITON_INTERPRET=1``, ``wrap_triton`` hands back the bare
+    interpreted kernel, which torch.compile cannot trace (it would run the interpreter on fake tensors),
+    so the op is an opaque ``torch.library.custom_op`` instead: compiled graphs call it with real tensors.
+    """
+
+    def decorate(fn: Callable) -> Callable:
+        register = torch.library.custom_op if INTERPRETED else torch.library.triton_op
+        op = register(name, mutates_args=mutates_args)(fn)
+        op.register_fake(fake)
+        return op
+
+    return decorate
