@@ -9,9 +9,11 @@
 
 namespace zero_ext::cuda {
 
-// A scalar the kernel reads either from device memory (ptr != nullptr, fp32) or by value.
+// A scalar the kernel reads either from device memory (ptr != nullptr, fp32) or by value. The value
+// is a double so that host-known hyperparameters reach adamw_coefficients() with the precision the
+// CPU kernel and torch.optim.AdamW use (a float would move lr/bc1 by an ulp now and then).
 struct DeviceScalar {
-  float value;
+  double value;
   const float* ptr;
 };
 
