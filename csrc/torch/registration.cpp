@@ -1,5 +1,6 @@
 // The op schemas. Backends: cpu_ops.cpp (CPU) and cuda_ops.cpp (CUDA, only in CUDA builds).
 // Python fake impls live in zero_ext/ops.py.
+#include <Python.h>
 #include <torch/library.h>
 
 #include <string>
@@ -47,4 +48,11 @@ TORCH_LIBRARY(zero_ext, m) {
   m.def("unflatten_(Tensor flat, Tensor(a!)[] tensors, int[] offsets, float scale=1.0) -> ()");
   m.def("sum_squares(Tensor x) -> (Tensor sumsq, Tensor nonfinite)");
   m.def("_cpu_isa(str isa=\"\") -> str", &zero_ext::cpu_isa);
+}
+
+// `import zero_ext._C` loads this library, which runs the TORCH_LIBRARY registrations above; the module
+// itself is empty (the ops are reached through torch.ops.zero_ext).
+extern "C" PyMODINIT_FUNC PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
 }
