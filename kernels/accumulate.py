@@ -30,6 +30,7 @@ from ._launch import (
     register_op,
     split_scale,
 )
+from .rounding import to_fp32
 
 _OP = "zero_ext.kernels.accumulate_"
 
@@ -42,7 +43,7 @@ def _accumulate_kernel(acc_ptr, x_ptr, scale, scale_ptr, n, SCALE_FROM_PTR: tl.c
         s = tl.load(scale_ptr).to(tl.float32)
     else:
         s = tl.cast(scale, tl.float32)  # exact: the launcher passes an fp32 value (see cast_scale.py)
-    x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
+    x = to_fp32(tl.load(x_ptr + offs, mask=mask))
     acc = tl.load(acc_ptr + offs, mask=mask)
     tl.store(acc_ptr + offs, acc + x * s, mask=mask)
 

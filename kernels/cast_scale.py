@@ -23,7 +23,7 @@ from ._launch import (
     register_op,
     split_scale,
 )
-from .rounding import round_fp32_rne
+from .rounding import round_fp32_rne, to_fp32
 
 _OP = "zero_ext.kernels.cast_scale"
 
@@ -38,7 +38,7 @@ def _cast_scale_kernel(x_ptr, out_ptr, scale, scale_ptr, n, SCALE_FROM_PTR: tl.c
         # tl.cast, not .to: under the interpreter a Python float arrives untyped (and would be typed fp64
         # if subnormal or nan); the launcher already rounded it to an fp32 value, so this is exact.
         s = tl.cast(scale, tl.float32)
-    x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
+    x = to_fp32(tl.load(x_ptr + offs, mask=mask))
     tl.store(out_ptr + offs, round_fp32_rne(x * s, out_ptr.dtype.element_ty), mask=mask)
 
 

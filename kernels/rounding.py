@@ -1,4 +1,5 @@
-"""Round-to-nearest-even fp32 -> bf16/fp16 with integer bit arithmetic, shared by the Triton kernels.
+"""Exact widening to fp32 and round-to-nearest-even fp32 -> bf16/fp16 with integer bit arithmetic,
+shared by the Triton kernels.
 
 Why not ``x.to(tl.bfloat16)``: Triton's CPU interpreter truncates on that cast, while compiled Triton
 rounds to nearest even. Integer math gives the same bits in both, so what the interpreter tests is what
@@ -48,6 +49,16 @@ def fp32_to_fp16_rne(x):
     h = tl.where(mag >= 0x477FF000, 0x7C00, h)  # >= 65520 (incl. inf): rounds to inf
     h = tl.where(mag > 0x7F800000, quiet_nan, h)
     return (sign | h).to(tl.uint16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def to_fp32(x):
+    """bf16/fp16/fp32 tensor -> fp32, exactly. bf16 widens by a 16-bit shift because the interpreter's
+    bf16 -> fp32 cast flushes bf16 subnormals to zero (compiled Triton does not; the shift is exact in both)."""
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
 
 
 @triton.jit
