@@ -21,7 +21,6 @@ import triton.language as tl
 from ._launch import (
     BLOCK,
     FLOAT_DTYPES,
-    INTERPRETED,
     NUM_WARPS,
     Scalar,
     check_flat,
@@ -58,12 +57,13 @@ def _accumulate_op(acc: torch.Tensor, x: torch.Tensor, scale: float, scale_tenso
     if n == 0:
         return
     from_ptr = scale_tensor is not None
-    kernel = torch.library.wrap_triton(_accumulate_kernel)[(triton.cdiv(n, BLOCK),)]
+    kernel = torch.library.wrap_triton(_accumulate_kernel)
+    launch = kernel[(triton.cdiv(n, BLOCK),)]
     args = (acc, x, scale, scale_tensor if from_ptr else x, n)
-    if INTERPRETED or torch.compiler.is_compiling():
-        kernel(*args, SCALE_FROM_PTR=from_ptr, BLOCK=BLOCK, num_warps=NUM_WARPS)
-    else:
-        kernel(*args, SCALE_FROM_PTR=from_ptr, BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False)
+    if isinstance(kernel, triton.runtime.JITFunction):  # a real launch (not traced, not interpreted)
+        launch(*args, SCALE_FROM_PTR=from_ptr, BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False)
+    else:  # traced for torch.compile (the flag is no kernel argument there) or interpreted (no FMA)
+        launch(*args, SCALE_FROM_PTR=from_ptr, BLOCK=BLOCK, num_warps=NUM_WARPS)
 
 
 def accumulate_(acc: torch.Tensor, x: torch.Tensor, scale: Scalar = 1.0) -> torch.Tensor:
