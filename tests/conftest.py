@@ -1,10 +1,12 @@
 import os
 
-# Triton kernels run on CPU through the interpreter; this must be set before any @triton.jit import.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+# Without a GPU the Triton kernels run on CPU through the interpreter; this must be set before any
+# @triton.jit function is imported. On a GPU machine they are compiled for real.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import zero_ext  # noqa: E402, F401
 

@@ -1,6 +1,5 @@
 // The op schemas. Backends: cpu_ops.cpp (CPU) and cuda_ops.cpp (CUDA, only in CUDA builds).
 // Python fake impls live in zero_ext/ops.py.
-#include <Python.h>
 #include <torch/library.h>
 
 #include <string>
@@ -50,9 +49,3 @@ TORCH_LIBRARY(zero_ext, m) {
   m.def("_cpu_isa(str isa=\"\") -> str", &zero_ext::cpu_isa);
 }
 
-// `import zero_ext._C` loads this library, which runs the TORCH_LIBRARY registrations above; the module
-// itself is empty (the ops are reached through torch.ops.zero_ext).
-extern "C" PyMODINIT_FUNC PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module_def);
-}
