@@ -4,6 +4,8 @@
 kernels; ``zero_ext.checkpoint`` saves and reshards; ``zero_ext.memory`` estimates and accounts memory.
 """
 
-from . import ops  # noqa: F401  (registers torch.ops.zero_ext.*)
+from . import memory, ops  # noqa: F401  (ops registers torch.ops.zero_ext.*)
+from .optimizer import ZeroAdamW
 
+__all__ = ["ZeroAdamW", "memory", "ops"]
 __version__ = "0.1.0"

@@ -22,7 +22,9 @@ def _split_scalar(name: str, value: Scalar) -> tuple[float, Optional[torch.Tenso
     if isinstance(value, torch.Tensor):
         return 0.0, value
     if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f"zero_ext.fused_adamw_: `{name}` must be a Python number or a tensor, got {type(value).__name__}")
+        raise TypeError(
+            f"zero_ext.fused_adamw_: `{name}` must be a Python number or a tensor, got {type(value).__name__}"
+        )
     return float(value), None
 
 

@@ -1,0 +1,29 @@
+"""The two element-wise steps of gradient reduction, on the right kernels for the tensors' device:
+Triton (``zero_ext.kernels``) on CUDA, the C++ SIMD kernels (``zero_ext.ops``) on CPU."""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops
+
+
+def cast_scale_into(out: torch.Tensor, src: torch.Tensor, scale: float) -> None:
+    """``out[:] = src * scale`` rounded to ``out.dtype`` (nearest even); ``out`` is a contiguous 1-D view."""
+    src = src.reshape(-1) if src.is_contiguous() else src.contiguous().reshape(-1)
+    if out.is_cuda:
+        from .kernels import cast_scale
+
+        cast_scale(src, scale, out=out)
+    else:
+        ops.flatten_(out, [src], [0], scale)
+
+
+def accumulate_into(acc: torch.Tensor, src: torch.Tensor) -> None:
+    """fp32 ``acc += src`` for a bf16/fp16/fp32 ``src`` of the same size."""
+    if acc.is_cuda:
+        from .kernels import accumulate_
+
+        accumulate_(acc, src, 1.0)
+    else:
+        acc.add_(src)

@@ -1,0 +1,245 @@
+"""Gradient reduction: from autograd's gradients to this rank's fp32 grad shard, bucket by bucket, during
+backward.
+
+A post-accumulate-grad hook on every parameter tracks when each bucket has all its gradients; the bucket
+is then reduce-scattered at once (overlapping the rest of backward). Buckets are launched in one fixed
+global order on every rank (a bucket that completes early waits for its predecessors), so the collectives
+of all ranks always pair up, whatever order gradients arrive in. At the end of each backward pass the
+buckets still open (parameters that got no gradient: unused branches) are launched too, their missing
+gradients counting as zero.
+
+Stage 1 keeps a persistent flat grad buffer per group (``param.grad`` is a view into it, so autograd
+accumulates in place); a bucket's slice is cast to ``reduce_dtype`` and pre-scaled by 1/world into a
+staging buffer, reduce-scattered, and the result written into the grad shard. Inside ``no_sync()`` nothing
+is reduced; the next synchronised backward (or ``step()``) reduces the accumulated sum.
+
+Stage 2 keeps no full-size grad buffer: each gradient is cast + pre-scaled into its bucket's staging
+buffer the moment autograd produces it, then freed (``param.grad = None``). The reduce-scatter output is
+accumulated in fp32 into the grad shard, so several backward passes before ``step()`` accumulate. Stage 2
+cannot skip communication inside ``no_sync()`` (there is no buffer to accumulate a full gradient in); it
+reduces every backward pass, as DeepSpeed's ZeRO-2 does.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from .buffers import Bucket, FlatGroup
+from .comm import Communicator, Pending
+from .device_ops import accumulate_into, cast_scale_into
+
+
+@dataclass
+class _BucketRef:
+    group: FlatGroup
+    bucket: Bucket
+    order: int  # position in the global launch order
+
+
+@dataclass
+class _Staging:
+    """One staging buffer of the pool: the reduce-scatter input and (when needed) its output."""
+
+    input: torch.Tensor
+    output: Optional[torch.Tensor]
+    pending: Optional[Pending] = None  # the in-flight collective reading/writing this entry
+    holder: Optional[int] = None  # order of the bucket filling it (stage 2), until launched
+    extra: dict = field(default_factory=dict)
+
+
+class GradReducer:
+    def __init__(
+        self,
+        groups: Sequence[FlatGroup],
+        global_indices: Sequence[Sequence[int]],
+        param_names: dict[int, str],
+        comm: Communicator,
+        stage: int,
+        reduce_dtype: torch.dtype,
+        pool_size: int = 2,
+    ):
+        self.groups = list(groups)
+        self.comm = comm
+        self.stage = stage
+        self.reduce_dtype = reduce_dtype
+        self.prescale = 1.0 / comm.world_size
+        self._names = param_names
+        # Launch order: the bucket whose parameters were registered last gets its gradients first.
+        refs = []
+        for g, indices in zip(self.groups, global_indices):
+            for bucket in g.layout.buckets:
+                refs.append((max(indices[i] for i in bucket.slots), g, bucket))
+        refs.sort(key=lambda r: -r[0])
+        self.refs = [_BucketRef(g, b, order) for order, (_, g, b) in enumerate(refs)]
+        self._ref_of = {(id(r.group), r.bucket.index): r for r in self.refs}
+
+        self.grad_buffers: list[Optional[torch.Tensor]] = []
+        for g in self.groups:
+            if stage == 1:
+                buf = torch.zeros(g.layout.numel, dtype=g.dtype, device=g.device)
+                for slot, p in zip(g.layout.slots, g.params):
+                    p.grad = buf[slot.offset : slot.offset + slot.numel].view(p.shape)
+                self.grad_buffers.append(buf)
+            else:
+                self.grad_buffers.append(None)
+
+        self._max_bucket = max((r.bucket.numel for r in self.refs), default=0)
+        self._max_shard = max((r.bucket.shard_numel for r in self.refs), default=0)
+        self._needs_output = stage == 2 or reduce_dtype != torch.float32
+        self._device = self.groups[0].device if self.groups else torch.device("cpu")
+        self.pool: list[_Staging] = [self._new_staging() for _ in range(min(pool_size, len(self.refs)))]
+        self._inflight: list[_Staging] = []  # launched entries, oldest first
+
+        # Per-round state (a round = one synchronised backward pass).
+        self.sync_enabled = True
+        self._unreduced = False  # stage 1: grads accumulated under no_sync() not yet reduced
+        self._round_open = False
+        self._arrived = [0] * len(self.refs)
+        self._staging_of: list[Optional[_Staging]] = [None] * len(self.refs)
+        self._next = 0  # next bucket (in launch order) to launch this round
+
+        self._handles = []
+        for g, indices in zip(self.groups, global_indices):
+            for slot, p in zip(g.layout.slots, g.params):
+                hook = functools.partial(self._on_grad, g, slot.index, indices[slot.index])
+                self._handles.append(p.register_post_accumulate_grad_hook(hook))
+
+    # ---------------------------------------------------------------- staging pool
+    def _new_staging(self) -> _Staging:
+        kw = dict(dtype=self.reduce_dtype, device=self._device)
+        out = torch.empty(self._max_shard, **kw) if self._needs_output else None
+        return _Staging(torch.zeros(self._max_bucket, **kw), out)
+
+    def _acquire(self, holder: Optional[int]) -> _Staging:
+        """A staging entry no unlaunched bucket holds: a free one, else the oldest in flight (waited for).
+        When every entry is held by a bucket still filling (gradients arriving far out of layout order),
+        the pool grows by one; it never shrinks, so this happens only in the first steps."""
+        entry = next((e for e in self.pool if e.holder is None and e.pending is None), None)
+        if entry is None and self._inflight:
+            entry = self._inflight.pop(0)
+            entry.pending.wait()
+            entry.pending = None
+        if entry is None:
+            entry = self._new_staging()
+            self.pool.append(entry)
+        entry.holder = holder
+        return entry
+
+    def staging_bytes(self) -> int:
+        return sum(
+            e.input.numel() * e.input.element_size()
+            + (e.output.numel() * e.output.element_size() if e.output is not None else 0)
+            for e in self.pool
+        )
+
+    # ---------------------------------------------------------------- backward
+    def _on_grad(self, group: FlatGroup, index: int, global_index: int, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad.layout != torch.strided:
+            raise RuntimeError(
+                f"zero_ext.ZeroAdamW: parameter {self._names[global_index]!r} received a {grad.layout} gradient; "
+                "only dense gradients are supported (use nn.Embedding(sparse=False))"
+            )
+        ref = self._ref_of[(id(group), group.layout.slots[index].bucket)]
+        slot = group.layout.slots[index]
+        if self.stage == 1:
+            view = self.grad_buffers[self.groups.index(group)][slot.offset : slot.offset + slot.numel]
+            if grad.data_ptr() != view.data_ptr():
+                # The user replaced .grad (e.g. module.zero_grad(set_to_none=True)): a fresh gradient means
+                # "previous value was zero", so overwrite the slot and point .grad back at it.
+                view.copy_(grad.reshape(-1))
+                param.grad = view.view(param.shape)
+            if not self.sync_enabled:
+                self._unreduced = True
+                return
+        self._open_round()
+        if self.stage == 2:
+            entry = self._staging_of[ref.order]
+            if entry is None:
+                entry = self._staging_of[ref.order] = self._acquire(ref.order)
+                entry.input[: ref.bucket.numel].zero_()
+            start = slot.offset - ref.bucket.offset
+            cast_scale_into(entry.input[start : start + slot.numel], grad, self.prescale)
+            param.grad = None
+        self._arrived[ref.order] += 1
+        if self._arrived[ref.order] == len(ref.bucket.slots):
+            self._launch_ready()
+
+    def _open_round(self) -> None:
+        if not self._round_open:
+            self._round_open = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._close_round)
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.refs) and self._arrived[self._next] == len(self.refs[self._next].bucket.slots):
+            self._launch(self.refs[self._next])
+            self._next += 1
+
+    def _close_round(self) -> None:
+        """End of a backward pass: launch every bucket not launched yet (missing gradients are zero)."""
+        while self._next < len(self.refs):
+            self._launch(self.refs[self._next])
+            self._next += 1
+        self._round_open = False
+        self._arrived = [0] * len(self.refs)
+        self._staging_of = [None] * len(self.refs)
+        self._next = 0
+        if self.stage == 1:
+            self._unreduced = False
+
+    def _launch(self, ref: _BucketRef) -> None:
+        group, bucket = ref.group, ref.bucket
+        n, shard = bucket.numel, bucket.shard_numel
+        grad_shard = group.shard_of(group.grad_shard, bucket)
+        if self.stage == 1:
+            entry = self._acquire(ref.order)
+            src = group.bucket_view(self.grad_buffers[self.groups.index(group)], bucket)
+            cast_scale_into(entry.input[:n], src, self.prescale)
+            if entry.output is None:
+                pending = self.comm.reduce_scatter(grad_shard, entry.input[:n])
+            else:
+                out = entry.output[:shard]
+                pending = self.comm.reduce_scatter(out, entry.input[:n], then=lambda: grad_shard.copy_(out))
+        else:
+            entry = self._staging_of[ref.order]
+            if entry is None:  # no parameter of this bucket got a gradient this round
+                entry = self._acquire(ref.order)
+                entry.input[:n].zero_()
+            out = entry.output[:shard]
+            pending = self.comm.reduce_scatter(out, entry.input[:n], then=lambda: accumulate_into(grad_shard, out))
+        entry.pending = pending
+        entry.holder = None
+        self._inflight.append(entry)
+
+    # ---------------------------------------------------------------- step / zero_grad
+    def finish(self) -> None:
+        """Make every reduction of the gradients so far visible in the grad shards (the current stream waits)."""
+        if self._round_open:
+            self._close_round()
+        if self.stage == 1 and self._unreduced:
+            # Backward ran only under no_sync(): reduce the accumulated gradients now.
+            self._open_round_without_backward()
+        for entry in self._inflight:
+            entry.pending.wait()
+            entry.pending = None
+        self._inflight.clear()
+
+    def _open_round_without_backward(self) -> None:
+        self._next = 0
+        self._close_round()
+
+    def zero_grad(self) -> None:
+        self.finish()
+        for g, buf in zip(self.groups, self.grad_buffers):
+            if buf is not None:
+                buf.zero_()
+            g.grad_shard.zero_()
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
