@@ -24,6 +24,11 @@ set_target_properties(zero_ext_cuda_kernels PROPERTIES
   CUDA_STANDARD 17
   CUDA_STANDARD_REQUIRED ON
   POSITION_INDEPENDENT_CODE ON)
+# torch's CUDAExtension compiles .cu files with these defines (no implicit half/bf16 operators or
+# conversions); the check mirrors them so code that only builds here cannot slip through.
+target_compile_definitions(zero_ext_cuda_kernels PRIVATE
+  __CUDA_NO_HALF_OPERATORS__ __CUDA_NO_HALF_CONVERSIONS__ __CUDA_NO_BFLOAT16_CONVERSIONS__
+  __CUDA_NO_HALF2_OPERATORS__)
 # No fast-math (the AdamW formula must round like the CPU kernel and torch); -fmad stays at nvcc's
 # default, as in setup.py.
 target_compile_options(zero_ext_cuda_kernels PRIVATE
