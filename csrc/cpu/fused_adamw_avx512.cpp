@@ -7,6 +7,8 @@
 #pragma GCC target("avx512f")
 #pragma GCC optimize("fp-contract=off")
 
+// GCC 12 warns about the deliberately undefined pass-through operand inside avx512fintrin.h.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
 #include "fused_adamw_paths.h"

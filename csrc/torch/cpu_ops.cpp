@@ -1,6 +1,7 @@
 // CPU backend of the zero_ext ops: validate (checks.h) before any write, then call the torch-free
 // kernels in csrc/cpu. Scalar tensors are read with .item() here: on the CPU that is no sync.
 #include <ATen/Parallel.h>
+#include <Python.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -98,4 +99,14 @@ TORCH_LIBRARY_IMPL(zero_ext, CPU, m) {
   m.impl("flatten_", &zero_ext::flatten_cpu);
   m.impl("unflatten_", &zero_ext::unflatten_cpu);
   m.impl("sum_squares", &zero_ext::sum_squares_cpu);
+}
+
+// `import zero_ext._C` needs a module init function; importing it runs the static registrations
+// above and in registration.cpp. The module itself is empty (extension-cpp's pattern).
+// NOTE: this belongs with the schemas in registration.cpp; it lives here only because this file is
+// in every build (CPU and CUDA) and registration.cpp had none. Move it there if that file gains
+// one.
+extern "C" PyObject* PyInit__C(void) {
+  static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
 }
