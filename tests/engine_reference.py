@@ -1,0 +1,67 @@
+"""Helpers shared by the engine tests: an unsharded torch.optim.AdamW reference fed the mean of every rank's
+gradients, and comparisons of a ZeroAdamW against it."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+BF16_ULP = 2.0**-7  # relative spacing of bf16 values: one unit in the last place
+
+
+def rank_grads(model, params, batches, loss_fn, **kw):
+    """Every rank's gradients, computed locally with autograd.grad (no .grad, no optimizer hooks fire)."""
+    return [torch.autograd.grad(loss_fn(model, b, **kw), params, allow_unused=True) for b in batches]
+
+
+def mean_grads(per_rank, like):
+    """fp32 mean over ranks; a missing gradient (unused parameter) counts as zero."""
+    out = []
+    for i, p in enumerate(like):
+        gs = [g[i].float() if g[i] is not None else torch.zeros(p.shape) for g in per_rank]
+        out.append(sum(gs) / len(gs))
+    return out
+
+
+def reference(model, **hyper):
+    """fp32 master copies of the model's params and a torch.optim.AdamW over them."""
+    params = [p.detach().float().clone().requires_grad_(p.requires_grad) for p in model.parameters()]
+    return params, torch.optim.AdamW([p for p in params if p.requires_grad], **hyper)
+
+
+def check_against_reference(opt, model, ref_params, rank: int) -> None:
+    """Params equal the reference master rounded to the param dtype (within one ulp of that dtype, for the
+    rounding of fp32 means summed in a different order); this rank's fp32 master shard equals the
+    reference master at torch's default fp32 tolerance."""
+    for (name, p), ref in zip(model.named_parameters(), ref_params):
+        if p.dtype == torch.float32:
+            torch.testing.assert_close(p.detach(), ref.detach(), msg=lambda m: f"{name}: {m}")
+        else:
+            torch.testing.assert_close(
+                p.detach().float(),
+                ref.detach().to(p.dtype).float(),
+                rtol=BF16_ULP,
+                atol=0,
+                msg=lambda m: f"{name}: {m}",
+            )
+    for fg, indices in zip(opt._flat_groups, opt._global_indices):
+        if fg.master is None:
+            continue
+        for piece in fg.layout.owned_pieces(rank):
+            mine = fg.master[piece.shard_offset : piece.shard_offset + piece.end - piece.start]
+            ref = ref_params[indices[piece.index]].detach().reshape(-1)[piece.start : piece.end]
+            torch.testing.assert_close(mine, ref)
+
+
+def params_digest(model) -> str:
+    """A hash of every parameter's bits, to show all ranks hold identical params."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def world_is(world_size: int) -> bool:
+    return (dist.get_world_size() if dist.is_initialized() else 1) == world_size
