@@ -12,8 +12,14 @@ BF16_ULP = 2.0**-7  # relative spacing of bf16 values: one unit in the last plac
 
 
 def rank_grads(model, params, batches, loss_fn, **kw):
-    """Every rank's gradients, computed locally with autograd.grad (no .grad, no optimizer hooks fire)."""
-    return [torch.autograd.grad(loss_fn(model, b, **kw), params, allow_unused=True) for b in batches]
+    """Every rank's gradients, computed locally with autograd.grad (no .grad, no optimizer hooks fire).
+    Frozen params get None."""
+    trainable = [p for p in params if p.requires_grad]
+    out = []
+    for b in batches:
+        grads = iter(torch.autograd.grad(loss_fn(model, b, **kw), trainable, allow_unused=True))
+        out.append([next(grads) if p.requires_grad else None for p in params])
+    return out
 
 
 def mean_grads(per_rank, like):
@@ -31,10 +37,12 @@ def reference(model, **hyper):
     return params, torch.optim.AdamW([p for p in params if p.requires_grad], **hyper)
 
 
-def check_against_reference(opt, model, ref_params, rank: int) -> None:
+def check_against_reference(opt, model, ref_params, rank: int, ref_in_opt_order=None) -> None:
     """Params equal the reference master rounded to the param dtype (within one ulp of that dtype, for the
     rounding of fp32 means summed in a different order); this rank's fp32 master shard equals the
-    reference master at torch's default fp32 tolerance."""
+    reference master at torch's default fp32 tolerance. ``ref_params`` follow ``model.parameters()``;
+    ``ref_in_opt_order`` (default: the same list) follow the optimizer's param groups."""
+    ref_in_opt_order = ref_params if ref_in_opt_order is None else ref_in_opt_order
     for (name, p), ref in zip(model.named_parameters(), ref_params):
         if p.dtype == torch.float32:
             torch.testing.assert_close(p.detach(), ref.detach(), msg=lambda m: f"{name}: {m}")
@@ -51,7 +59,7 @@ def check_against_reference(opt, model, ref_params, rank: int) -> None:
             continue
         for piece in fg.layout.owned_pieces(rank):
             mine = fg.master[piece.shard_offset : piece.shard_offset + piece.end - piece.start]
-            ref = ref_params[indices[piece.index]].detach().reshape(-1)[piece.start : piece.end]
+            ref = ref_in_opt_order[indices[piece.index]].detach().reshape(-1)[piece.start : piece.end]
             torch.testing.assert_close(mine, ref)
 
 
