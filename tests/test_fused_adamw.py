@@ -1,0 +1,281 @@
+"""zero_ext.ops.fused_adamw_ against torch.optim.AdamW on fp32 clones (CONVENTIONS.md #7)."""
+
+import pytest
+import torch
+
+from zero_ext import ops
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+SIZES = [0, 1, 7, 97, 1025, 2**20 + 3]
+LOW_PRECISION = {torch.bfloat16: torch.bfloat16, torch.float16: torch.float16, torch.float32: None}
+HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
+ISAS = ["scalar", "avx2", "avx512"]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    assert torch.equal(_bits(actual), _bits(expected)), "tensors differ bitwise"
+
+
+class Shard:
+    """master/m/v (fp32), a fixed grad in `grad_dtype` and an optional param_out, on `device`."""
+
+    def __init__(self, n, device, grad_dtype, out_dtype, offset=0, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+
+        def buffer(dtype):  # offset 1 gives views whose data pointer is not vector-aligned
+            return torch.zeros(n + offset, dtype=dtype, device=device)[offset:]
+
+        self.master, self.exp_avg, self.exp_avg_sq = buffer(torch.float32), buffer(torch.float32), buffer(torch.float32)
+        self.master.copy_(torch.randn(n, generator=gen))
+        self.grad = buffer(grad_dtype)
+        self.grad.copy_(torch.randn(n, generator=gen).to(grad_dtype))
+        self.param_out = buffer(out_dtype) if out_dtype is not None else None
+
+    def tensors(self):
+        return [t for t in (self.master, self.grad, self.exp_avg, self.exp_avg_sq, self.param_out) if t is not None]
+
+    def step(self, step, weight_decay=0.1, grad_scale=1.0, as_tensors=False, found_inf=None, **overrides):
+        scalars = dict(HYPER, weight_decay=weight_decay, step=step, grad_scale=grad_scale, **overrides)
+        if as_tensors:
+            scalars = {k: torch.tensor(float(v), device=self.master.device) for k, v in scalars.items()}
+        ops.fused_adamw_(
+            self.master,
+            self.grad,
+            self.exp_avg,
+            self.exp_avg_sq,
+            param_out=self.param_out,
+            found_inf=found_inf,
+            **scalars,
+        )
+
+
+_REFERENCES: dict = {}
+
+
+def torch_reference(shard: Shard, steps: int, weight_decay: float, grad_scale: float, dtype=torch.float32):
+    """torch.optim.AdamW on a clone of the shard's initial master, fed grad*grad_scale for `steps` steps.
+
+    Shards are deterministic (seeded), so results are cached across tests. Small shards use the
+    single-tensor path (the order fused_adamw_ follows); 2^20-element shards use fused=True, the same
+    formula ~25x faster here (NOTE: 90 ms vs 3.3 ms per step on the loaded 2-core dev VM)."""
+    n = shard.master.numel()
+    key = (n, str(shard.master.device), shard.grad.dtype, steps, weight_decay, grad_scale, dtype)
+    if key not in _REFERENCES:
+        param = shard.master.detach().clone().to(dtype).requires_grad_()
+        opt = torch.optim.AdamW(
+            [param],
+            lr=HYPER["lr"],
+            betas=(HYPER["beta1"], HYPER["beta2"]),
+            eps=HYPER["eps"],
+            weight_decay=weight_decay,
+            fused=n >= 2**20 or None,
+        )
+        param.grad = shard.grad.to(dtype) * grad_scale
+        for _ in range(steps):
+            opt.step()
+        _REFERENCES[key] = param.detach()
+    return _REFERENCES[key]
+
+
+@pytest.fixture(autouse=True)
+def _restore_isa():
+    yield
+    ops.cpu_isa("auto")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", SIZES)
+def test_matches_torch_adamw(device, n, grad_dtype):
+    steps = 50
+    shard = Shard(n, device, grad_dtype, LOW_PRECISION[grad_dtype])
+    expected = torch_reference(shard, steps, weight_decay=0.1, grad_scale=1.0)
+    for step in range(1, steps + 1):
+        shard.step(step)
+    torch.testing.assert_close(shard.master, expected)
+    if shard.param_out is not None:
+        assert_same_bits(shard.param_out, shard.master.to(shard.param_out.dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("as_tensors", [False, True], ids=["numbers", "tensors"])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("n", [97, 2**20 + 3])
+def test_scalars_weight_decay_and_grad_scale(device, n, weight_decay, as_tensors):
+    steps = 50
+    shard = Shard(n, device, torch.bfloat16, torch.bfloat16)
+    expected = torch_reference(shard, steps, weight_decay=weight_decay, grad_scale=0.5)
+    for step in range(1, steps + 1):
+        shard.step(step, weight_decay=weight_decay, grad_scale=0.5, as_tensors=as_tensors)
+    torch.testing.assert_close(shard.master, expected)
+    assert_same_bits(shard.param_out, shard.master.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_unaligned_views(device, out_dtype):
+    n, steps = 1025, 5
+    aligned = Shard(n, device, torch.float16, out_dtype, offset=0)
+    shifted = Shard(n, device, torch.float16, out_dtype, offset=1)
+    assert shifted.master.storage_offset() == 1
+    expected = torch_reference(shifted, steps, weight_decay=0.1, grad_scale=1.0)
+    for step in range(1, steps + 1):
+        aligned.step(step)
+        shifted.step(step)
+    for a, b in zip(aligned.tensors(), shifted.tensors()):
+        assert_same_bits(b, a)
+    torch.testing.assert_close(shifted.master, expected)
+    assert_same_bits(shifted.param_out, shifted.master.to(out_dtype))
+
+
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [7, 1025, 2**20 + 3])
+def test_every_isa_gives_the_same_bits(n, grad_dtype, out_dtype):
+    results = {}
+    for isa in ISAS:
+        ops.cpu_isa(isa)
+        shard = Shard(n, "cpu", grad_dtype, out_dtype)
+        for step in range(1, 4):
+            shard.step(step, grad_scale=0.5)
+        results[isa] = shard.tensors()
+    for isa in ISAS[1:]:
+        for a, b in zip(results[isa], results["scalar"]):
+            assert_same_bits(a, b)
+
+
+def test_cpu_isa_names():
+    assert ops.cpu_isa("scalar") == "scalar"
+    assert ops.cpu_isa("auto") in ISAS
+    with pytest.raises(RuntimeError, match="isa"):
+        ops.cpu_isa("sse9")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", [1025, 2**20 + 3])
+def test_error_within_twice_torch_fp32_error(device, n):
+    steps = 50
+    shard = Shard(n, device, torch.float32, None)
+    exact = torch_reference(shard, steps, weight_decay=0.1, grad_scale=1.0, dtype=torch.float64)
+    torch_fp32 = torch_reference(shard, steps, weight_decay=0.1, grad_scale=1.0)
+    for step in range(1, steps + 1):
+        shard.step(step)
+    ours = (shard.master.double() - exact).abs().max().item()
+    theirs = (torch_fp32.double() - exact).abs().max().item()
+    assert theirs > 0
+    assert ours <= 2 * theirs, f"fused error {ours:.3g} vs torch fp32 error {theirs:.3g}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_found_inf_changes_nothing(device):
+    shard = Shard(1025, device, torch.bfloat16, torch.bfloat16)
+    shard.step(1)
+    before = [t.clone() for t in shard.tensors()]
+    for flag in (1.0, float("inf"), float("nan")):
+        shard.step(2, found_inf=torch.tensor(flag, device=device))
+        shard.step(2, found_inf=torch.tensor([flag], device=device), as_tensors=True)
+    for a, b in zip(shard.tensors(), before):
+        assert_same_bits(a, b)
+    shard.step(2, found_inf=torch.zeros((), device=device))  # zero: the update runs
+    assert not torch.equal(shard.master, before[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_shard(device):
+    shard = Shard(0, device, torch.bfloat16, torch.bfloat16)
+    shard.step(1)
+    assert shard.master.numel() == 0
+
+
+def _bad_input_cases():
+    """(name, mutate(args) -> None, expected message): each makes one argument invalid."""
+
+    def set_arg(name, value):
+        def mutate(args):
+            args[name] = value(args) if callable(value) else value
+
+        return mutate
+
+    n = 97
+    return [
+        ("master_fp64", set_arg("master", lambda a: a["master"].double()), "master"),
+        ("master_int", set_arg("master", lambda a: a["master"].int()), "master"),
+        ("master_strided", set_arg("master", lambda a: torch.zeros(2 * n)[::2]), "master"),
+        ("grad_int", set_arg("grad", lambda a: a["grad"].to(torch.int32)), "grad"),
+        ("grad_fp64", set_arg("grad", lambda a: a["grad"].double()), "grad"),
+        ("grad_numel", set_arg("grad", lambda a: a["grad"][:-1]), "grad"),
+        ("grad_strided", set_arg("grad", lambda a: torch.zeros(2 * n, dtype=torch.bfloat16)[::2]), "grad"),
+        ("exp_avg_bf16", set_arg("exp_avg", lambda a: a["exp_avg"].bfloat16()), "exp_avg"),
+        ("exp_avg_numel", set_arg("exp_avg", lambda a: torch.zeros(n + 1)), "exp_avg"),
+        ("exp_avg_sq_int", set_arg("exp_avg_sq", lambda a: a["exp_avg_sq"].long()), "exp_avg_sq"),
+        ("exp_avg_sq_strided", set_arg("exp_avg_sq", lambda a: torch.zeros(2 * n)[1::2]), "exp_avg_sq"),
+        ("param_out_fp32", set_arg("param_out", lambda a: torch.zeros(n)), "param_out"),
+        ("param_out_numel", set_arg("param_out", lambda a: a["param_out"][1:]), "param_out"),
+        ("lr_negative", set_arg("lr", -1e-3), "lr"),
+        ("lr_tensor_negative", set_arg("lr", torch.tensor(-1e-3)), "lr"),
+        ("lr_tensor_shape", set_arg("lr", torch.full((2,), 1e-3)), "lr"),
+        ("eps_negative", set_arg("eps", -1e-8), "eps"),
+        ("eps_tensor_negative", set_arg("eps", torch.tensor(-1e-8)), "eps"),
+        ("weight_decay_negative", set_arg("weight_decay", -0.1), "weight_decay"),
+        ("weight_decay_tensor_nan", set_arg("weight_decay", torch.tensor(float("nan"))), "weight_decay"),
+        ("beta1_one", set_arg("beta1", 1.0), "beta1"),
+        ("beta1_tensor_negative", set_arg("beta1", torch.tensor(-0.1)), "beta1"),
+        ("beta2_above_one", set_arg("beta2", 1.5), "beta2"),
+        ("beta2_tensor_one", set_arg("beta2", torch.tensor(1.0)), "beta2"),
+        ("step_zero", set_arg("step", 0), "step"),
+        ("step_tensor_zero", set_arg("step", torch.tensor(0)), "step"),
+        ("step_tensor_shape", set_arg("step", torch.ones(1, 2)), "step"),
+        ("grad_scale_inf", set_arg("grad_scale", float("inf")), "grad_scale"),
+        ("grad_scale_tensor_shape", set_arg("grad_scale", torch.ones(3)), "grad_scale"),
+        ("found_inf_shape", set_arg("found_inf", torch.zeros(2)), "found_inf"),
+        ("master_is_exp_avg", set_arg("exp_avg", lambda a: a["master"]), "distinct"),
+    ]
+
+
+@pytest.mark.parametrize("name,mutate,match", _bad_input_cases(), ids=[c[0] for c in _bad_input_cases()])
+def test_bad_input_raises_and_modifies_nothing(name, mutate, match):
+    shard = Shard(97, "cpu", torch.bfloat16, torch.bfloat16)
+    args = dict(
+        master=shard.master,
+        grad=shard.grad,
+        exp_avg=shard.exp_avg,
+        exp_avg_sq=shard.exp_avg_sq,
+        param_out=shard.param_out,
+        found_inf=None,
+        **HYPER,
+        weight_decay=0.1,
+        step=1,
+        grad_scale=1.0,
+    )
+    mutate(args)
+    tensors = [v for v in args.values() if isinstance(v, torch.Tensor)]
+    before = [t.clone() for t in tensors]
+    master, grad, exp_avg, exp_avg_sq = (args.pop(k) for k in ("master", "grad", "exp_avg", "exp_avg_sq"))
+    with pytest.raises(RuntimeError, match=f"`{match}`" if match != "distinct" else match):
+        ops.fused_adamw_(master, grad, exp_avg, exp_avg_sq, **args)
+    for t, b in zip(tensors, before):
+        assert torch.equal(t.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.cuda
+def test_device_mismatch_raises_and_modifies_nothing():
+    shard = Shard(97, "cuda", torch.bfloat16, torch.bfloat16)
+    before = [t.clone() for t in shard.tensors()]
+    with pytest.raises(RuntimeError, match="`grad`"):
+        ops.fused_adamw_(
+            shard.master, shard.grad.cpu(), shard.exp_avg, shard.exp_avg_sq, step=1, weight_decay=0.1, **HYPER
+        )
+    with pytest.raises(RuntimeError, match="`exp_avg`"):
+        ops.fused_adamw_(
+            shard.master, shard.grad, shard.exp_avg.cpu(), shard.exp_avg_sq, step=1, weight_decay=0.1, **HYPER
+        )
+    with pytest.raises(RuntimeError, match="`param_out`"):
+        shard.param_out = shard.param_out.cpu()
+        shard.step(1)
+    for t, b in zip(shard.tensors()[:4], before[:4]):
+        assert_same_bits(t, b)
