@@ -1,0 +1,120 @@
+"""A small GPT built in code, and synthetic but learnable data for it: nothing is downloaded.
+
+The model is the usual decoder-only transformer: token embedding + learned positions, pre-LayerNorm blocks
+(causal self-attention, GELU MLP), a final LayerNorm and an LM head tied to the token embedding.
+
+The data is a fixed random Markov chain over the vocabulary, generated from a seed: every token has a few
+successors with random probabilities, so the best achievable loss is the chain's entropy rate (printed by
+the main job), well below the ln(vocab) of an untrained model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab: int = 512
+    seq_len: int = 128
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+
+
+class Block(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.n_heads = c.n_heads
+        self.ln1 = nn.LayerNorm(c.d_model)
+        self.qkv = nn.Linear(c.d_model, 3 * c.d_model)
+        self.proj = nn.Linear(c.d_model, c.d_model)
+        self.ln2 = nn.LayerNorm(c.d_model)
+        self.fc = nn.Linear(c.d_model, 4 * c.d_model)
+        self.out = nn.Linear(4 * c.d_model, c.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.config = c
+        self.tok = nn.Embedding(c.vocab, c.d_model)
+        self.pos = nn.Embedding(c.seq_len, c.d_model)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layers))
+        self.ln_f = nn.LayerNorm(c.d_model)
+        self.apply(self._init)
+        for b in self.blocks:  # GPT-2: scale the residual projections by 1/sqrt(2 * layers)
+            nn.init.normal_(b.proj.weight, std=0.02 / math.sqrt(2 * c.n_layers))
+            nn.init.normal_(b.out.weight, std=0.02 / math.sqrt(2 * c.n_layers))
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear):
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy, computed in fp32."""
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        for b in self.blocks:
+            x = b(x)
+        logits = F.linear(self.ln_f(x), self.tok.weight)  # LM head tied to the token embedding
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def num_params(model: nn.Module) -> int:
+    """Trainable parameters, the tied embedding counted once."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+class MarkovData:
+    """Token sequences from a fixed random Markov chain (``branching`` successors per token).
+
+    ``batch(step)`` is a pure function of (seed, step): every recipe sees exactly the same global batch at
+    the same step, and rank r of N takes rows [r * B/N, (r+1) * B/N).
+    """
+
+    def __init__(self, vocab: int, seq_len: int, seed: int = 0, branching: int = 4):
+        g = torch.Generator().manual_seed(seed)
+        self.vocab, self.seq_len, self.seed = vocab, seq_len, seed
+        self.succ = torch.stack([torch.randperm(vocab, generator=g)[:branching] for _ in range(vocab)])
+        self.prob = torch.softmax(2.0 * torch.randn(vocab, branching, generator=g), dim=-1)
+
+    def entropy_rate(self) -> float:
+        """Nats per token of the best possible predictor (the chain's stationary conditional entropy)."""
+        trans = torch.zeros(self.vocab, self.vocab, dtype=torch.float64)
+        trans.scatter_(1, self.succ, self.prob.double())
+        pi = torch.full((self.vocab,), 1.0 / self.vocab, dtype=torch.float64)
+        for _ in range(500):
+            pi = pi @ trans
+        pi = pi / pi.sum()
+        h = -(self.prob.double() * self.prob.double().log()).sum(-1)
+        return float((pi * h).sum())
+
+    def batch(self, step: int, global_batch: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        seqs = torch.empty(global_batch, self.seq_len + 1, dtype=torch.long)
+        seqs[:, 0] = torch.randint(self.vocab, (global_batch,), generator=g)
+        u = torch.rand(self.seq_len, global_batch, 1, generator=g)
+        cdf = self.prob.cumsum(-1)
+        for t in range(self.seq_len):
+            cur = seqs[:, t]
+            k = torch.searchsorted(cdf[cur], u[t]).clamp_(max=self.succ.shape[1] - 1)
+            seqs[:, t + 1] = self.succ[cur].gather(1, k).squeeze(1)
+        per = global_batch // world
+        rows = seqs[rank * per : (rank + 1) * per]
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
