@@ -1,5 +1,5 @@
 # Compile check of every csrc/cuda/*.cu with nvcc for sm_80 and sm_90 (nothing runs at build time),
-# and a small host program, cuda_launchers_test, that links the launchers against cudart. As a ctest
+# and a small host program, cuda_test_launchers, that links the launchers against cudart. As a ctest
 # it skips (exit code 77) without a GPU and checks a few launches against the host formula with one.
 # Without nvcc this file prints a message and does nothing, so CPU-only machines still configure.
 #
@@ -35,10 +35,10 @@ target_compile_options(zero_ext_cuda_kernels PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra>
   $<$<AND:$<COMPILE_LANGUAGE:CUDA>,$<BOOL:${ZERO_EXT_CUDA_WERROR}>>:--Werror=all-warnings>)
 
-add_executable(cuda_launchers_test tests/cpp/cuda_launchers_test.cpp
+add_executable(cuda_test_launchers csrc/cuda/tests/test_launchers.cpp
                                    $<TARGET_OBJECTS:zero_ext_cuda_kernels>)
-target_link_libraries(cuda_launchers_test PRIVATE CUDA::cudart)
-add_test(NAME cuda_launchers_test COMMAND cuda_launchers_test)
-set_tests_properties(cuda_launchers_test PROPERTIES SKIP_RETURN_CODE 77)
+target_link_libraries(cuda_test_launchers PRIVATE CUDA::cudart)
+add_test(NAME cuda_test_launchers COMMAND cuda_test_launchers)
+set_tests_properties(cuda_test_launchers PROPERTIES SKIP_RETURN_CODE 77)
 message(STATUS "zero_ext: CUDA compile check of ${CMAKE_CUDA_COMPILER} "
                "(${CMAKE_CUDA_COMPILER_VERSION}) for sm_80, sm_90")

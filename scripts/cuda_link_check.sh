@@ -70,7 +70,9 @@ log "built ${SO} ($(du -h "${SO}" | cut -f1))"
 
 # --- 4. checks -----------------------------------------------------------------------------------
 TORCH_LIB=$("${VENV}/bin/python" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
-UNDEF=$(LD_LIBRARY_PATH="${TORCH_LIB}:${LD_LIBRARY_PATH:-}" ldd -r "${SO}" 2>&1 | grep -E 'undefined symbol|not found' || true)
+# The Python C API (Py*, _Py*) is resolved by the interpreter that loads the module, never by ldd.
+UNDEF=$(LD_LIBRARY_PATH="${TORCH_LIB}:${LD_LIBRARY_PATH:-}" ldd -r "${SO}" 2>&1 |
+  grep -E 'undefined symbol|not found' | grep -vE 'undefined symbol: _?Py' || true)
 if [[ -n "${UNDEF}" ]]; then
   echo "cuda-link: unresolved symbols or libraries:" >&2
   echo "${UNDEF}" | head -20 >&2

@@ -9,8 +9,8 @@
 #include <cstdlib>
 #include <vector>
 
-#include "../../csrc/adamw_math.h"
-#include "../../csrc/cuda/kernels.h"
+#include "../../adamw_math.h"
+#include "../kernels.h"
 
 namespace {
 
@@ -81,6 +81,25 @@ void run_on_gpu() {
              "launch_fused_adamw");
   check_cuda(zc::launch_sum_squares(dg, DType::kFloat32, n, dsum, dflag, dws, nullptr),
              "launch_sum_squares");
+  // flatten: the grad at offset 3 of a flat fp32 buffer, scaled by 0.5 (exact in fp32).
+  float* dflat = device_floats(n + 3);
+  const zero_ext::TensorSlice slice{dg, n, 3, DType::kFloat32, 0};
+  void* dslices = nullptr;
+  check_cuda(cudaMalloc(&dslices, sizeof(slice)), "cudaMalloc");
+  check_cuda(cudaMemcpy(dslices, &slice, sizeof(slice), cudaMemcpyHostToDevice), "H2D");
+  check_cuda(
+      zc::launch_flatten(dflat, DType::kFloat32, static_cast<const zero_ext::TensorSlice*>(dslices),
+                         1, n, 0.5f, true, nullptr),
+      "launch_flatten");
+  std::vector<float> flat(n + 3);
+  check_cuda(cudaMemcpy(flat.data(), dflat, (n + 3) * sizeof(float), cudaMemcpyDeviceToHost),
+             "D2H");
+  bool flat_ok = true;
+  for (int64_t i = 0; i < n; ++i) flat_ok = flat_ok && flat[3 + i] == 0.5f * g[i];
+  expect(flat_ok, "flatten copies and scales exactly");
+  cudaFree(dflat);
+  cudaFree(dslices);
+
   std::vector<float> out(n);
   float sum = 0.0f, flag = -1.0f;
   check_cuda(cudaMemcpy(out.data(), dp, bytes, cudaMemcpyDeviceToHost), "D2H");
@@ -120,11 +139,11 @@ int main() {
 
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("cuda_launchers_test: no CUDA device, host checks %s; GPU checks skipped\n",
+    std::printf("cuda_test_launchers: no CUDA device, host checks %s; GPU checks skipped\n",
                 failures == 0 ? "passed" : "FAILED");
     return failures == 0 ? 77 : 1;
   }
   run_on_gpu();
-  std::printf("cuda_launchers_test: %s\n", failures == 0 ? "passed" : "FAILED");
+  std::printf("cuda_test_launchers: %s\n", failures == 0 ? "passed" : "FAILED");
   return failures == 0 ? 0 : 1;
 }
