@@ -23,6 +23,7 @@ reduces every backward pass, as DeepSpeed's ZeRO-2 does.
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -63,6 +64,7 @@ class GradReducer:
         pool_size: int = 2,
     ):
         self.groups = list(groups)
+        self._unreduced = False  # stage 1: grads accumulated (under no_sync()) and not reduced yet
         self.comm = comm
         self.stage = stage
         self.reduce_dtype = reduce_dtype
@@ -78,14 +80,32 @@ class GradReducer:
         self._ref_of = {(id(r.group), r.bucket.index): r for r in self.refs}
 
         self.grad_buffers: list[Optional[torch.Tensor]] = []
+        stale = [
+            param_names[indices[i]]
+            for g, indices in zip(self.groups, global_indices)
+            for i, p in enumerate(g.params)
+            if p.grad is not None
+        ]
         for g in self.groups:
             if stage == 1:
                 buf = torch.zeros(g.layout.numel, dtype=g.dtype, device=g.device)
                 for slot, p in zip(g.layout.slots, g.params):
-                    p.grad = buf[slot.offset : slot.offset + slot.numel].view(p.shape)
+                    view = buf[slot.offset : slot.offset + slot.numel].view(p.shape)
+                    if p.grad is not None:  # a gradient from before construction is kept (not yet reduced)
+                        view.copy_(p.grad)
+                        self._unreduced = True
+                    p.grad = view
                 self.grad_buffers.append(buf)
             else:
                 self.grad_buffers.append(None)
+                for p in g.params:
+                    p.grad = None
+        if stale and stage == 2:
+            warnings.warn(
+                f"zero_ext.ZeroAdamW: dropping the gradients of {len(stale)} parameters (e.g. {stale[0]!r}) computed "
+                "before the optimizer existed: stage 2 reduces gradients while backward runs",
+                stacklevel=3,
+            )
 
         self._max_bucket = max((r.bucket.numel for r in self.refs), default=0)
         self._max_shard = max((r.bucket.shard_numel for r in self.refs), default=0)
@@ -96,7 +116,6 @@ class GradReducer:
 
         # Per-round state (a round = one synchronised backward pass).
         self.sync_enabled = True
-        self._unreduced = False  # stage 1: grads accumulated under no_sync() not yet reduced
         self._round_open = False
         self._arrived = [0] * len(self.refs)
         self._staging_of: list[Optional[_Staging]] = [None] * len(self.refs)
@@ -222,15 +241,11 @@ class GradReducer:
             self._close_round()
         if self.stage == 1 and self._unreduced:
             # Backward ran only under no_sync(): reduce the accumulated gradients now.
-            self._open_round_without_backward()
+            self._close_round()
         for entry in self._inflight:
             entry.pending.wait()
             entry.pending = None
         self._inflight.clear()
-
-    def _open_round_without_backward(self) -> None:
-        self._next = 0
-        self._close_round()
 
     def zero_grad(self) -> None:
         self.finish()
