@@ -116,6 +116,7 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     sizes = [int(s) for s in args.sizes.split(",")]
 
+    meta = common.meta(device)  # at the start: the commit that ran
     headers = ["n", "contender", "median ms", "spread ms (min-max)", "effective GB/s", "% of copy", "vs zero_ext"]
     rows, results, skipped, ds_note = [], [], [], ""
     for log2 in sizes:
@@ -151,12 +152,11 @@ def main(argv=None) -> int:
         f"{args.reps} repetitions after {args.warmup} warm-up, interleaved round-robin; median and min-max.",
         f"effective GB/s = {USEFUL_BYTES} bytes/element / median time (copy: 8 bytes/element); "
         "'vs zero_ext' = median time / zero_ext's median time (> 1: slower than zero_ext).",
-        f"torch threads: {torch.get_num_threads()}; zero_ext CPU ISA: {common.meta(device)['zero_ext_cpu_isa']}.",
+        f"torch threads: {torch.get_num_threads()}; zero_ext CPU ISA: {meta['zero_ext_cpu_isa']}.",
         ds_note,
         *skipped,
     ]
     print("\n".join(notes))
-    meta = common.meta(device)
     body = "\n".join([common.markdown_table(headers, rows), "", *[f"- {n}" for n in notes if n]])
     name = args.name or f"optimizer_step_{device.type}"
     written = common.write_results(name, meta, {"results": results, "notes": notes}, body, args.out_dir)

@@ -76,6 +76,7 @@ def main(argv=None) -> int:
     model = GPTConfig(args.vocab, args.seq_len, args.d_model, args.layers, args.heads)
     cores = len(os.sched_getaffinity(0))
 
+    meta = common.meta(torch.device(device))  # at the start: the commit that ran
     runs, rows, checks = [], [], []
     for world in worlds:
         for recipe in recipes:
@@ -143,7 +144,6 @@ def main(argv=None) -> int:
     )
     print(verdict)
     print("\n".join(notes))
-    meta = common.meta(torch.device(device))
     body = "\n".join([common.markdown_table(headers, rows), "", f"- {verdict}", *[f"- {n}" for n in notes]])
     name = args.name or f"scaling_{device}"
     for r in runs:  # keep the result file readable: the per-step lists and the ledger text stay out

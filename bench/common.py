@@ -74,7 +74,7 @@ def meta(device: torch.device, command: Optional[str] = None) -> dict[str, Any]:
         "python": platform.python_version(),
         "zero_ext_cpu_isa": isa,
         "command": command or command_line(),
-        # Other work on the machine slows every timing: the 1-minute load average when the file was written.
+        # Other work on the machine slows every timing: the 1-minute load average when the run started.
         "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
     }
 
@@ -85,7 +85,7 @@ def meta_markdown(m: dict[str, Any]) -> str:
             f"- device: {m['device']}",
             f"- date: {m['date']}, commit `{m['commit']}`, torch {m['torch']}, python {m['python']}",
             f"- command: `{m['command']}`",
-            f"- load average (1 min) when written: {m.get('load_avg_1m')} (timings are noisy when it exceeds the cores)",
+            f"- load average (1 min) at the start: {m.get('load_avg_1m')} (timings are noisy when it exceeds the cores)",
         ]
     )
 

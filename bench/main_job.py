@@ -74,6 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
+    meta = common.meta(__import__("torch").device(args.device))  # at the start: the commit that ran
     model = GPTConfig(args.vocab, args.seq_len, args.d_model, args.layers, args.heads)
     recipes = ([] if args.no_baseline else ["ddp"]) + [f"zero{s}" for s in args.stages]
     world = args.world_size
@@ -97,7 +98,6 @@ def main(argv=None) -> int:
         )
         runs[recipe] = launch(train, world, args.device, cfg)
     checks = agreement(runs, args.loss_tol)
-    meta = common.meta(__import__("torch").device(args.device))
     meta["wall_time_s"] = round(time.perf_counter() - t_start, 1)
     text, markdown = render(runs, checks, meta, entropy, args)
     print(text)
