@@ -138,8 +138,9 @@ def test_unaligned_views(device, out_dtype):
 @pytest.mark.parametrize("n", [7, 1025, 2**20 + 3])
 def test_every_isa_gives_the_same_bits(n, grad_dtype, out_dtype):
     results = {}
-    for isa in ISAS:
-        ops.cpu_isa(isa)
+    best = ops.cpu_isa("auto")
+    for isa in ISAS:  # a path this CPU lacks clamps to the best it has
+        assert ops.cpu_isa(isa) == (isa if ISAS.index(isa) <= ISAS.index(best) else best)
         shard = Shard(n, "cpu", grad_dtype, out_dtype)
         for step in range(1, 4):
             shard.step(step, grad_scale=0.5)
