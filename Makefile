@@ -5,14 +5,14 @@ PIP := $(PYTHON) -m pip
 TORCH_SPEC ?= torch==2.13.0
 BUILD ?= build/cmake
 
-.PHONY: install run test test-cuda ctest cuda-check lint format cuda-link bench
+.PHONY: install run test test-cuda ctest lint format cuda-link
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q --no-build-isolation -e ".[dev]"
 
 run: install
-	$(PYTHON) bench/bench_fused_adamw.py
+	$(PYTHON) bench/main_job.py
 
 test: install
 	$(PYTHON) -m pytest -q
