@@ -22,15 +22,17 @@ struct AdamWArgs {
   const float* found_inf;  // device fp32; nonzero => the whole call is a no-op. May be null.
 };
 
-// One fused AdamW step over n elements; same formula and rounding as the CPU kernel
-// (adamw_math.h). param_out may be null; otherwise bf16 or fp16, rounded to nearest-even.
+// One fused AdamW step over n elements; the CPU kernel's formula (adamw_math.h), except that nvcc
+// contracts a*b+c into FMA (its default -fmad=true), so master/exp_avg/exp_avg_sq may differ from
+// the CPU result by an ulp or two. param_out may be null; otherwise bf16 or fp16, rounded to
+// nearest-even from this kernel's master.
 cudaError_t launch_fused_adamw(float* master, const void* grad, DType grad_dtype, float* exp_avg,
-                               float* exp_avg_sq, void* param_out, DType param_out_dtype,
-                               int64_t n, const AdamWArgs& args, cudaStream_t stream);
+                               float* exp_avg_sq, void* param_out, DType param_out_dtype, int64_t n,
+                               const AdamWArgs& args, cudaStream_t stream);
 
 // Multi-tensor copy between a flat buffer and `count` tensors in ONE launch. `device_slices` is
-// device memory holding `count` TensorSlice records; max_numel is the largest slice (sizes the grid).
-// Semantics as zero_ext::cpu::flatten.
+// device memory holding `count` TensorSlice records; max_numel is the largest slice (sizes the
+// grid). Semantics as zero_ext::cpu::flatten.
 cudaError_t launch_flatten(void* flat, DType flat_dtype, const TensorSlice* device_slices,
                            int64_t count, int64_t max_numel, float scale, bool to_flat,
                            cudaStream_t stream);
