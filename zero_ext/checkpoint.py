@@ -1,0 +1,519 @@
+"""Sharded checkpoints of a :class:`zero_ext.ZeroAdamW`: save in parallel, load at any world size and stage,
+consolidate offline.
+
+``save(path, opt)``: every rank writes only its own shards (fp32 master, exp_avg, exp_avg_sq and, for bf16/fp16
+params, its slices of the params) straight from the optimizer's buffers, bucket by bucket, into
+``path.tmp-<id>``; rank 0 adds ``meta.json``. After every rank reports success (a collective), rank 0 writes the
+``COMPLETE`` marker and swaps the new directory into ``path`` with one atomic ``renameat2(RENAME_EXCHANGE)``
+(fallback: two renames), then deletes the old one. An interrupted save leaves ``path`` untouched.
+
+``load(path, opt)``: every rank reads, for each parameter piece it owns in *its* layout, the byte ranges of the
+saved shards that hold those elements (found by parameter name), verifying the crc32 of each block it touches,
+directly into its optimizer buffers; then params are rebuilt from the master (rounded) and all-gathered. The
+loaded master, moments, step and hyperparameters are bitwise the saved ones.
+
+``consolidate(path, out)`` / ``python -m zero_ext.checkpoint consolidate PATH OUT``: no process group, no GPU;
+streams parameter by parameter into ``out/optimizer.safetensors`` (fp32 ``param/<name>``, ``exp_avg/<name>``,
+``exp_avg_sq/<name>``, ``step/<name>``; param groups in the metadata) and ``out/model.safetensors`` (weights
+in the param dtype, for ``model.load_state_dict``). File layout: :mod:`zero_ext.checkpoint_format`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import errno
+import glob
+import json
+import os
+import secrets
+import shutil
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from .checkpoint_format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MARKER,
+    META,
+    CheckpointError,
+    SafetensorsWriter,
+    ShardReader,
+    ShardWriter,
+    as_bytes,
+    dtype_name,
+    dtype_of,
+    fsync_dir,
+    rank_stem,
+    read_json,
+    write_json,
+)
+
+if TYPE_CHECKING:
+    from .optimizer import ZeroAdamW
+
+__all__ = ["save", "load", "consolidate", "adamw_state_dict", "CheckpointError", "FORMAT_VERSION"]
+
+_F32_KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+# ---------------------------------------------------------------------------------------------- save
+def _kinds(fg) -> list[tuple[str, Any]]:
+    """(kind, bucket -> this rank's 1-D view) for every section a flat group writes."""
+    kinds = [
+        ("master", fg.master_of),
+        ("exp_avg", lambda b: fg.shard_of(fg.exp_avg, b)),
+        ("exp_avg_sq", lambda b: fg.shard_of(fg.exp_avg_sq, b)),
+    ]
+    if not fg.master_is_param:
+        kinds.append(("param", fg.param_slice))
+    return kinds
+
+
+def _write_rank(directory: str, opt: "ZeroAdamW") -> int:
+    """Write this rank's shard file and its JSON; returns the JSON's crc32."""
+    rank = opt._comm.rank
+    writer = ShardWriter(os.path.join(directory, rank_stem(rank) + ".bin"))
+    groups = []
+    try:
+        for fg, indices in zip(opt._flat_groups, opt._global_indices):
+            sections = {}
+            for kind, view_of in _kinds(fg):
+                sections[kind] = {"offset": writer.align(), "dtype": "float32" if kind != "param" else None}
+                for bucket in fg.layout.buckets:  # one bucket at a time: a device shard crosses to the host in pieces
+                    writer.write(as_bytes(view_of(bucket).detach().to("cpu")))
+                sections[kind]["dtype"] = dtype_name(view_of(fg.layout.buckets[0]).dtype)
+            pieces = [[indices[p.index], p.start, p.end, p.shard_offset] for p in fg.layout.owned_pieces(rank)]
+            groups.append({"dtype": dtype_name(fg.dtype), "shard_numel": fg.layout.shard_numel, "sections": sections,
+                           "pieces": pieces})  # fmt: skip
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    record = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "rank": rank, "world_size": opt._comm.world_size,
+              "file": rank_stem(rank) + ".bin", "nbytes": writer.nbytes, "block_size": writer.block_size,
+              "crc32": writer.crcs, "groups": groups}  # fmt: skip
+    return write_json(os.path.join(directory, rank_stem(rank) + ".json"), record)
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return {"tensor": value.item(), "dtype": dtype_name(value.dtype)}
+    if isinstance(value, tuple):
+        return {"tuple": [_encode(v) for v in value]}
+    if isinstance(value, list):
+        return [_encode(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(type(value).__name__)
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, dict) and "tuple" in value:
+        return tuple(_decode(v) for v in value["tuple"])
+    if isinstance(value, dict) and "tensor" in value:
+        return torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"]))
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    return value
+
+
+def _meta(opt: "ZeroAdamW") -> dict[str, Any]:
+    params = []
+    for fi, (fg, indices) in enumerate(zip(opt._flat_groups, opt._global_indices)):
+        for p, gidx in zip(fg.params, indices):
+            params.append({"index": gidx, "name": opt._names[gidx], "shape": list(p.shape),
+                           "dtype": dtype_name(p.dtype), "group": opt._group_of_flat[fi]})  # fmt: skip
+    groups = []
+    for g in opt.param_groups:
+        hyper = {}
+        for key, value in g.items():
+            if key in ("params", "param_names"):
+                continue
+            try:
+                hyper[key] = _encode(value)
+            except TypeError:  # kept for the record, not restored
+                hyper[key] = {"unrestorable": repr(value)}
+        groups.append({"hyperparameters": hyper, "num_params": len(g["params"])})
+    return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "world_size": opt._comm.world_size,
+            "stage": opt.stage, "bucket_size": opt.bucket_size, "step": opt._step_count.item(),
+            "skipped_steps": opt._skipped.item(), "params": sorted(params, key=lambda e: e["index"]),
+            "param_groups": groups}  # fmt: skip
+
+
+def _exchange(a: str, b: str) -> None:
+    """Atomically swap two directory entries (Linux renameat2 RENAME_EXCHANGE)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    if fn is None:
+        raise OSError(errno.ENOSYS, "renameat2 unavailable")
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, a.encode(), at_fdcwd, b.encode(), rename_exchange) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e), b)
+
+
+def _publish(tmp: str, path: str, tid: int) -> None:
+    """Move the completed ``tmp`` to ``path``; the old checkpoint at ``path`` survives until the swap."""
+    if os.path.lexists(path):
+        try:
+            _exchange(tmp, path)  # tmp now holds the old checkpoint
+            old = tmp
+        except OSError:  # e.g. a filesystem without RENAME_EXCHANGE: a short window where `path` is missing
+            old = f"{path}.old-{tid:012x}"
+            os.rename(path, old)
+            os.rename(tmp, path)
+        fsync_dir(os.path.dirname(path))
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, path)
+        fsync_dir(os.path.dirname(path))
+    for stale in glob.glob(glob.escape(path) + ".tmp-*") + glob.glob(glob.escape(path) + ".old-*"):
+        shutil.rmtree(stale, ignore_errors=True)  # leftovers of interrupted saves: `path` is complete now
+
+
+def _check_target(path: str) -> None:
+    if os.path.lexists(path):
+        if not os.path.isdir(path):
+            raise CheckpointError(f"{path} exists and is not a directory; refusing to replace it")
+        if os.listdir(path) and not os.path.exists(os.path.join(path, META)):
+            raise CheckpointError(
+                f"{path} is a non-empty directory but not a zero_ext checkpoint; refusing to replace it"
+            )
+
+
+def _write_marker(tmp: str, world: int, crcs: list[int], meta_crc: int) -> None:
+    files = {rank_stem(r) + ".json": crc for r, crc in enumerate(crcs)}
+    files[META] = meta_crc
+    write_json(os.path.join(tmp, MARKER), {"format": FORMAT_NAME, "version": FORMAT_VERSION, "world_size": world,
+                                           "crc32": files})  # fmt: skip
+    fsync_dir(tmp)
+
+
+def _agree(comm, error: BaseException | None, what: str) -> None:
+    """Collective: every rank learns whether every rank succeeded; failing ranks re-raise their own error."""
+    flags = comm.all_gather_object_ints(0 if error is None else 1)
+    if error is not None:
+        raise error
+    if any(flags):
+        raise CheckpointError(f"{what} failed on rank(s) {[r for r, f in enumerate(flags) if f]} (see their errors)")
+
+
+def save(path: str | os.PathLike, optimizer: "ZeroAdamW") -> None:
+    """Collective: every rank writes its own shards to ``path`` (a directory, replaced atomically when complete)."""
+    opt, comm = optimizer, optimizer._comm
+    opt.wait_for_params()
+    opt._reducer.finish()
+    path = os.path.abspath(os.fspath(path))
+    tid = comm.all_gather_object_ints(secrets.randbits(48) if comm.rank == 0 else 0)[0]
+    tmp = f"{path}.tmp-{tid:012x}"
+    crc, meta_crc, error = -1, -1, None
+    try:
+        _check_target(path)
+        os.makedirs(tmp, exist_ok=True)
+        crc = _write_rank(tmp, opt)
+        if comm.rank == 0:
+            meta_crc = write_json(os.path.join(tmp, META), _meta(opt))
+    except BaseException as e:  # noqa: BLE001  (reported to every rank below, then re-raised)
+        error = e
+    crcs = comm.all_gather_object_ints(crc if error is None else -1)
+    if error is None and min(crcs) < 0:
+        error = CheckpointError(f"saving {path}: rank(s) {[r for r, c in enumerate(crcs) if c < 0]} failed "
+                                f"(see their errors); the previous checkpoint is untouched, the partial one is {tmp}")  # fmt: skip
+    _agree(comm, error, f"saving {path}")
+    if comm.rank == 0:
+        try:
+            _write_marker(tmp, comm.world_size, crcs, meta_crc)
+            _publish(tmp, path, tid)
+        except BaseException as e:  # noqa: BLE001
+            error = e
+    _agree(comm, error, f"publishing {path}")
+
+
+# ---------------------------------------------------------------------------------------------- read
+class Checkpoint:
+    """A complete checkpoint on disk, its metadata verified: parameters by name and where their elements live."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = path = os.path.abspath(os.fspath(path))
+        if not os.path.isdir(path):
+            hints = glob.glob(glob.escape(path) + ".old-*") + glob.glob(glob.escape(path) + ".tmp-*")
+            hint = f" (found {hints}: an interrupted save; one with a {MARKER} file is complete)" if hints else ""
+            raise CheckpointError(f"missing checkpoint directory {path}{hint}")
+        marker_path = os.path.join(path, MARKER)
+        if not os.path.exists(marker_path):
+            raise CheckpointError(f"{path}: no completion marker {MARKER}: the save did not finish; not loadable")
+        marker = read_json(marker_path)
+        self._check_version(marker, marker_path)
+        crcs = marker.get("crc32", {})
+        self.meta = read_json(os.path.join(path, META), crcs.get(META))
+        self._check_version(self.meta, os.path.join(path, META))
+        self.world_size = self.meta["world_size"]
+        self.params = {e["index"]: e for e in self.meta["params"]}
+        self.by_name = {e["name"]: e for e in self.meta["params"]}
+        self.ranks = []
+        for r in range(self.world_size):
+            name = rank_stem(r) + ".json"
+            if name not in crcs:
+                raise CheckpointError(f"{marker_path}: no checksum for {name}")
+            self.ranks.append(read_json(os.path.join(path, name), crcs[name]))
+        # global index -> sorted [(start, end, rank, group position, shard offset)]
+        self.pieces: dict[int, list[tuple[int, int, int, int, int]]] = {i: [] for i in self.params}
+        for r, rec in enumerate(self.ranks):
+            for gpos, group in enumerate(rec["groups"]):
+                for gidx, start, end, shard_offset in group["pieces"]:
+                    if gidx not in self.pieces:
+                        raise CheckpointError(f"{path}/{rank_stem(r)}.json: piece of unknown parameter index {gidx}")
+                    self.pieces[gidx].append((start, end, r, gpos, shard_offset))
+        for plist in self.pieces.values():
+            plist.sort()
+        self._readers: dict[int, ShardReader] = {}
+
+    @staticmethod
+    def _check_version(record: dict, where: str) -> None:
+        if record.get("format") != FORMAT_NAME:
+            raise CheckpointError(f"{where}: not a {FORMAT_NAME} file (format={record.get('format')!r})")
+        if record.get("version") != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{where}: format version {record.get('version')!r}, but this zero_ext reads version {FORMAT_VERSION} "
+                "only (written by a newer zero_ext? upgrade zero_ext to load it)"
+            )
+
+    def reader(self, rank: int) -> ShardReader:
+        if rank not in self._readers:
+            rec = self.ranks[rank]
+            path = os.path.join(self.path, rec["file"])
+            self._readers[rank] = ShardReader(path, rec["nbytes"], rec["block_size"], rec["crc32"])
+        return self._readers[rank]
+
+    def plan(self, gidx: int, kind: str, start: int, end: int) -> list[tuple[int, int, int, int]]:
+        """Reads that produce elements [start, end) of parameter ``gidx``'s ``kind``:
+        [(rank, file byte offset, nbytes, byte offset in the output)]."""
+        pieces, out, pos = self.pieces[gidx], [], start
+        i = max(bisect.bisect_right(pieces, (start, float("inf"))) - 1, 0)
+        while pos < end and i < len(pieces):
+            pstart, pend, rank, gpos, shard_offset = pieces[i]
+            i += 1
+            if pend <= pos:
+                continue
+            if pstart > pos:
+                break
+            take = min(pend, end) - pos
+            section = self.ranks[rank]["groups"][gpos]["sections"].get(kind)
+            if section is None:
+                raise CheckpointError(f"{self.path}: parameter {self.params[gidx]['name']!r} has no {kind!r} section")
+            size = torch.tensor([], dtype=dtype_of(section["dtype"], self.path)).element_size()
+            out.append(
+                (rank, section["offset"] + (shard_offset + pos - pstart) * size, take * size, (pos - start) * size)
+            )
+            pos += take
+        if pos < end:
+            name = self.params[gidx]["name"]
+            raise CheckpointError(f"{self.path}: elements {pos}..{end} of parameter {name!r} are in no rank's shard")
+        return out
+
+    def execute(self, reads: list[tuple[int, int, int, np.ndarray]]) -> None:
+        """Run [(rank, file offset, nbytes, uint8 destination)] in file order (each block verified once)."""
+        for rank, offset, nbytes, dst in sorted(reads, key=lambda r: r[:2]):
+            self.reader(rank).read_into(offset, dst[:nbytes])
+
+    def close(self) -> None:
+        for r in self._readers.values():
+            r.close()
+        self._readers.clear()
+
+
+# ---------------------------------------------------------------------------------------------- load
+def _match(ck: Checkpoint, opt: "ZeroAdamW") -> dict[int, int]:
+    """This optimizer's global index -> the checkpoint's, by name; every mismatch named."""
+    mine = {}
+    for fi, (fg, indices) in enumerate(zip(opt._flat_groups, opt._global_indices)):
+        for p, gidx in zip(fg.params, indices):
+            mine[opt._names[gidx]] = (gidx, p, opt._group_of_flat[fi])
+    missing, extra = sorted(set(mine) - set(ck.by_name)), sorted(set(ck.by_name) - set(mine))
+    if missing or extra:
+        raise CheckpointError(f"{ck.path}: parameters do not match the model (renamed, added or removed?): model "
+                              f"parameters missing from the checkpoint: {missing}; checkpoint parameters not in the "
+                              f"model: {extra}")  # fmt: skip
+    if len(ck.meta["param_groups"]) != len(opt.param_groups):
+        raise CheckpointError(f"{ck.path}: {len(ck.meta['param_groups'])} param groups saved, the optimizer has "
+                              f"{len(opt.param_groups)}")  # fmt: skip
+    mapping = {}
+    for name, (gidx, p, group) in mine.items():
+        e = ck.by_name[name]
+        for what, have, saved in (("shape", list(p.shape), e["shape"]), ("dtype", dtype_name(p.dtype), e["dtype"]),
+                                  ("param group", group, e["group"])):  # fmt: skip
+            if have != saved:
+                raise CheckpointError(f"parameter {name!r}: {what} {saved} in {ck.path}, but {have} in the model")
+        mapping[gidx] = e["index"]
+    return mapping
+
+
+def _restore_groups(ck: Checkpoint, opt: "ZeroAdamW") -> None:
+    for group, saved in zip(opt.param_groups, ck.meta["param_groups"]):
+        for key, value in saved["hyperparameters"].items():
+            if isinstance(value, dict) and "unrestorable" in value:
+                continue
+            value = _decode(value)
+            if isinstance(group.get(key), torch.Tensor) and isinstance(value, torch.Tensor):
+                group[key].fill_(value.item())
+            else:
+                group[key] = value
+
+
+def load(path: str | os.PathLike, optimizer: "ZeroAdamW") -> None:
+    """Collective: load a checkpoint saved at any world size and stage into ``optimizer`` (and its params).
+
+    Metadata (names, shapes, dtypes, coverage, file sizes) is checked before anything is written; a corrupted
+    block found while reading raises on every rank and leaves the optimizer partially loaded (load again)."""
+    opt, comm = optimizer, optimizer._comm
+    opt.wait_for_params()
+    opt._reducer.finish()
+    ck, error, work = None, None, []
+    try:
+        ck = Checkpoint(path)
+        mapping = _match(ck, opt)
+        for fg, indices in zip(opt._flat_groups, opt._global_indices):
+            by_bucket: dict[int, list] = {}
+            for piece in fg.layout.owned_pieces(comm.rank):
+                slot = fg.layout.slots[piece.index]
+                by_bucket.setdefault(slot.bucket, []).append(piece)
+            for bucket in fg.layout.buckets:
+                plans = []
+                for piece in by_bucket.get(bucket.index, []):
+                    local = piece.shard_offset - bucket.shard_offset
+                    for kind in _F32_KINDS:
+                        for r, off, n, at in ck.plan(mapping[indices[piece.index]], kind, piece.start, piece.end):
+                            plans.append((kind, r, off, n, local * 4 + at))
+                if plans:
+                    work.append((fg, bucket, plans))
+        for r in {p[1] for _, _, plans in work for p in plans}:
+            ck.reader(r)  # every file this rank needs exists and has its recorded size
+    except BaseException as e:  # noqa: BLE001
+        error = e
+    _agree(comm, error, f"loading {path}")
+    try:
+        with torch.no_grad():
+            for fg, bucket, plans in work:
+                views = {"master": fg.master_of(bucket), "exp_avg": fg.shard_of(fg.exp_avg, bucket),
+                         "exp_avg_sq": fg.shard_of(fg.exp_avg_sq, bucket)}  # fmt: skip
+                on_host = fg.device.type == "cpu"
+                dst = {k: v if on_host else torch.zeros(v.shape, dtype=v.dtype) for k, v in views.items()}
+                raw = {k: as_bytes(v) for k, v in dst.items()}
+                ck.execute([(r, off, n, raw[kind][at:]) for kind, r, off, n, at in plans])
+                if not on_host:
+                    for k, v in views.items():
+                        v.copy_(dst[k])
+    except BaseException as e:  # noqa: BLE001
+        error = e
+    finally:
+        if ck is not None:
+            ck.close()
+    _agree(comm, error, f"loading {path}")
+    with torch.no_grad():
+        _restore_groups(ck, opt)
+        opt._step_count.fill_(ck.meta["step"])
+        opt._skipped.fill_(ck.meta["skipped_steps"])
+        pending = []  # params follow the loaded master: round this rank's slices, gather everyone's
+        for fg in opt._flat_groups:
+            for bucket in fg.layout.buckets:
+                if not fg.master_is_param:
+                    fg.param_slice(bucket).copy_(fg.master_of(bucket))
+                pending.append(comm.all_gather(fg.bucket_view(fg.param_buffer, bucket), fg.param_slice(bucket)))
+        for p in pending:
+            p.wait()
+
+
+# ---------------------------------------------------------------------------------------------- consolidate
+def _read_full(ck: Checkpoint, gidx: int, kind: str, out: torch.Tensor) -> None:
+    raw = as_bytes(out)
+    ck.execute([(r, off, n, raw[at:]) for r, off, n, at in ck.plan(gidx, kind, 0, out.numel())])
+
+
+def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> None:
+    """Write ``out/optimizer.safetensors`` (full fp32 state per parameter name) and ``out/model.safetensors``
+    (weights in the param dtype), one parameter at a time; verifies every block of every shard."""
+    ck = Checkpoint(path)
+    out = os.fspath(out)
+    os.makedirs(out, exist_ok=True)
+    entries = [ck.params[i] for i in sorted(ck.params)]
+    step = ck.meta["step"]
+    info = {"format": FORMAT_NAME + ".consolidated", "version": str(FORMAT_VERSION), "step": repr(step),
+            "param_groups": json.dumps(ck.meta["param_groups"]), "params": json.dumps(entries)}  # fmt: skip
+    state_entries, model_entries = [], []
+    for e in entries:
+        shape = tuple(e["shape"])
+        state_entries += [(f"{k}/{e['name']}", torch.float32, shape) for k in ("param", "exp_avg", "exp_avg_sq")]
+        state_entries.append((f"step/{e['name']}", torch.float32, ()))
+        model_entries.append((e["name"], dtype_of(e["dtype"], ck.path), shape))
+    state = SafetensorsWriter(os.path.join(out, "optimizer.safetensors"), state_entries, info)
+    model = SafetensorsWriter(os.path.join(out, "model.safetensors"), model_entries, {"format": "pt"})
+    try:
+        for e in entries:
+            numel, name, dtype = int(np.prod(e["shape"], dtype=np.int64)), e["name"], dtype_of(e["dtype"], ck.path)
+            master = torch.empty(numel, dtype=torch.float32)
+            _read_full(ck, e["index"], "master", master)
+            state.write(f"param/{name}", master)
+            if dtype == torch.float32:
+                model.write(name, master)  # fp32 params are their own master
+            else:
+                weights = torch.empty(numel, dtype=dtype)
+                _read_full(ck, e["index"], "param", weights)
+                model.write(name, weights)
+                del weights
+            del master
+            for kind in ("exp_avg", "exp_avg_sq"):
+                buf = torch.empty(numel, dtype=torch.float32)
+                _read_full(ck, e["index"], kind, buf)
+                state.write(f"{kind}/{name}", buf)
+                del buf
+            state.write(f"step/{name}", torch.tensor(step, dtype=torch.float32))
+        state.close()
+        model.close()
+    finally:
+        ck.close()
+
+
+def adamw_state_dict(out: str | os.PathLike) -> dict[str, Any]:
+    """A consolidated ``out`` as a ``torch.optim.AdamW`` state dict (for a model whose param groups list the same
+    parameters in the same order)."""
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(os.fspath(out), "optimizer.safetensors"), framework="pt") as f:
+        meta = f.metadata()
+        state = {}
+        for e in json.loads(meta["params"]):
+            n = e["name"]
+            state[e["index"]] = {"step": f.get_tensor(f"step/{n}"), "exp_avg": f.get_tensor(f"exp_avg/{n}"),
+                                 "exp_avg_sq": f.get_tensor(f"exp_avg_sq/{n}")}  # fmt: skip
+    groups, base = [], 0
+    for g in json.loads(meta["param_groups"]):
+        hyper = {
+            k: _decode(v) for k, v in g["hyperparameters"].items() if not (isinstance(v, dict) and "unrestorable" in v)
+        }
+        groups.append({**hyper, "params": list(range(base, base + g["num_params"]))})
+        base += g["num_params"]
+    return {"state": state, "param_groups": groups}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m zero_ext.checkpoint", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("consolidate", help="write OUT/optimizer.safetensors and OUT/model.safetensors")
+    c.add_argument("path")
+    c.add_argument("out")
+    args = parser.parse_args(argv)
+    try:
+        consolidate(args.path, args.out)
+    except CheckpointError as e:
+        parser.exit(1, f"error: {e}\n")
+    print(f"wrote {os.path.join(args.out, 'optimizer.safetensors')} and {os.path.join(args.out, 'model.safetensors')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
