@@ -4,6 +4,9 @@ PIP := $(PYTHON) -m pip
 # torch is installed only when absent; a CUDA torch already present is kept.
 TORCH_SPEC ?= torch==2.13.0
 BUILD ?= build/cmake
+# Tools installed by the dev extra live next to the interpreter, wherever PATH points.
+SCRIPTS := $(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_path('scripts'))")
+CLANG_FORMAT ?= $(SCRIPTS)/clang-format
 
 .PHONY: install run test test-cuda ctest lint format cuda-link
 
@@ -29,12 +32,12 @@ ctest:
 lint:
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
-	clang-format --dry-run --Werror $$(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh')
+	$(CLANG_FORMAT) --dry-run --Werror $$(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh')
 
 format:
 	$(PYTHON) -m ruff check --fix .
 	$(PYTHON) -m ruff format .
-	clang-format -i $$(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh')
+	$(CLANG_FORMAT) -i $$(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh')
 
 # Builds and links the real CUDA extension against the CUDA build of torch in its own venv (.venv-cuda),
 # on a machine with no GPU: proves csrc/torch/cuda_ops.cpp and csrc/cuda/*.cu link into zero_ext._C.
