@@ -37,7 +37,9 @@ def _extensions():
 
     use_cuda = _want_cuda(cpp_extension)
     rel = lambda pattern: sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, pattern)))  # noqa: E731
-    sources = rel("csrc/cpu/*.cpp") + [p for p in rel("csrc/torch/*.cpp") if not os.path.basename(p).startswith("cuda_")]
+    sources = rel("csrc/cpu/*.cpp") + [
+        p for p in rel("csrc/torch/*.cpp") if not os.path.basename(p).startswith("cuda_")
+    ]
     cxx = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"]
     define_macros = []
     if use_cuda:
