@@ -1,7 +1,7 @@
 // The one AdamW formula shared by the CPU and CUDA kernels.
 //
-// Operation order follows torch.optim.AdamW (single-tensor path) so fp32 results agree with torch to
-// about one ulp:
+// Operation order follows torch.optim.AdamW (single-tensor path) so fp32 results agree with torch
+// to about one ulp:
 //   p  *= 1 - lr*wd                       (decoupled weight decay)
 //   m   = lerp(m, g, 1 - beta1)
 //   v   = beta2*v + (1 - beta2)*g*g

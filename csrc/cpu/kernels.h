@@ -11,9 +11,9 @@ namespace zero_ext::cpu {
 // The instruction-set path a kernel takes. kAuto = the best this CPU supports.
 enum class Isa : int32_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3 };
 
-Isa best_isa();             // what this CPU supports (cpuid)
-Isa active_isa();           // what the kernels use now (best_isa() unless forced)
-void force_isa(Isa isa);    // kAuto restores best_isa(); forcing an unsupported isa clamps to best
+Isa best_isa();           // what this CPU supports (cpuid)
+Isa active_isa();         // what the kernels use now (best_isa() unless forced)
+void force_isa(Isa isa);  // kAuto restores best_isa(); forcing an unsupported isa clamps to best
 const char* isa_name(Isa isa);
 
 // One fused AdamW step over n elements (see adamw_math.h). grad has grad_dtype; param_out, when not

@@ -50,14 +50,17 @@ DType to_kernel_dtype(const at::Tensor& t, const char* op, const char* arg) {
 void check_adamw_hyperparameters(double lr, double beta1, double beta2, double eps,
                                  double weight_decay, double step) {
   // Written so that NaN fails every check.
-  TORCH_CHECK(lr >= 0.0 && std::isfinite(lr), "zero_ext.fused_adamw_: `lr` must be a finite value >= 0, got ", lr);
-  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0,
-              "zero_ext.fused_adamw_: `beta1` must be in [0, 1), got ", beta1);
-  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0,
-              "zero_ext.fused_adamw_: `beta2` must be in [0, 1), got ", beta2);
-  TORCH_CHECK(eps >= 0.0 && std::isfinite(eps), "zero_ext.fused_adamw_: `eps` must be a finite value >= 0, got ", eps);
+  TORCH_CHECK(lr >= 0.0 && std::isfinite(lr),
+              "zero_ext.fused_adamw_: `lr` must be a finite value >= 0, got ", lr);
+  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, "zero_ext.fused_adamw_: `beta1` must be in [0, 1), got ",
+              beta1);
+  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, "zero_ext.fused_adamw_: `beta2` must be in [0, 1), got ",
+              beta2);
+  TORCH_CHECK(eps >= 0.0 && std::isfinite(eps),
+              "zero_ext.fused_adamw_: `eps` must be a finite value >= 0, got ", eps);
   TORCH_CHECK(weight_decay >= 0.0 && std::isfinite(weight_decay),
-              "zero_ext.fused_adamw_: `weight_decay` must be a finite value >= 0, got ", weight_decay);
+              "zero_ext.fused_adamw_: `weight_decay` must be a finite value >= 0, got ",
+              weight_decay);
   TORCH_CHECK(step >= 1.0 && std::isfinite(step),
               "zero_ext.fused_adamw_: `step` must be >= 1 (the count including this update), got ",
               step);
@@ -66,8 +69,7 @@ void check_adamw_hyperparameters(double lr, double beta1, double beta2, double e
 void check_fused_adamw_args(const at::Tensor& master, const at::Tensor& grad,
                             const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                             const std::optional<at::Tensor>& param_out,
-                            const std::optional<at::Tensor>& found_inf,
-                            const AdamWScalarArgs& s) {
+                            const std::optional<at::Tensor>& found_inf, const AdamWScalarArgs& s) {
   TORCH_CHECK(master.scalar_type() == at::kFloat,
               "zero_ext.fused_adamw_: `master` must be float32, got ", master.scalar_type());
   TORCH_CHECK(master.is_contiguous() && master.layout() == at::kStrided,
@@ -104,9 +106,10 @@ void check_fused_adamw_args(const at::Tensor& master, const at::Tensor& grad,
               "zero_ext.fused_adamw_: `grad_scale` must be finite, got ", s.grad_scale);
   // In-place outputs must not share memory: the update would read values it already wrote.
   if (master.numel() > 0) {
-    TORCH_CHECK(master.data_ptr() != exp_avg.data_ptr() && master.data_ptr() != exp_avg_sq.data_ptr() &&
-                    exp_avg.data_ptr() != exp_avg_sq.data_ptr(),
-                "zero_ext.fused_adamw_: `master`, `exp_avg` and `exp_avg_sq` must be distinct tensors");
+    TORCH_CHECK(
+        master.data_ptr() != exp_avg.data_ptr() && master.data_ptr() != exp_avg_sq.data_ptr() &&
+            exp_avg.data_ptr() != exp_avg_sq.data_ptr(),
+        "zero_ext.fused_adamw_: `master`, `exp_avg` and `exp_avg_sq` must be distinct tensors");
   }
 }
 
@@ -116,8 +119,8 @@ std::vector<TensorSlice> check_flatten_args(const at::Tensor& flat, at::TensorLi
   to_kernel_dtype(flat, op, "flat");
   TORCH_CHECK(flat.is_contiguous() && flat.layout() == at::kStrided, "zero_ext.", op,
               ": `flat` must be a contiguous dense tensor");
-  TORCH_CHECK(offsets.size() == tensors.size(), "zero_ext.", op, ": `offsets` has ",
-              offsets.size(), " entries but `tensors` has ", tensors.size());
+  TORCH_CHECK(offsets.size() == tensors.size(), "zero_ext.", op, ": `offsets` has ", offsets.size(),
+              " entries but `tensors` has ", tensors.size());
   std::vector<TensorSlice> slices;
   slices.reserve(tensors.size());
   std::vector<std::pair<int64_t, int64_t>> ranges;
@@ -130,9 +133,9 @@ std::vector<TensorSlice> check_flatten_args(const at::Tensor& flat, at::TensorLi
     TORCH_CHECK(t.is_contiguous() && t.layout() == at::kStrided, "zero_ext.", op, ": `", arg,
                 "` must be a contiguous dense tensor");
     const int64_t off = offsets[i];
-    TORCH_CHECK(off >= 0 && off + t.numel() <= flat.numel(), "zero_ext.", op, ": `", arg,
-                "` (", t.numel(), " elements at offset ", off, ") does not fit in `flat` (",
-                flat.numel(), " elements)");
+    TORCH_CHECK(off >= 0 && off + t.numel() <= flat.numel(), "zero_ext.", op, ": `", arg, "` (",
+                t.numel(), " elements at offset ", off, ") does not fit in `flat` (", flat.numel(),
+                " elements)");
     if (t.numel() > 0) ranges.emplace_back(off, off + t.numel());
     slices.push_back(TensorSlice{t.numel() > 0 ? t.data_ptr() : nullptr, t.numel(), off, dt, 0});
   }

@@ -26,8 +26,7 @@ struct AdamWScalarArgs {
 void check_fused_adamw_args(const at::Tensor& master, const at::Tensor& grad,
                             const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                             const std::optional<at::Tensor>& param_out,
-                            const std::optional<at::Tensor>& found_inf,
-                            const AdamWScalarArgs& s);
+                            const std::optional<at::Tensor>& found_inf, const AdamWScalarArgs& s);
 
 // Validates hyperparameters once their values are known on the host (CPU path reads the tensors).
 void check_adamw_hyperparameters(double lr, double beta1, double beta2, double eps,

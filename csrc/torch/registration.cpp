@@ -24,8 +24,9 @@ std::string cpu_isa(const std::string& isa) {
     } else if (isa == "avx512") {
       want = Isa::kAvx512;
     } else {
-      TORCH_CHECK(false, "zero_ext._cpu_isa: `isa` must be one of auto, scalar, avx2, avx512, got '",
-                  isa, "'");
+      TORCH_CHECK(false,
+                  "zero_ext._cpu_isa: `isa` must be one of auto, scalar, avx2, avx512, got '", isa,
+                  "'");
     }
     cpu::force_isa(want);
   }
@@ -48,4 +49,3 @@ TORCH_LIBRARY(zero_ext, m) {
   m.def("sum_squares(Tensor x) -> (Tensor sumsq, Tensor nonfinite)");
   m.def("_cpu_isa(str isa=\"\") -> str", &zero_ext::cpu_isa);
 }
-
