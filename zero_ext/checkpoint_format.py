@@ -66,6 +66,30 @@ def as_bytes(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
+# ---------------------------------------------------------------------------------------------- hyperparameters
+def encode_value(value: Any) -> Any:
+    """A param group value as JSON (tuples and 1-element tensors tagged); TypeError when it has no JSON form."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return {"tensor": value.item(), "dtype": dtype_name(value.dtype)}
+    if isinstance(value, tuple):
+        return {"tuple": [encode_value(v) for v in value]}
+    if isinstance(value, list):
+        return [encode_value(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(type(value).__name__)
+
+
+def decode_value(value: Any) -> Any:
+    if isinstance(value, dict) and "tuple" in value:
+        return tuple(decode_value(v) for v in value["tuple"])
+    if isinstance(value, dict) and "tensor" in value:
+        return torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"]))
+    if isinstance(value, list):
+        return [decode_value(v) for v in value]
+    return value
+
+
 # ---------------------------------------------------------------------------------------------- durable files
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
