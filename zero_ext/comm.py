@@ -17,6 +17,11 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed the flat-tensor collectives (*_into_tensor / *_tensor -> *_single); older releases
+# (the GPU machines' torch 2.11) only have the old names. Same arguments, same semantics.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class Pending:
     """One in-flight collective (and its follow-up work)."""
@@ -76,12 +81,12 @@ class Communicator:
     ) -> Pending:
         """Sum ``input`` over ranks; rank r receives slice r in ``output``."""
         self.bytes_reduce_scattered += input.numel() * input.element_size()
-        return self._launch(lambda: dist.reduce_scatter_tensor(output, input, group=self.group, async_op=True), then)
+        return self._launch(lambda: _reduce_scatter_flat(output, input, group=self.group, async_op=True), then)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
         """Gather every rank's ``input`` into ``output`` (in place when ``input`` is this rank's slice of it)."""
         self.bytes_all_gathered += output.numel() * output.element_size()
-        return self._launch(lambda: dist.all_gather_into_tensor(output, input, group=self.group, async_op=True), None)
+        return self._launch(lambda: _all_gather_flat(output, input, group=self.group, async_op=True), None)
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> Pending:
         self.bytes_all_reduced += tensor.numel() * tensor.element_size()
@@ -95,5 +100,5 @@ class Communicator:
             device = torch.device("cpu")
         mine = torch.tensor([value], dtype=torch.int64, device=device)
         out = torch.empty(self.world_size, dtype=torch.int64, device=device)
-        dist.all_gather_into_tensor(out, mine, group=self.group)
+        _all_gather_flat(out, mine, group=self.group)
         return out.tolist()

@@ -51,7 +51,10 @@ class ZeroAdamW(torch.optim.Optimizer):
         stage: 1 (shard optimizer state; a persistent flat grad buffer) or 2 (also shard gradients).
         process_group: the data-parallel group (default: the world; a single process when torch.distributed
             is not initialised).
-        bucket_size: elements per bucket (default: max(2**22, world_size * 2**18)).
+        bucket_size: elements per bucket. Default: an eighth of the trainable parameters (so that even a small
+            model gets several buckets to overlap with backward, and the staging pool stays small), clamped
+            to [world_size * 2**16, max(2**22, world_size * 2**18)] (large models: 16 MiB fp32 buckets, at
+            least 1 MiB per rank per collective).
         reduce_dtype: dtype of the gradient reduce-scatter: float32 (default; exact fp32 mean) or the
             param dtype (half the bytes, low-precision sums).
         max_grad_norm: clip the global gradient norm to this value (fused into the AdamW kernel).
@@ -112,7 +115,10 @@ class ZeroAdamW(torch.optim.Optimizer):
         if reduce_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             error = error or f"`reduce_dtype` must be float32, bfloat16 or float16, got {reduce_dtype}"
         self.reduce_dtype = reduce_dtype
-        self.bucket_size = bucket_size or max(2**22, world * 2**18)
+        if bucket_size is None:
+            trainable = sum(p.numel() for g in self.param_groups for p in g["params"] if p.requires_grad)
+            bucket_size = min(max(2**22, world * 2**18), max(world * 2**16, -(-trainable // 8)))
+        self.bucket_size = bucket_size
 
         self._flat_groups: list[FlatGroup] = []
         self._global_indices: list[list[int]] = []
