@@ -145,3 +145,16 @@ def test_single_process_without_torch_distributed():
     loss_fn(model, batch(0, 0)).backward()
     opt.step()
     assert opt.step_count == 1
+
+
+def _failed_construction_leaves_model_untouched(rank, world):
+    model = build()
+    storages = [p.untyped_storage().data_ptr() for p in model.parameters()]
+    _expect(RuntimeError, "differ between ranks", lambda: ZeroAdamW(model.parameters(), stage=1 + rank % 2))
+    assert [p.untyped_storage().data_ptr() for p in model.parameters()] == storages
+    assert all(p.grad is None for p in model.parameters())
+    return True
+
+
+def test_failed_construction_leaves_model_untouched():
+    assert run_on_ranks(2, _failed_construction_leaves_model_untouched) == [True, True]

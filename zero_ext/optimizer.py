@@ -120,23 +120,18 @@ class ZeroAdamW(torch.optim.Optimizer):
             bucket_size = min(max(2**22, world * 2**18), max(world * 2**16, -(-trainable // 8)))
         self.bucket_size = bucket_size
 
-        self._flat_groups: list[FlatGroup] = []
-        self._global_indices: list[list[int]] = []
-        self._group_of_flat: list[int] = []
+        # Plan the flat groups (one per param group and dtype) and compare the plan across ranks before
+        # allocating anything or re-pointing any parameter: a failed construction leaves the model untouched.
+        plan: list[tuple[int, list[tuple[int, torch.Tensor]]]] = []
         descriptions = [f"stage={stage} reduce={reduce_dtype} bucket={self.bucket_size} error={error is not None}"]
         if error is None:
-            for gi, group in enumerate(self.param_groups):
+            for gi in range(len(self.param_groups)):
                 for dtype in _SUPPORTED_DTYPES:
                     members = [(i, p) for i, p in self._trainable(gi) if p.dtype == dtype]
-                    if not members:
-                        continue
-                    fg = FlatGroup([p for _, p in members], gi, world, rank, self.bucket_size)
-                    self._flat_groups.append(fg)
-                    self._global_indices.append([i for i, _ in members])
-                    self._group_of_flat.append(gi)
-                    descriptions.append(f"group={gi} dtype={dtype} shapes={[tuple(p.shape) for _, p in members]}")
-        mine = fingerprint(descriptions)
-        everyone = self._comm.all_gather_object_ints(mine)
+                    if members:
+                        plan.append((gi, members))
+                        descriptions.append(f"group={gi} dtype={dtype} shapes={[tuple(p.shape) for _, p in members]}")
+        everyone = self._comm.all_gather_object_ints(fingerprint(descriptions))
         if error is not None:
             raise ValueError(f"zero_ext.ZeroAdamW: {error}")
         if len(set(everyone)) != 1:
@@ -146,6 +141,9 @@ class ZeroAdamW(torch.optim.Optimizer):
                 f"{everyone}; ranks {differ} differ from rank 0). Every rank must build the same model with the same "
                 "param groups, dtypes, stage, bucket_size and reduce_dtype."
             )
+        self._flat_groups = [FlatGroup([p for _, p in m], gi, world, rank, self.bucket_size) for gi, m in plan]
+        self._global_indices = [[i for i, _ in m] for _, m in plan]
+        self._group_of_flat = [gi for gi, _ in plan]
 
         self._reducer = GradReducer(
             self._flat_groups, self._global_indices, self._names, self._comm, stage, reduce_dtype, staging_buffers
