@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -49,7 +49,6 @@ class _Staging:
     output: Optional[torch.Tensor]
     pending: Optional[Pending] = None  # the in-flight collective reading/writing this entry
     holder: Optional[int] = None  # order of the bucket filling it (stage 2), until launched
-    extra: dict = field(default_factory=dict)
 
 
 class GradReducer:
@@ -107,6 +106,7 @@ class GradReducer:
                 stacklevel=3,
             )
 
+        self._grad_buffer_of = {id(g): buf for g, buf in zip(self.groups, self.grad_buffers)}
         self._max_bucket = max((r.bucket.numel for r in self.refs), default=0)
         self._max_shard = max((r.bucket.shard_numel for r in self.refs), default=0)
         self._needs_output = stage == 2 or reduce_dtype != torch.float32
@@ -166,7 +166,7 @@ class GradReducer:
         ref = self._ref_of[(id(group), group.layout.slots[index].bucket)]
         slot = group.layout.slots[index]
         if self.stage == 1:
-            view = self.grad_buffers[self.groups.index(group)][slot.offset : slot.offset + slot.numel]
+            view = self._grad_buffer_of[id(group)][slot.offset : slot.offset + slot.numel]
             if grad.data_ptr() != view.data_ptr():
                 # The user replaced .grad (e.g. module.zero_grad(set_to_none=True)): a fresh gradient means
                 # "previous value was zero", so overwrite the slot and point .grad back at it.
@@ -216,7 +216,7 @@ class GradReducer:
         grad_shard = group.shard_of(group.grad_shard, bucket)
         if self.stage == 1:
             entry = self._acquire(ref.order)
-            src = group.bucket_view(self.grad_buffers[self.groups.index(group)], bucket)
+            src = group.bucket_view(self._grad_buffer_of[id(group)], bucket)
             cast_scale_into(entry.input[:n], src, self.prescale)
             if entry.output is None:
                 pending = self.comm.reduce_scatter(grad_shard, entry.input[:n])
