@@ -1,0 +1,95 @@
+"""ZeroAdamW on CUDA (NCCL, world size 1: all one GPU allows): the same parity as on CPU, the Triton and CUDA
+kernels in the loop, and no host synchronisation inside step()."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from engine_reference import check_against_reference, mean_grads, rank_grads, reference
+from tiny_transformer import batch, build, loss_fn
+
+from zero_ext import ZeroAdamW
+
+pytestmark = pytest.mark.cuda
+HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+@pytest.fixture(scope="module")
+def nccl_world():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    fd, path = tempfile.mkstemp()
+    os.close(fd)
+    dist.init_process_group("nccl", store=dist.FileStore(path, 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+    os.remove(path)
+
+
+def _to_cuda(model):
+    return model.to("cuda")
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_matches_unsharded_adamw(nccl_world, stage, dtype):
+    model = _to_cuda(build(dtype))
+    opt = ZeroAdamW(model.named_parameters(), **HYPER, stage=stage, bucket_size=2000, max_grad_norm=1.0)
+    ref_params, ref_opt = reference(build(dtype), **HYPER)
+    for step in range(8):
+        tokens = batch(step, 0).cuda()
+        per_rank = rank_grads(model, list(model.parameters()), [tokens], loss_fn)
+        grads = mean_grads([[g.cpu() for g in per_rank[0]]], ref_params)
+        for p, g in zip(ref_params, grads):
+            p.grad = g
+        torch.nn.utils.clip_grad_norm_(ref_params, 1.0)
+        ref_opt.step()
+        loss_fn(model, tokens).backward()
+        opt.step()
+        opt.zero_grad()
+        cpu_model = build(dtype)
+        cpu_model.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
+        # Master shards on the device: compare through a CPU view of the optimizer's buffers.
+        check_against_reference(_CpuView(opt), cpu_model, ref_params, 0)
+
+
+class _CpuView:
+    """An optimizer stand-in whose flat groups' master buffers are on the CPU (for the comparison helper)."""
+
+    def __init__(self, opt):
+        self._global_indices = opt._global_indices
+        self._flat_groups = [_CpuGroup(fg) for fg in opt._flat_groups]
+
+
+class _CpuGroup:
+    def __init__(self, fg):
+        self.layout = fg.layout
+        self.master = None if fg.master is None else fg.master.cpu()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_cuda_step_never_synchronises_with_the_host(nccl_world, stage):
+    model = _to_cuda(build(torch.bfloat16))
+    opt = ZeroAdamW(model.named_parameters(), **HYPER, stage=stage, bucket_size=2000, max_grad_norm=1.0)
+    for step in range(3):
+        loss_fn(model, batch(step, 0).cuda()).backward()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.step()
+            opt.zero_grad()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert opt.step_count == 3 and torch.isfinite(opt.grad_norm)
+
+
+def test_cuda_nonfinite_gradient_skips_the_step(nccl_world):
+    model = _to_cuda(build(torch.bfloat16))
+    opt = ZeroAdamW(model.named_parameters(), **HYPER, stage=2, bucket_size=2000)
+    before = [p.detach().clone() for p in model.parameters()]
+    (loss_fn(model, batch(0, 0).cuda()) * float("nan")).backward()
+    opt.step()
+    assert opt.skipped_steps == 1 and opt.step_count == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
