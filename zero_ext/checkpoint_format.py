@@ -250,6 +250,9 @@ class ShardReader:
                 mv[pos - offset : pos - offset + take] = self._block(index)[within : within + take]
             pos += take
 
+    def drop_cache(self) -> None:
+        self._cache.clear()
+
     def close(self) -> None:
         os.close(self._fd)
 

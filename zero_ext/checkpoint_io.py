@@ -111,8 +111,14 @@ class Checkpoint:
 
     def execute(self, reads: list[tuple[int, int, int, np.ndarray]]) -> None:
         """Run [(rank, file offset, nbytes, uint8 destination)] in file order (each block verified once)."""
+        previous = None
         for rank, offset, nbytes, dst in sorted(reads, key=lambda r: r[:2]):
+            if previous is not None and previous != rank:
+                self.reader(previous).drop_cache()  # at most one file's few cached blocks at a time
             self.reader(rank).read_into(offset, dst[:nbytes])
+            previous = rank
+        if previous is not None:
+            self.reader(previous).drop_cache()
 
     def close(self) -> None:
         for r in self._readers.values():
