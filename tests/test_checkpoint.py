@@ -280,6 +280,19 @@ def test_truncated_corrupted_and_missing_files(damaged):
         checkpoint.consolidate(path, path.parent / "out")
     _flip_byte(path / "rank00000.bin", 4 * 5)
     checkpoint.load(path, opt)  # repaired: loads
+    # A damaged block late in the last file (read after every other block) fails the load before anything
+    # is written: the optimizer keeps the state it had.
+    sections = json.loads((path / "rank00001.json").read_text())["groups"][0]["sections"]
+    _flip_byte(path / "rank00001.bin", sections["exp_avg_sq"]["offset"] + 8)
+    for fg in opt._flat_groups:
+        for t in fg.persistent_tensors().values():
+            t.add_(1.0)  # state that differs from the checkpoint's everywhere
+    before = [t.clone() for fg in opt._flat_groups for t in fg.persistent_tensors().values()]
+    with pytest.raises(CheckpointError, match=r"rank00001\.bin: corrupted"):
+        checkpoint.load(path, opt)
+    after = [t for fg in opt._flat_groups for t in fg.persistent_tensors().values()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after)), "a failed load changed the optimizer"
+    _flip_byte(path / "rank00001.bin", sections["exp_avg_sq"]["offset"] + 8)
     _flip_byte(path / "rank00001.json", 30)
     with pytest.raises(CheckpointError, match=r"rank00001\.json: checksum mismatch"):
         checkpoint.load(path, opt)

@@ -247,8 +247,9 @@ def _restore_groups(ck: Checkpoint, opt: "ZeroAdamW") -> None:
 def load(path: str | os.PathLike, optimizer: "ZeroAdamW") -> None:
     """Collective: load a checkpoint saved at any world size and stage into ``optimizer`` (and its params).
 
-    Metadata (names, shapes, dtypes, coverage, file sizes) is checked before anything is written; a corrupted
-    block found while reading raises on every rank and leaves the optimizer partially loaded (load again)."""
+    Everything is checked before anything is written: metadata (names, shapes, dtypes, coverage, file sizes) and
+    the checksum of every block this rank will read. A damaged checkpoint raises on every rank and leaves the
+    optimizer as it was."""
     opt, comm = optimizer, optimizer._comm
     opt.wait_for_params()
     opt._reducer.finish()
@@ -270,8 +271,9 @@ def load(path: str | os.PathLike, optimizer: "ZeroAdamW") -> None:
                             plans.append((kind, r, off, n, local * 4 + at))
                 if plans:
                     work.append((fg, bucket, plans))
-        for r in {p[1] for _, _, plans in work for p in plans}:
-            ck.reader(r)  # every file this rank needs exists and has its recorded size
+        # A verification pass (from the page cache, 1 MiB at a time) so that a damaged block fails the load with
+        # the optimizer untouched, instead of after some buffers were already overwritten.
+        ck.verify([(r, off, n) for _, _, plans in work for _, r, off, n, _ in plans])
     except BaseException as e:  # noqa: BLE001
         error = e
     _agree(comm, error, f"loading {path}")

@@ -232,6 +232,19 @@ class ShardReader:
         self._cache[index] = buf  # most recent last
         return buf
 
+    def verify_blocks(self, ranges) -> None:
+        """Check the crc32 of every block the byte ranges ``[(offset, nbytes), ...]`` touch; writes nothing."""
+        bs = self.block_size
+        blocks = set()
+        for offset, nbytes in ranges:
+            if offset + nbytes > self.nbytes:
+                raise CheckpointError(f"{self.path}: range {offset}..{offset + nbytes} is past the end ({self.nbytes})")
+            if nbytes > 0:
+                blocks.update(range(offset // bs, (offset + nbytes - 1) // bs + 1))
+        scratch = memoryview(bytearray(bs))
+        for index in sorted(blocks):
+            self._read_block_into(index, scratch[: min(bs, self.nbytes - index * bs)])
+
     def read_into(self, offset: int, out: np.ndarray) -> None:
         """Fill ``out`` (uint8) with bytes [offset, offset + len(out)); whole blocks go straight into ``out``."""
         end = offset + len(out)

@@ -109,6 +109,14 @@ class Checkpoint:
             raise CheckpointError(f"{self.path}: elements {pos}..{end} of parameter {name!r} are in no rank's shard")
         return out
 
+    def verify(self, reads: list[tuple[int, int, int]]) -> None:
+        """Check the checksums of every block that [(rank, file offset, nbytes)] touch, before any of them is used."""
+        by_rank: dict[int, list[tuple[int, int]]] = {}
+        for rank, offset, nbytes in reads:
+            by_rank.setdefault(rank, []).append((offset, nbytes))
+        for rank, ranges in sorted(by_rank.items()):
+            self.reader(rank).verify_blocks(ranges)
+
     def execute(self, reads: list[tuple[int, int, int, np.ndarray]]) -> None:
         """Run [(rank, file offset, nbytes, uint8 destination)] in file order (each block verified once)."""
         previous = None
