@@ -46,9 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--bucket-size",
         type=int,
-        default=2**19,
-        help="ZeroAdamW bucket size in elements (default 2**19: ~7 buckets for the default model, so reduction\n"
-        "overlaps backward; 0 = the engine's default max(2**22, N * 2**18), one bucket here)",
+        default=0,
+        help="ZeroAdamW bucket size in elements (default 0 = the engine's default: an eighth of the parameters,\n"
+        "clamped to [N * 2**16, max(2**22, N * 2**18)]: 8 buckets for the default model, so reduction overlaps backward)",
     )
     p.add_argument(
         "--loss-tol",
