@@ -129,3 +129,25 @@ def free_memory_bytes() -> int:
 
 def fmt_bytes(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
+
+
+def append_csv(path: Path, rows: list[dict[str, Any]]) -> Path:
+    """Append ``rows`` to a CSV that keeps every earlier row; a new column widens the header (old rows: blank)."""
+    import csv
+
+    path = Path(path)
+    old_rows: list[dict[str, str]] = []
+    fields: list[str] = []
+    if path.exists():
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            fields = list(reader.fieldnames or [])
+            old_rows = list(reader)
+    for row in rows:
+        fields += [k for k in row if k not in fields]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, restval="")
+        writer.writeheader()
+        writer.writerows(old_rows + rows)
+    return path
