@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 
 import torch
-import torch.distributed as dist
 
 BF16_ULP = 2.0**-7  # relative spacing of bf16 values: one unit in the last place
 
@@ -69,7 +68,3 @@ def params_digest(model) -> str:
     for p in model.parameters():
         h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-def world_is(world_size: int) -> bool:
-    return (dist.get_world_size() if dist.is_initialized() else 1) == world_size

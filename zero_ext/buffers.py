@@ -127,10 +127,6 @@ class Layout:
         """Elements of real parameters (not padding or gaps) in ``rank``'s shard."""
         return sum(p.end - p.start for p in self.owned_pieces(rank))
 
-    def describe(self) -> str:
-        """A stable text description: equal on two ranks iff their layouts are equal."""
-        return f"world={self.world_size} bucket={self.bucket_size} numels={self.numels}"
-
 
 def fingerprint(parts: Sequence[str]) -> int:
     """A 63-bit hash of layout descriptions, cheap to compare across ranks."""

@@ -253,8 +253,3 @@ class GradReducer:
             if buf is not None:
                 buf.zero_()
             g.grad_shard.zero_()
-
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
