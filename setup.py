@@ -75,7 +75,7 @@ setup(
     package_dir={"zero_ext": "zero_ext", "zero_ext.kernels": "kernels"},
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},
-    install_requires=["torch>=2.4", "safetensors>=0.4", "tqdm>=4.60"],
+    install_requires=["torch>=2.4", "numpy>=1.24", "safetensors>=0.4", "tqdm>=4.60"],
     extras_require={
         "dev": ["pytest>=7", "hypothesis>=6", "triton>=3.0", "ruff>=0.5", "clang-format>=18", "matplotlib>=3.7"],
         "bench": ["matplotlib>=3.7"],
