@@ -41,7 +41,7 @@ inline __m128i float_to_bf16(__m256 x) {
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
-template <DType kGrad, int kOut, bool kSmallWeight>
+template <DType kGrad, int kOut, bool kSmallWeight, bool kStream>
 int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c) {
   const __m256 grad_scale = _mm256_set1_ps(c.grad_scale);
   const __m256 decay = _mm256_set1_ps(c.decay);
@@ -70,24 +70,41 @@ int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoeff
     if constexpr (kOut != 0) {
       const __m128i h =
           kOut == 1 ? float_to_bf16(p_new) : _mm256_cvtps_ph(p_new, _MM_FROUND_TO_NEAREST_INT);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(b.param_out) + i), h);
+      __m128i* dst = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(b.param_out) + i);
+      if constexpr (kStream) {
+        _mm_stream_si128(dst, h);
+      } else {
+        _mm_storeu_si128(dst, h);
+      }
     }
   }
+  if constexpr (kStream) _mm_sfence();  // order the streaming stores before the caller's
   return i;
 }
 
-template <DType kGrad, int kOut>
+template <DType kGrad, int kOut, bool kStream>
 int64_t body_lerp(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c) {
   // The branch of torch's lerp (adamw_math.h) depends only on the weight: pick it once per call.
-  return __builtin_fabsf(c.lerp_weight) < 0.5f ? body<kGrad, kOut, true>(b, begin, end, c)
-                                               : body<kGrad, kOut, false>(b, begin, end, c);
+  return __builtin_fabsf(c.lerp_weight) < 0.5f
+             ? body<kGrad, kOut, true, kStream>(b, begin, end, c)
+             : body<kGrad, kOut, false, kStream>(b, begin, end, c);
+}
+
+// Non-temporal stores for the write-only param_out stream of a large call (b.stream_out) when this
+// range of it is 16-byte aligned: they skip the read (write-allocate) of param_out's cache lines
+// (numbers in fused_adamw.cpp). Same values either way.
+template <DType kGrad, int kOut>
+int64_t body_store(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c) {
+  const auto addr = reinterpret_cast<uintptr_t>(static_cast<uint16_t*>(b.param_out) + begin);
+  if (b.stream_out && addr % 16 == 0) return body_lerp<kGrad, kOut, true>(b, begin, end, c);
+  return body_lerp<kGrad, kOut, false>(b, begin, end, c);
 }
 
 template <DType kGrad>
 int64_t body_out(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c) {
-  if (b.param_out == nullptr) return body_lerp<kGrad, 0>(b, begin, end, c);
-  if (b.param_out_dtype == DType::kBFloat16) return body_lerp<kGrad, 1>(b, begin, end, c);
-  return body_lerp<kGrad, 2>(b, begin, end, c);
+  if (b.param_out == nullptr) return body_lerp<kGrad, 0, false>(b, begin, end, c);
+  if (b.param_out_dtype == DType::kBFloat16) return body_store<kGrad, 1>(b, begin, end, c);
+  return body_store<kGrad, 2>(b, begin, end, c);
 }
 
 }  // namespace

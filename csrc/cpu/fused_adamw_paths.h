@@ -18,6 +18,8 @@ struct AdamWBuffers {
   float* exp_avg_sq;
   void* param_out;
   DType param_out_dtype;
+  // Write param_out with non-temporal stores where aligned (a call too big for the caches).
+  bool stream_out = false;
 };
 
 int64_t fused_adamw_scalar(const AdamWBuffers& b, int64_t begin, int64_t end,
