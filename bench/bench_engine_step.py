@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from gpt_model import GPT, GPTConfig, MarkovData, num_params  # noqa: E402
+from gpt_model import GPTConfig, MarkovData, num_params  # noqa: E402
 from launch import default_world, resolve_device  # noqa: E402
 from launch import launch as run_on  # noqa: E402
 from train_run import RunConfig, build, ddp_model_state, forward_backward  # noqa: E402
@@ -59,30 +59,6 @@ LABELS = {
 }
 
 
-def build_fp32(cfg: RunConfig, model_cfg: GPTConfig, device: torch.device):
-    """train_run.build without the bf16 rounding of the ZeroAdamW params: everyone fp32."""
-    import zero_ext
-
-    if cfg.recipe == "ddp":
-        return build(cfg, model_cfg, device)
-    torch.manual_seed(cfg.seed)
-    model = GPT(model_cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(p.bfloat16().float())  # the same starting point as train_run.build
-    model.to(device)
-    opt = zero_ext.ZeroAdamW(
-        model.named_parameters(),
-        lr=cfg.lr,
-        betas=cfg.betas,
-        weight_decay=cfg.weight_decay,
-        stage=int(cfg.recipe[-1]),
-        max_grad_norm=cfg.max_grad_norm,
-        bucket_size=cfg.bucket_size,
-    )
-    return model, model, opt
-
-
 def forward_backward_fp32(cfg: RunConfig, model, net, x, y) -> torch.Tensor:
     loss = net(x, y)
     loss.backward()
@@ -95,9 +71,9 @@ class Contender:
     def __init__(self, name: str, cfg: RunConfig, device: torch.device):
         self.name = name
         self.comparison, recipe, self.dtype = CONTENDERS[name]
-        self.cfg = RunConfig(**{**cfg.__dict__, "recipe": recipe})
-        make = build_fp32 if self.comparison == "fp32" else build
-        self.model, self.net, self.opt = make(self.cfg, cfg.model, device)
+        dtype = "float32" if self.comparison == "fp32" else "bfloat16"
+        self.cfg = RunConfig(**{**cfg.__dict__, "recipe": recipe, "param_dtype": dtype})
+        self.model, self.net, self.opt = build(self.cfg, cfg.model, device)
         self.is_ddp = self.net is not self.model
         self.device = device
         self.times: list[list[float]] = []  # one list per counted round

@@ -46,6 +46,7 @@ class RunConfig:
     max_grad_norm: float = 1.0
     seed: int = 0
     bucket_size: int | None = None  # ZeroAdamW's default when None
+    param_dtype: str = "bfloat16"  # ZeroAdamW recipes' param dtype (float32: the params are their own master)
     progress: bool = True
 
 
@@ -160,7 +161,7 @@ def build(cfg: RunConfig, model_cfg: GPTConfig, device: torch.device):
         )
         return model, ddp, opt
     if cfg.recipe in ("zero1", "zero2"):
-        model.to(device=device, dtype=torch.bfloat16)
+        model.to(device=device, dtype=getattr(torch, cfg.param_dtype))
         opt = zero_ext.ZeroAdamW(
             model.named_parameters(),
             lr=cfg.lr,
