@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from gpt_model import GPTConfig, MarkovData, num_params  # noqa: E402
+from gpt_model import MarkovData, add_model_args, model_config, num_params  # noqa: E402
 from launch import default_world, resolve_device  # noqa: E402
 from launch import launch as run_on  # noqa: E402
 from train_run import RunConfig, build, ddp_model_state, forward_backward  # noqa: E402
@@ -285,11 +285,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup-rounds", type=int, default=1)
     p.add_argument("--steps-per-turn", type=int, default=3)
     p.add_argument("--batch-per-rank", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=512)
+    add_model_args(p)
     p.add_argument("--bucket-size", type=int, default=None, help="ZeroAdamW bucket size (default: the engine's)")
     p.add_argument("--out-dir", default=str(common.RESULTS))
     p.add_argument("--name", default=None, help="result file stem (default: engine_step_<device>)")
@@ -303,7 +299,7 @@ def main(argv=None) -> int:
     for comp in {CONTENDERS[n][0] for n in names}:
         if not any(CONTENDERS[n][0] == comp and n.startswith("ddp") for n in names):
             p.error(f"comparison {comp!r} needs its DDP baseline among --contenders")
-    model = GPTConfig(args.vocab, args.seq_len, args.d_model, args.layers, args.heads)
+    model = model_config(args)
     cfg = RunConfig(model=model, global_batch=args.batch_per_rank * world, bucket_size=args.bucket_size, progress=False)
 
     meta = common.meta(torch.device(device))  # at the start: the commit that ran

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
 import torch  # noqa: E402
-from gpt_model import GPTConfig  # noqa: E402
+from gpt_model import add_model_args, model_config  # noqa: E402
 from launch import launch as run_on  # noqa: E402
 from launch import resolve_device  # noqa: E402
 from main_job_report import step_stats  # noqa: E402
@@ -58,12 +58,13 @@ def main(argv=None) -> int:
     p.add_argument("--recipes", default=",".join(RECIPES))
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--batch-per-rank", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--bucket-size", type=int, default=2**19, help="ZeroAdamW bucket size (elements), as the main job")
+    add_model_args(p)
+    p.add_argument(
+        "--bucket-size",
+        type=int,
+        default=2**19,
+        help="ZeroAdamW bucket size (elements; the committed scaling results used 2**19)",
+    )
     p.add_argument("--out-dir", default=str(common.RESULTS))
     p.add_argument("--name", default=None, help="result file stem (default: scaling_<device>)")
     args = p.parse_args(argv)
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
     else:
         worlds = [1, 2, 3, 4] if device == "cpu" else list(range(1, torch.cuda.device_count() + 1))
     recipes = args.recipes.split(",")
-    model = GPTConfig(args.vocab, args.seq_len, args.d_model, args.layers, args.heads)
+    model = model_config(args)
     cores = len(os.sched_getaffinity(0))
 
     meta = common.meta(torch.device(device))  # at the start: the commit that ran

@@ -27,6 +27,20 @@ class GPTConfig:
     n_heads: int = 4
 
 
+def add_model_args(parser) -> None:
+    """The model-shape flags every benchmark shares (defaults: the main job's ~3.3M-param GPT)."""
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+
+
+def model_config(args) -> GPTConfig:
+    """The GPTConfig the flags of :func:`add_model_args` describe."""
+    return GPTConfig(args.vocab, args.seq_len, args.d_model, args.layers, args.heads)
+
+
 class Block(nn.Module):
     def __init__(self, c: GPTConfig):
         super().__init__()

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
-from gpt_model import GPTConfig, MarkovData  # noqa: E402
+from gpt_model import MarkovData, add_model_args, model_config  # noqa: E402
 from launch import default_world, launch, resolve_device  # noqa: E402
 from main_job_report import agreement, render, save_chart  # noqa: E402
 from train_run import RunConfig, train  # noqa: E402
@@ -36,11 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-baseline", action="store_true", help="skip the DDP + torch AdamW run")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch", type=int, default=16, help="global batch in sequences (split over the ranks)")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
+    add_model_args(p)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -75,7 +71,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
     meta = common.meta(__import__("torch").device(args.device))  # at the start: the commit that ran
-    model = GPTConfig(args.vocab, args.seq_len, args.d_model, args.layers, args.heads)
+    model = model_config(args)
     recipes = ([] if args.no_baseline else ["ddp"]) + [f"zero{s}" for s in args.stages]
     world = args.world_size
     entropy = MarkovData(args.vocab, args.seq_len, seed=args.seed).entropy_rate()
