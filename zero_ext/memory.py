@@ -83,7 +83,8 @@ class MemoryReport:
 
     @property
     def estimate(self) -> float:
-        """:func:`estimate` for this run (the average rank)."""
+        """:func:`estimate` for this run (the average rank). Meaningful when every trainable param has one dtype:
+        ``widths`` are those of the param dtype (``formula`` is exact for mixed dtypes too)."""
         return estimate(self.num_params, self.world_size, self.stage, **self.widths)
 
     def table(self) -> str:

@@ -121,11 +121,11 @@ class GradReducer:
         self._staging_of: list[Optional[_Staging]] = [None] * len(self.refs)
         self._next = 0  # next bucket (in launch order) to launch this round
 
-        self._handles = []
         for g, indices in zip(self.groups, global_indices):
             for slot, p in zip(g.layout.slots, g.params):
-                hook = functools.partial(self._on_grad, g, slot.index, indices[slot.index])
-                self._handles.append(p.register_post_accumulate_grad_hook(hook))
+                p.register_post_accumulate_grad_hook(
+                    functools.partial(self._on_grad, g, slot.index, indices[slot.index])
+                )
 
     # ---------------------------------------------------------------- staging pool
     def _new_staging(self) -> _Staging:
