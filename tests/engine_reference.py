@@ -62,6 +62,18 @@ def check_against_reference(opt, model, ref_params, rank: int, ref_in_opt_order=
             torch.testing.assert_close(mine, ref)
 
 
+def check_grad_shard_is_mean(opt, means, rank: int) -> None:
+    """This rank's fp32 grad shard holds the ranks' mean gradient to the bit, as :func:`mean_grads` computes it
+    (fp32 sum in rank order, divided by N): what the gloo path promises. ``means`` follow the optimizer's
+    global parameter order. Waits for the reductions in flight first."""
+    opt._reducer.finish()
+    for fg, indices in zip(opt._flat_groups, opt._global_indices):
+        for piece in fg.layout.owned_pieces(rank):
+            mine = fg.grad_shard[piece.shard_offset : piece.shard_offset + piece.end - piece.start]
+            ref = means[indices[piece.index]].reshape(-1)[piece.start : piece.end]
+            assert torch.equal(mine, ref), f"grad shard of parameter {indices[piece.index]} is not the exact mean"
+
+
 def params_digest(model) -> str:
     """A hash of every parameter's bits, to show all ranks hold identical params."""
     h = hashlib.sha256()

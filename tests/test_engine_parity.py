@@ -4,7 +4,14 @@ and 3 gloo ranks (3 makes the padding uneven), with bf16 and fp32 params."""
 import pytest
 import torch
 from distributed import run_on_ranks
-from engine_reference import check_against_reference, mean_grads, params_digest, rank_grads, reference
+from engine_reference import (
+    check_against_reference,
+    check_grad_shard_is_mean,
+    mean_grads,
+    params_digest,
+    rank_grads,
+    reference,
+)
 from tiny_transformer import batch, build, loss_fn
 
 from zero_ext import ZeroAdamW
@@ -22,11 +29,13 @@ def _train(rank, world, dtype_name, steps, bucket_size):
     for step in range(steps):
         model1 = runs[1][0]
         per_rank = rank_grads(model1, list(model1.parameters()), [batch(step, r) for r in range(world)], loss_fn)
-        for p, g in zip(ref_params, mean_grads(per_rank, ref_params)):
+        means = mean_grads(per_rank, ref_params)
+        for p, g in zip(ref_params, means):
             p.grad = g
         ref_opt.step()
         for model, opt in runs.values():
             loss_fn(model, batch(step, rank)).backward()
+            check_grad_shard_is_mean(opt, means, rank)
             opt.step()
             opt.zero_grad()
         for model, opt in runs.values():

@@ -57,7 +57,11 @@ def _report(rank, world, stage, dtype_name):
         padding_elems += sum(t.element_size() * (t.numel() - real_full) for t in full)
         padding_elems += sum(t.element_size() * (t.numel() - real_shard) for t in shards)
         tensors += full + shards
-    staging = [e.input for e in opt._reducer.pool] + [e.output for e in opt._reducer.pool if e.output is not None]
+    # The pool: reduce-scatter inputs, outputs (when not written straight into the grad shard) and, on gloo with
+    # more than one rank, the all-to-all receive buffers.
+    staging = [t for e in opt._reducer.pool for t in (e.input, e.output, e.scratch) if t is not None]
+    if opt._comm.world_size > 1 and not next(iter(opt.param_groups[0]["params"])).is_cuda:
+        assert all(e.scratch is not None for e in opt._reducer.pool)
     allocated = sum(t.untyped_storage().nbytes() for t in tensors + staging)
 
     assert report.total == allocated

@@ -56,7 +56,8 @@ class ZeroAdamW(torch.optim.Optimizer):
             to [world_size * 2**16, max(2**22, world_size * 2**18)] (large models: 16 MiB fp32 buckets, at
             least 1 MiB per rank per collective).
         reduce_dtype: dtype of the gradient reduce-scatter: float32 (default; exact fp32 mean) or the
-            param dtype (half the bytes, low-precision sums).
+            param dtype (half the bytes, low-precision sums). On gloo with float32, bf16/fp16 gradients
+            already travel in their own dtype and are summed in fp32 after the transfer (exact, half the bytes).
         max_grad_norm: clip the global gradient norm to this value (fused into the AdamW kernel).
         defer_all_gather_to: a module; when given, ``step()`` returns without waiting for the parameter
             all-gather, and forward pre-hooks on the module's submodules wait for each parameter's bucket
@@ -397,7 +398,12 @@ class _SingleProcess:
         self.stream = None
         self.bytes_reduce_scattered = self.bytes_all_gathered = self.bytes_all_reduced = 0
 
-    def reduce_scatter(self, output, input, then=None) -> Pending:
+    def scratch_numel(self, input_numel: int) -> int:
+        return 0
+
+    reduce_scatter_by_all_to_all = False
+
+    def reduce_scatter(self, output, input, then=None, scratch=None, divide_by=1) -> Pending:
         self.bytes_reduce_scattered += input.numel() * input.element_size()
         output.copy_(input)
         if then is not None:

@@ -18,6 +18,11 @@ buffer the moment autograd produces it, then freed (``param.grad = None``). The 
 accumulated in fp32 into the grad shard, so several backward passes before ``step()`` accumulate. Stage 2
 cannot skip communication inside ``no_sync()`` (there is no buffer to accumulate a full gradient in); it
 reduces every backward pass, as DeepSpeed's ZeRO-2 does.
+
+On gloo the communicator reduce-scatters with an all-to-all and sums the received slices itself (see
+``comm.py``). With the default fp32 ``reduce_dtype`` the gradients then travel in their own dtype, unscaled
+(stage 1 straight from the grad buffer, without a staging copy), and are summed in fp32 in rank order and
+divided by N: the exact fp32 mean, at half the bytes for bf16/fp16 gradients.
 """
 
 from __future__ import annotations
@@ -45,8 +50,9 @@ class _BucketRef:
 class _Staging:
     """One staging buffer of the pool: the reduce-scatter input and (when needed) its output."""
 
-    input: torch.Tensor
+    input: Optional[torch.Tensor]  # None when stage 1 sends straight from its grad buffer
     output: Optional[torch.Tensor]
+    scratch: Optional[torch.Tensor]  # the communicator's receive buffer (gloo), else None
     pending: Optional[Pending] = None  # the in-flight collective reading/writing this entry
     holder: Optional[int] = None  # order of the bucket filling it (stage 2), until launched
 
@@ -67,7 +73,19 @@ class GradReducer:
         self.comm = comm
         self.stage = stage
         self.reduce_dtype = reduce_dtype
-        self.prescale = 1.0 / comm.world_size
+        # What the reduce-scatter carries. NCCL sums inside the collective, so gradients are cast to
+        # reduce_dtype and pre-scaled by 1/N first (a low-precision sum then cannot overflow). Where the
+        # communicator sums the received slices itself (gloo: all-to-all + a local sum) and reduce_dtype is fp32,
+        # a gradient travels in its own dtype, unscaled: bf16/fp16 -> fp32 is exact, so this loses nothing and
+        # halves the bytes; the slices are summed in fp32 in rank order and divided by N once, which is the
+        # reference's sum(grads) / N to the bit.
+        self._local_sum = comm.reduce_scatter_by_all_to_all and reduce_dtype == torch.float32
+        # Stage 1 on that path needs no staging copy at all: the all-to-all sends straight from the flat grad
+        # buffer. The buffer must then stay untouched until the transfer is done, so every backward pass waits
+        # for its reductions before it returns (as DDP's backward does); step() would wait for them anyway.
+        self._send_from_grad_buffer = stage == 1 and self._local_sum
+        self._divide_by = comm.world_size if self._local_sum else 1
+        self.prescale = 1.0 if self._local_sum else 1.0 / comm.world_size
         self._names = param_names
         # Launch order: the bucket whose parameters were registered last gets its gradients first.
         refs = []
@@ -107,7 +125,13 @@ class GradReducer:
             )
 
         self._grad_buffer_of = {id(g): buf for g, buf in zip(self.groups, self.grad_buffers)}
-        self._max_bucket = max((r.bucket.numel for r in self.refs), default=0)
+        # Pool entries hold any bucket of any group: byte buffers, viewed in the bucket's wire dtype.
+        self._input_bytes = 0
+        if not self._send_from_grad_buffer:
+            self._input_bytes = max((r.bucket.numel * self._wire_itemsize(r) for r in self.refs), default=0)
+        self._scratch_bytes = max(
+            (comm.scratch_numel(r.bucket.numel) * self._wire_itemsize(r) for r in self.refs), default=0
+        )
         self._max_shard = max((r.bucket.shard_numel for r in self.refs), default=0)
         self._needs_output = stage == 2 or reduce_dtype != torch.float32
         self._device = self.groups[0].device if self.groups else torch.device("cpu")
@@ -128,10 +152,24 @@ class GradReducer:
                 )
 
     # ---------------------------------------------------------------- staging pool
+    def _wire_dtype(self, group: FlatGroup) -> torch.dtype:
+        return group.dtype if self._local_sum else self.reduce_dtype
+
+    def _wire_itemsize(self, ref: _BucketRef) -> int:
+        return torch.empty(0, dtype=self._wire_dtype(ref.group)).element_size()
+
     def _new_staging(self) -> _Staging:
-        kw = dict(dtype=self.reduce_dtype, device=self._device)
-        out = torch.empty(self._max_shard, **kw) if self._needs_output else None
-        return _Staging(torch.zeros(self._max_bucket, **kw), out)
+        out = torch.empty(self._max_shard, dtype=self.reduce_dtype, device=self._device) if self._needs_output else None
+        raw = dict(dtype=torch.uint8, device=self._device)
+        scratch = torch.empty(self._scratch_bytes, **raw) if self._scratch_bytes else None
+        staging = torch.zeros(self._input_bytes, **raw) if self._input_bytes else None
+        return _Staging(staging, out, scratch)
+
+    def _typed(self, buffer: Optional[torch.Tensor], ref: _BucketRef) -> Optional[torch.Tensor]:
+        """A pool byte buffer as ``ref``'s bucket in its wire dtype."""
+        if buffer is None:
+            return None
+        return buffer.view(self._wire_dtype(ref.group))[: ref.bucket.numel]
 
     def _acquire(self, holder: Optional[int]) -> _Staging:
         """A staging entry no unlaunched bucket holds: a free one, else the oldest in flight (waited for).
@@ -150,9 +188,7 @@ class GradReducer:
 
     def staging_bytes(self) -> int:
         return sum(
-            e.input.numel() * e.input.element_size()
-            + (e.output.numel() * e.output.element_size() if e.output is not None else 0)
-            for e in self.pool
+            t.numel() * t.element_size() for e in self.pool for t in (e.input, e.output, e.scratch) if t is not None
         )
 
     # ---------------------------------------------------------------- backward
@@ -180,9 +216,9 @@ class GradReducer:
             entry = self._staging_of[ref.order]
             if entry is None:
                 entry = self._staging_of[ref.order] = self._acquire(ref.order)
-                entry.input[: ref.bucket.numel].zero_()
+                self._typed(entry.input, ref).zero_()
             start = slot.offset - ref.bucket.offset
-            cast_scale_into(entry.input[start : start + slot.numel], grad, self.prescale)
+            cast_scale_into(self._typed(entry.input, ref)[start : start + slot.numel], grad, self.prescale)
             param.grad = None
         self._arrived[ref.order] += 1
         if self._arrived[ref.order] == len(ref.bucket.slots):
@@ -209,28 +245,40 @@ class GradReducer:
         self._next = 0
         if self.stage == 1:
             self._unreduced = False
+        if self._send_from_grad_buffer:
+            self._wait_inflight()
 
     def _launch(self, ref: _BucketRef) -> None:
         group, bucket = ref.group, ref.bucket
-        n, shard = bucket.numel, bucket.shard_numel
         grad_shard = group.shard_of(group.grad_shard, bucket)
         if self.stage == 1:
             entry = self._acquire(ref.order)
-            src = group.bucket_view(self._grad_buffer_of[id(group)], bucket)
-            cast_scale_into(entry.input[:n], src, self.prescale)
-            if entry.output is None:
-                pending = self.comm.reduce_scatter(grad_shard, entry.input[:n])
+            grads = group.bucket_view(self._grad_buffer_of[id(group)], bucket)
+            if self._send_from_grad_buffer:
+                send = grads
             else:
-                out = entry.output[:shard]
-                pending = self.comm.reduce_scatter(out, entry.input[:n], then=lambda: grad_shard.copy_(out))
+                send = self._typed(entry.input, ref)
+                cast_scale_into(send, grads, self.prescale)
+            if entry.output is None:
+                out, then = grad_shard, None
+            else:
+                out = entry.output[: bucket.shard_numel]
+                then = functools.partial(grad_shard.copy_, out)
         else:
             entry = self._staging_of[ref.order]
             if entry is None:  # no parameter of this bucket got a gradient this round
                 entry = self._acquire(ref.order)
-                entry.input[:n].zero_()
-            out = entry.output[:shard]
-            pending = self.comm.reduce_scatter(out, entry.input[:n], then=lambda: accumulate_into(grad_shard, out))
-        entry.pending = pending
+                self._typed(entry.input, ref).zero_()
+            send = self._typed(entry.input, ref)
+            out = entry.output[: bucket.shard_numel]
+            then = functools.partial(accumulate_into, grad_shard, out)
+        entry.pending = self.comm.reduce_scatter(
+            out,
+            send,
+            then=then,
+            scratch=self._typed(entry.scratch, ref),
+            divide_by=self._divide_by,
+        )
         entry.holder = None
         self._inflight.append(entry)
 
@@ -242,6 +290,9 @@ class GradReducer:
         if self.stage == 1 and self._unreduced:
             # Backward ran only under no_sync(): reduce the accumulated gradients now.
             self._close_round()
+        self._wait_inflight()
+
+    def _wait_inflight(self) -> None:
         for entry in self._inflight:
             entry.pending.wait()
             entry.pending = None
