@@ -43,8 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--bucket-size",
         type=int,
         default=0,
-        help="ZeroAdamW bucket size in elements (default 0 = the engine's default: an eighth of the parameters,\n"
-        "clamped to [N * 2**16, max(2**22, N * 2**18)]: 8 buckets for the default model, so reduction overlaps backward)",
+        help="ZeroAdamW bucket size in elements (default 0 = the engine's default: an eighth of the parameters on NCCL,\n"
+        "a quarter on gloo, clamped to [N * 2**16, max(2**22, N * 2**18)], so reduction overlaps backward)",
     )
     p.add_argument(
         "--loss-tol",
