@@ -98,3 +98,19 @@ def _bad_scratch(rank, world):
 
 def test_reduce_scatter_rejects_a_missing_or_small_scratch():
     run_on_ranks(2, _bad_scratch)
+
+
+def _output_over_input(rank, world):
+    """Stage 2's use: the fp32 result written over the (bf16) input it was computed from."""
+    comm = Communicator(None, torch.device("cpu"))
+    numel = world * 64 * 4
+    raw = torch.empty(numel * 2, dtype=torch.uint8)
+    x = raw.view(torch.bfloat16)
+    x.copy_(_rank_input(rank, numel, torch.bfloat16))
+    out = raw.view(torch.float32)[: numel // world]
+    comm.reduce_scatter(out, x, scratch=torch.empty(numel, dtype=torch.bfloat16), divide_by=world).wait()
+    assert torch.equal(out, _reference(world, rank, numel, torch.bfloat16, torch.float32, world))
+
+
+def test_reduce_scatter_output_may_overlap_its_input():
+    run_on_ranks(3, _output_over_input)

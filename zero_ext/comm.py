@@ -102,7 +102,8 @@ class Communicator:
         in ``output``'s dtype, which may be wider than ``input``'s. ``scratch`` (same dtype as ``input``,
         at least :meth:`scratch_numel` elements) must stay untouched until the result is waited for.
         ``divide_by`` (only where :attr:`reduce_scatter_by_all_to_all`): divide the sum by it, so that an
-        fp32 mean is rounded once, exactly like ``sum(grads) / N``."""
+        fp32 mean is rounded once, exactly like ``sum(grads) / N``. There ``output`` may overlap ``input``: the
+        sum is taken after the transfer, from ``scratch``."""
         if not self.reduce_scatter_by_all_to_all:
             if divide_by != 1:
                 raise ValueError("reduce_scatter: `divide_by` needs the all-to-all path (the collective sums)")

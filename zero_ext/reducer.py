@@ -133,7 +133,11 @@ class GradReducer:
             (comm.scratch_numel(r.bucket.numel) * self._wire_itemsize(r) for r in self.refs), default=0
         )
         self._max_shard = max((r.bucket.shard_numel for r in self.refs), default=0)
-        self._needs_output = stage == 2 or reduce_dtype != torch.float32
+        # A separate reduce-scatter output (one shard) is needed when the result cannot land in the grad shard
+        # directly: stage 2 accumulates it, and a reduce_dtype other than fp32 is cast. On the local-sum path
+        # stage 2 sums into its own staging input instead, viewed as fp32: the all-to-all has sent all of it
+        # by then, and a bucket of >= 2-byte elements is at least as large as one fp32 shard of it.
+        self._needs_output = (stage == 2 and not self._local_sum) or reduce_dtype != torch.float32
         self._device = self.groups[0].device if self.groups else torch.device("cpu")
         self.pool: list[_Staging] = [self._new_staging() for _ in range(min(pool_size, len(self.refs)))]
         self._inflight: list[_Staging] = []  # launched entries, oldest first
@@ -270,7 +274,10 @@ class GradReducer:
                 entry = self._acquire(ref.order)
                 self._typed(entry.input, ref).zero_()
             send = self._typed(entry.input, ref)
-            out = entry.output[: bucket.shard_numel]
+            if self._local_sum:
+                out = entry.input.view(torch.float32)[: bucket.shard_numel]
+            else:
+                out = entry.output[: bucket.shard_numel]
             then = functools.partial(accumulate_into, grad_shard, out)
         entry.pending = self.comm.reduce_scatter(
             out,
