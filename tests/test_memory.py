@@ -58,15 +58,18 @@ def _report(rank, world, stage, dtype_name):
         padding_elems += sum(t.element_size() * (t.numel() - real_shard) for t in shards)
         tensors += full + shards
     # The pool: reduce-scatter inputs, outputs (when not written straight into the grad shard) and, on gloo with
-    # more than one rank, the all-to-all receive buffers.
+    # more than one rank, the all-to-all receive buffers. One rank communicates nothing and stages nothing.
     staging = [t for e in opt._reducer.pool for t in (e.input, e.output, e.scratch) if t is not None]
     if opt._comm.world_size > 1 and not next(iter(opt.param_groups[0]["params"])).is_cuda:
-        assert all(e.scratch is not None for e in opt._reducer.pool)
+        assert opt._reducer.pool and all(e.scratch is not None for e in opt._reducer.pool)
+    if opt._comm.world_size == 1:
+        assert staging == []
     allocated = sum(t.untyped_storage().nbytes() for t in tensors + staging)
 
     assert report.total == allocated
     assert report.padding == padding_elems
-    assert report.staging == sum(t.untyped_storage().nbytes() for t in staging) > 0
+    assert report.staging == sum(t.untyped_storage().nbytes() for t in staging)
+    assert (report.staging > 0) == (opt._comm.world_size > 1)
     assert report.total == report.formula + report.padding + report.staging + report.grad_shard_fp32
     expected_extra = report.owned_numel * (4 if stage == 1 else 4 - report.widths["grad_bytes"])
     assert report.grad_shard_fp32 == expected_extra

@@ -23,6 +23,9 @@ On gloo the communicator reduce-scatters with an all-to-all and sums the receive
 ``comm.py``). With the default fp32 ``reduce_dtype`` the gradients then travel in their own dtype, unscaled
 (stage 1 straight from the grad buffer, without a staging copy), and are summed in fp32 in rank order and
 divided by N: the exact fp32 mean, at half the bytes for bf16/fp16 gradients.
+
+With one rank there is nothing to reduce: no staging pool, no collective. Stage 1 casts its grad buffer into
+the fp32 grad shard bucket by bucket; stage 2 adds each gradient into the grad shard as it arrives.
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ import torch
 from .buffers import Bucket, FlatGroup
 from .comm import Communicator, Pending
 from .device_ops import accumulate_into, cast_scale_into
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
 
 
 @dataclass
@@ -85,6 +92,9 @@ class GradReducer:
         # for its reductions before it returns (as DDP's backward does); step() would wait for them anyway.
         self._send_from_grad_buffer = stage == 1 and self._local_sum
         self._divide_by = comm.world_size if self._local_sum else 1
+        # One rank: nothing to communicate and nothing to stage. Stage 1 copies (casts) each bucket of its grad
+        # buffer into the fp32 grad shard; stage 2 adds each gradient straight into its place in the grad shard.
+        self._direct = comm.world_size == 1
         self.prescale = 1.0 if self._local_sum else 1.0 / comm.world_size
         self._names = param_names
         # Launch order: the bucket whose parameters were registered last gets its gradients first.
@@ -139,7 +149,8 @@ class GradReducer:
         # by then, and a bucket of >= 2-byte elements is at least as large as one fp32 shard of it.
         self._needs_output = (stage == 2 and not self._local_sum) or reduce_dtype != torch.float32
         self._device = self.groups[0].device if self.groups else torch.device("cpu")
-        self.pool: list[_Staging] = [self._new_staging() for _ in range(min(pool_size, len(self.refs)))]
+        pool_size = 0 if self._direct else min(pool_size, len(self.refs))
+        self.pool: list[_Staging] = [self._new_staging() for _ in range(pool_size)]
         self._inflight: list[_Staging] = []  # launched entries, oldest first
 
         # Per-round state (a round = one synchronised backward pass).
@@ -216,7 +227,11 @@ class GradReducer:
                 self._unreduced = True
                 return
         self._open_round()
-        if self.stage == 2:
+        if self.stage == 2 and self._direct:
+            start = ref.bucket.shard_offset + slot.offset - ref.bucket.offset
+            accumulate_into(group.grad_shard[start : start + slot.numel], _flat(grad))
+            param.grad = None
+        elif self.stage == 2:
             entry = self._staging_of[ref.order]
             if entry is None:
                 entry = self._staging_of[ref.order] = self._acquire(ref.order)
@@ -255,6 +270,10 @@ class GradReducer:
     def _launch(self, ref: _BucketRef) -> None:
         group, bucket = ref.group, ref.bucket
         grad_shard = group.shard_of(group.grad_shard, bucket)
+        if self._direct:
+            if self.stage == 1:
+                grad_shard.copy_(group.bucket_view(self._grad_buffer_of[id(group)], bucket))
+            return
         if self.stage == 1:
             entry = self._acquire(ref.order)
             grads = group.bucket_view(self._grad_buffer_of[id(group)], bucket)
