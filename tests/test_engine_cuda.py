@@ -11,6 +11,7 @@ from engine_reference import check_against_reference, mean_grads, rank_grads, re
 from tiny_transformer import batch, build, loss_fn
 
 from zero_ext import ZeroAdamW
+from zero_ext.reducer import GradReducer
 
 pytestmark = pytest.mark.cuda
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -32,9 +33,17 @@ def _to_cuda(model):
     return model.to("cuda")
 
 
+@pytest.fixture(params=[True, False], ids=["direct", "through_nccl"])
+def one_rank_path(request, monkeypatch):
+    """One rank skips communication by default; ``through_nccl`` forces the NCCL path (comm stream, events,
+    Triton cast_scale staging, reduce-scatter) that several GPUs would take."""
+    monkeypatch.setattr(GradReducer, "direct_at_one_rank", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cuda_matches_unsharded_adamw(nccl_world, stage, dtype):
+def test_cuda_matches_unsharded_adamw(nccl_world, one_rank_path, stage, dtype):
     model = _to_cuda(build(dtype))
     opt = ZeroAdamW(model.named_parameters(), **HYPER, stage=stage, bucket_size=2000, max_grad_norm=1.0)
     ref_params, ref_opt = reference(build(dtype), **HYPER)
@@ -70,7 +79,7 @@ class _CpuGroup:
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_cuda_step_never_synchronises_with_the_host(nccl_world, stage):
+def test_cuda_step_never_synchronises_with_the_host(nccl_world, one_rank_path, stage):
     model = _to_cuda(build(torch.bfloat16))
     opt = ZeroAdamW(model.named_parameters(), **HYPER, stage=stage, bucket_size=2000, max_grad_norm=1.0)
     for step in range(3):

@@ -15,12 +15,20 @@ from engine_reference import (
 from tiny_transformer import batch, build, loss_fn
 
 from zero_ext import ZeroAdamW
+from zero_ext.reducer import GradReducer
 
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
-def _train(rank, world, dtype_name, steps, bucket_size):
-    dtype = getattr(torch, dtype_name)
+def _train(rank, world, dtype_name, steps, bucket_size, direct_at_one_rank=True):
+    GradReducer.direct_at_one_rank = direct_at_one_rank
+    try:
+        return _train_both_stages(rank, world, getattr(torch, dtype_name), steps, bucket_size)
+    finally:
+        GradReducer.direct_at_one_rank = True
+
+
+def _train_both_stages(rank, world, dtype, steps, bucket_size):
     runs = {}
     for stage in (1, 2):
         model = build(dtype)
@@ -54,3 +62,43 @@ def _train(rank, world, dtype_name, steps, bucket_size):
 def test_matches_unsharded_adamw(world, dtype):
     digests = run_on_ranks(world, _train, dtype, 10, 2000)
     assert len(set(digests)) == 1, "params differ between ranks"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_one_rank_through_the_collectives(dtype):
+    """One rank normally skips communication; forced through it, it takes the path NCCL uses (pre-scaled
+    reduce_dtype staging, torch's reduce-scatter), which no other CPU test reaches with fp32 reduction."""
+    run_on_ranks(1, _train, dtype, 4, 2000, False)
+
+
+def _bf16_reduce(rank, world, stage):
+    model = build(torch.bfloat16)
+    opt = ZeroAdamW(model.named_parameters(), **HYPER, stage=stage, bucket_size=2000, reduce_dtype=torch.bfloat16)
+    assert opt._reducer.prescale == 1.0 / world  # bf16 sums are pre-scaled so they cannot overflow
+    for step in range(3):
+        params = list(model.parameters())
+        per_rank = rank_grads(model, params, [batch(step, r) for r in range(world)], loss_fn)
+        loss_fn(model, batch(step, rank)).backward()
+        opt._reducer.finish()
+        # Error bound: each grad is scaled by 1/N and rounded to bf16, then N - 1 bf16 additions round; each
+        # rounding is at most half a bf16 ulp (2**-9 relative) of a value no larger than sum(|g|) / N.
+        bound = [
+            sum(g[i].float().abs() for g in per_rank) / world * (2 * world - 1) * 2.0**-9 for i in range(len(params))
+        ]
+        means = mean_grads(per_rank, params)
+        for fg, indices in zip(opt._flat_groups, opt._global_indices):
+            for piece in fg.layout.owned_pieces(rank):
+                i = indices[piece.index]
+                mine = fg.grad_shard[piece.shard_offset : piece.shard_offset + piece.end - piece.start]
+                err = (mine - means[i].reshape(-1)[piece.start : piece.end]).abs()
+                assert bool((err <= bound[i].reshape(-1)[piece.start : piece.end]).all()), f"parameter {i}"
+                assert mine.abs().sum() > 0
+        opt.step()
+        opt.zero_grad()
+    return params_digest(model)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_reduce_dtype_bfloat16_is_the_mean_within_bf16_rounding(world, stage):
+    assert len(set(run_on_ranks(world, _bf16_reduce, stage))) == 1

@@ -65,6 +65,10 @@ class _Staging:
 
 
 class GradReducer:
+    # With one rank there is nothing to reduce: gradients go straight to the grad shard. Tests turn this off to
+    # run the communicating path on one rank (on one GPU, the only way to exercise NCCL's side of it).
+    direct_at_one_rank = True
+
     def __init__(
         self,
         groups: Sequence[FlatGroup],
@@ -94,7 +98,7 @@ class GradReducer:
         self._divide_by = comm.world_size if self._local_sum else 1
         # One rank: nothing to communicate and nothing to stage. Stage 1 copies (casts) each bucket of its grad
         # buffer into the fp32 grad shard; stage 2 adds each gradient straight into its place in the grad shard.
-        self._direct = comm.world_size == 1
+        self._direct = comm.world_size == 1 and self.direct_at_one_rank
         self.prescale = 1.0 if self._local_sum else 1.0 / comm.world_size
         self._names = param_names
         # Launch order: the bucket whose parameters were registered last gets its gradients first.
