@@ -7,13 +7,15 @@
 #   memcheck   CUDA op tests under compute-sanitizer memcheck    (caching allocator off: exact OOB)
 #   racecheck  the shared-memory reductions under racecheck
 #   bench      python bench/bench_fused_adamw.py --device cuda   (results also copied to $OUT)
+#   overlap    python bench/profile_overlap.py: profiler check that the gradient reduce-scatter
+#              overlaps backward (NCCL, one GPU; results also copied to $OUT)
 #   ncu        one Nsight Compute pass over each kernel (speed of light, occupancy)
 #   ctest      the torch-free launcher test (cmake/cuda_compile_check.cmake) on the GPU
-# Usage: scripts/gpu_session.sh [STEP...]   (default: all, in that order; `test` builds first when
-# zero_ext._C lacks the CUDA kernels, and a rebuild is incremental). A device call may run at most ten
-# minutes, so on a fresh machine run it as e.g. `... build test memcheck` then `... racecheck bench
-# ncu ctest`; each step has its own timeout (STEP_TIMEOUT_<STEP> seconds) so one hang cannot eat the
-# budget. Exit status: nonzero if any step failed.
+# Usage: scripts/gpu_session.sh [STEP...]   (default: all, in that order; `test` and `overlap` build
+# first when zero_ext._C lacks the CUDA kernels, and a rebuild is incremental). A device call may run
+# at most ten minutes, so on a fresh machine run it as e.g. `... build test memcheck` then `...
+# racecheck bench overlap ncu ctest`; each step has its own timeout (STEP_TIMEOUT_<STEP> seconds) so
+# one hang cannot eat the budget. Exit status: nonzero if any step failed.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -23,7 +25,7 @@ mkdir -p "${OUT}"
 SUMMARY="${OUT}/summary.txt"
 PY="${PYTHON:-python}"
 STEPS=("$@")
-[[ ${#STEPS[@]} -gt 0 ]] || STEPS=(build test memcheck racecheck bench ncu ctest)
+[[ ${#STEPS[@]} -gt 0 ]] || STEPS=(build test memcheck racecheck bench overlap ncu ctest)
 FAILED=0
 # The op tests of the CUDA kernels: this file and the shared cpu/cuda op tests that exist.
 OP_TESTS=$(ls tests/test_cuda_ops.py tests/test_fused_adamw*.py tests/test_flatten*.py \
@@ -125,9 +127,14 @@ for s in "${STEPS[@]}"; do
     bench)
       step bench 480 "${PY}" bench/bench_fused_adamw.py --device cuda
       [[ -d bench/results ]] && cp -r bench/results "${OUT}/bench_results" ;;
+    overlap)
+      has_cuda_build || step build 480 run_build || exit 1
+      step overlap 300 "${PY}" bench/profile_overlap.py
+      # Into the same folder as `bench` (merged, whichever of the two ran first).
+      mkdir -p "${OUT}/bench_results" && cp -r bench/results/. "${OUT}/bench_results/" ;;
     ncu) step ncu 240 run_ncu ;;
     ctest) step ctest 240 run_ctest ;;
-    *) echo "unknown step '${s}' (build test memcheck racecheck bench ncu ctest)"; FAILED=1 ;;
+    *) echo "unknown step '${s}' (build test memcheck racecheck bench overlap ncu ctest)"; FAILED=1 ;;
   esac
 done
 echo "---- summary (${SUMMARY})"
