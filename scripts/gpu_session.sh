@@ -126,7 +126,7 @@ for s in "${STEPS[@]}"; do
         tests/test_cuda_ops.py ;;
     bench)
       step bench 480 "${PY}" bench/bench_fused_adamw.py --device cuda
-      [[ -d bench/results ]] && cp -r bench/results "${OUT}/bench_results" ;;
+      mkdir -p "${OUT}/bench_results" && cp -r bench/results/. "${OUT}/bench_results/" ;;
     overlap)
       has_cuda_build || step build 480 run_build || exit 1
       step overlap 300 "${PY}" bench/profile_overlap.py
