@@ -290,3 +290,62 @@ def _local_state_dict_round_trip(rank, world, stage):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_local_state_dict_round_trip(world, stage):
     run_on_ranks(world, _local_state_dict_round_trip, stage)
+
+
+def _zero_grad_semantics(rank, world, zero_with):
+    """Stage 1 after a zero_grad that sets .grad to None (the optimizer's default, or the model's own): the next
+    gradient lands in the param's slot, and a param that then gets no gradient counts as zero even though its
+    slot still holds an old gradient (the extra branch is used at step 0 only)."""
+    model = build(torch.float32, unused_branch=True)
+    opt = ZeroAdamW(model.named_parameters(), **HYPER, stage=1, bucket_size=BUCKET)
+    ref_params, ref_opt = reference(build(torch.float32, unused_branch=True), **HYPER)
+    buffers = opt._reducer.grad_buffers
+    for step in range(4):
+        uses = [step == 0] * world
+        _step_reference(model, ref_params, ref_opt, [batch(step, r) for r in range(world)], use_extra=uses[rank])
+        loss_fn(model, batch(step, rank), use_extra=uses[rank]).backward()
+        for p in model.parameters():
+            if p.grad is not None:  # a gradient is always a view of the flat buffer
+                assert any(p.grad.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in buffers)
+        opt.step()
+        if zero_with == "model":
+            model.zero_grad(set_to_none=True)
+        elif zero_with == "optimizer":
+            opt.zero_grad()
+            assert all(p.grad is None for p in model.parameters())
+        else:  # zeros in place
+            opt.zero_grad(set_to_none=False)
+            assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+        check_against_reference(opt, model, ref_params, rank)
+    return params_digest(model)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("zero_with", ["optimizer", "model", "optimizer_zeros"])
+def test_stage1_zero_grad_semantics_and_stale_slots(world, zero_with):
+    assert len(set(run_on_ranks(world, _zero_grad_semantics, zero_with))) == 1
+
+
+def _stage2_backward_without_zero_grad_warns(rank, world):
+    import warnings
+
+    model = build(torch.float32)
+    opt = ZeroAdamW(model.named_parameters(), **HYPER, stage=2, bucket_size=BUCKET)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss_fn(model, batch(0, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+        loss_fn(model, batch(1, rank)).backward()
+        opt.step()
+        assert not caught, [str(w.message) for w in caught]
+        model.zero_grad()  # cannot clear stage 2's sharded gradients
+        for _ in range(2):
+            loss_fn(model, batch(2, rank)).backward()
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "without opt.zero_grad()" in messages[0], messages
+    return True
+
+
+def test_stage2_backward_after_step_without_zero_grad_warns():
+    assert run_on_ranks(2, _stage2_backward_without_zero_grad_warns) == [True, True]

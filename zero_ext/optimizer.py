@@ -314,15 +314,18 @@ class ZeroAdamW(torch.optim.Optimizer):
                     fg.bucket_view(fg.param_buffer, bucket), fg.param_slice(bucket)
                 )
         self._has_stepped = True
+        self._reducer.stepped_since_zero_grad = True
         if not self._prehook_handles:
             self.wait_for_params()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradients. Stage 1 zeroes its flat grad buffer in place (``param.grad`` stays a view into it:
-        there is nothing to free, so ``set_to_none`` changes nothing); stage 2's ``param.grad`` is always None
-        between backward passes and its fp32 grad shard is zeroed."""
-        self._reducer.zero_grad()
+        """Zero the gradients, like torch: with ``set_to_none`` (the default) every ``param.grad`` becomes None;
+        stage 1's next gradient is then copied into the parameter's slot of the flat grad buffer (no pass over
+        the whole buffer now, no read-add-write later) and ``param.grad`` points at that slot again. Without
+        it stage 1 zeroes the buffer in place and ``param.grad`` stays a view of it. Stage 2's ``param.grad``
+        is always None between backward passes. The fp32 grad shard is zeroed either way."""
+        self._reducer.zero_grad(set_to_none)
 
     # ------------------------------------------------------------------ introspection
     @property

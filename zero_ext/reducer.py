@@ -9,7 +9,8 @@ buckets still open (parameters that got no gradient: unused branches) are launch
 gradients counting as zero.
 
 Stage 1 keeps a persistent flat grad buffer per group (``param.grad`` is a view into it, so autograd
-accumulates in place); a bucket's slice is cast to ``reduce_dtype`` and pre-scaled by 1/world into a
+accumulates in place; after ``zero_grad()`` it is None and the next gradient is copied into its slot, so
+nothing rereads or clears the whole buffer); a bucket's slice is cast to ``reduce_dtype`` and pre-scaled by 1/world into a
 staging buffer, reduce-scattered, and the result written into the grad shard. Inside ``no_sync()`` nothing
 is reduced; the next synchronised backward (or ``step()``) reduces the accumulated sum.
 
@@ -157,6 +158,8 @@ class GradReducer:
         self.pool: list[_Staging] = [self._new_staging() for _ in range(pool_size)]
         self._inflight: list[_Staging] = []  # launched entries, oldest first
 
+        self.stepped_since_zero_grad = False  # set by step(), cleared by zero_grad()
+        self._warned_no_zero_grad = False
         # Per-round state (a round = one synchronised backward pass).
         self.sync_enabled = True
         self._round_open = False
@@ -251,6 +254,14 @@ class GradReducer:
         if not self._round_open:
             self._round_open = True
             torch.autograd.Variable._execution_engine.queue_callback(self._close_round)
+            if self.stage == 2 and self.stepped_since_zero_grad and not self._warned_no_zero_grad:
+                self._warned_no_zero_grad = True
+                warnings.warn(
+                    "zero_ext.ZeroAdamW(stage=2): backward after step() without opt.zero_grad(): this gradient is "
+                    "added to the previous step's, as torch accumulates .grad. If that is not meant, call "
+                    "opt.zero_grad(): model.zero_grad() cannot clear stage 2's sharded gradients.",
+                    stacklevel=2,
+                )
 
     def _launch_ready(self) -> None:
         while self._next < len(self.refs) and self._arrived[self._next] == len(self.refs[self._next].bucket.slots):
@@ -276,9 +287,13 @@ class GradReducer:
         grad_shard = group.shard_of(group.grad_shard, bucket)
         if self._direct:
             if self.stage == 1:
+                if self._arrived[ref.order] < len(bucket.slots):
+                    self._settle_missing(group, bucket)
                 grad_shard.copy_(group.bucket_view(self._grad_buffer_of[id(group)], bucket))
             return
         if self.stage == 1:
+            if self._arrived[ref.order] < len(bucket.slots):
+                self._settle_missing(group, bucket)
             entry = self._acquire(ref.order)
             grads = group.bucket_view(self._grad_buffer_of[id(group)], bucket)
             if self._send_from_grad_buffer:
@@ -312,6 +327,22 @@ class GradReducer:
         entry.holder = None
         self._inflight.append(entry)
 
+    def _settle_missing(self, group: FlatGroup, bucket: Bucket) -> None:
+        """Stage 1, a bucket launched before all its parameters got a gradient this round: a slot holds the
+        parameter's gradient only while ``param.grad`` is the view of it. A parameter whose ``.grad`` is None
+        (zero_grad(), or the user's own set-to-None) contributes zero: its slot may hold an old gradient, so
+        it is zeroed. One whose ``.grad`` was replaced by another tensor contributes that tensor."""
+        buffer = self._grad_buffer_of[id(group)]
+        for i in bucket.slots:
+            slot, param = group.layout.slots[i], group.params[i]
+            view = buffer[slot.offset : slot.offset + slot.numel]
+            grad = param.grad
+            if grad is None:
+                view.zero_()
+            elif grad.data_ptr() != view.data_ptr():
+                view.copy_(grad.reshape(-1))
+                param.grad = view.view(param.shape)
+
     # ---------------------------------------------------------------- step / zero_grad
     def finish(self) -> None:
         """Make every reduction of the gradients so far visible in the grad shards (the current stream waits)."""
@@ -328,9 +359,16 @@ class GradReducer:
             entry.pending = None
         self._inflight.clear()
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         self.finish()
+        self.stepped_since_zero_grad = False
         for g, buf in zip(self.groups, self.grad_buffers):
             if buf is not None:
-                buf.zero_()
+                if set_to_none:
+                    # No pass over the buffer: the next gradient is copied into its slot (see _on_grad), and a
+                    # slot whose parameter still has no gradient at launch is zeroed then (_settle_missing).
+                    for p in g.params:
+                        p.grad = None
+                else:
+                    buf.zero_()
             g.grad_shard.zero_()
