@@ -6,7 +6,7 @@
 Weak scaling: every rank trains the main job's GPT on the same per-rank batch, with DDP + torch AdamW
 (fused) and ZeroAdamW stage 1 and 2. For every ZeroAdamW run it checks ZeRO-1/2's promise that a step
 moves 2 * Psi elements: Psi reduce-scattered (gradients) + Psi all-gathered (params), each padded to
-whole buckets, from the engine's own counters (``comm_stats()``) against the padded size of the flat param
+whole buckets (one rank: nothing), from the engine's own counters (``comm_stats()``) against the padded size of the flat param
 buffer (``memory_report()``). Counted are the elements each rank hands to the collective, not wire bytes
 (a ring moves (N-1)/N of them per rank).
 """
@@ -31,21 +31,24 @@ MIB = 2**20
 
 
 def comm_check(run: dict) -> dict:
-    """Elements per step through reduce-scatter and all-gather vs 2 * padded Psi."""
-    steps = run["config"]["steps"]
-    total, first = run["comm_total_bytes"], run["comm_first_step_bytes"]
-    rs = first["reduce_scatter_bytes"] // 4  # fp32 reduce (reduce_dtype default)
-    ag = first["all_gather_bytes"] // 2  # bf16 params
+    """Elements per step through reduce-scatter and all-gather vs 2 * padded Psi (one rank: nothing at all)."""
+    steps, world = run["config"]["steps"], run["world_size"]
+    total, first = run["comm_total"], run["comm_first_step"]
+    rs = first["reduce_scatter_elements"]
+    ag = first["all_gather_elements"]
     padded, psi = run["padded_numel"], run["num_params"]
     every_step_same = all(total[k] == steps * first[k] for k in first)
-    ok = rs == padded and ag == padded and every_step_same and padded >= psi
+    expected = padded if world > 1 else 0
+    ok = rs == expected and ag == expected and every_step_same and padded >= psi
     return {
         "ok": ok,
         "psi": psi,
         "padded_psi": padded,
         "padding_elems": padded - psi,
         "reduce_scatter_elems_per_step": rs,
+        "reduce_scatter_bytes_per_step": first["reduce_scatter_bytes"],
         "all_gather_elems_per_step": ag,
+        "all_gather_bytes_per_step": first["all_gather_bytes"],
         "all_reduce_bytes_per_step": first["all_reduce_bytes"],
         "every_step_same": every_step_same,
     }
@@ -97,10 +100,19 @@ def main(argv=None) -> int:
             comm = "-"
             if c:
                 checks.append(c["ok"])
-                comm = (
-                    f"{c['reduce_scatter_elems_per_step']:,} + {c['all_gather_elems_per_step']:,} = "
-                    f"2 x {c['padded_psi']:,} ({c['padding_elems']:,} padding) {'PASS' if c['ok'] else 'FAIL'}"
-                )
+                verdict = "PASS" if c["ok"] else "FAIL"
+                if world == 1:
+                    comm = (
+                        f"{c['reduce_scatter_elems_per_step']:,} + {c['all_gather_elems_per_step']:,} "
+                        f"(one rank: nothing to communicate) {verdict}"
+                    )
+                else:
+                    comm = (
+                        f"{c['reduce_scatter_elems_per_step']:,} + {c['all_gather_elems_per_step']:,} = "
+                        f"2 x {c['padded_psi']:,} ({c['padding_elems']:,} padding; "
+                        f"{c['reduce_scatter_bytes_per_step'] / MIB:.2f} + {c['all_gather_bytes_per_step'] / MIB:.2f} "
+                        f"MiB) {verdict}"
+                    )
             row = [
                 world,
                 recipe,
@@ -130,9 +142,11 @@ def main(argv=None) -> int:
         f"Psi = {psi:,} params; {args.batch_per_rank} sequences x {args.seq_len} tokens per rank per step (weak "
         f"scaling); {args.steps} steps, median after 2 warm-up steps, slowest rank.",
         f"peak memory: {runs[0]['run']['peak_memory_measure']}.",
-        "comm check: the engine's comm_stats() bytes / element width (fp32 reduce-scatter input, bf16 all-gather "
-        "output) for the first step, equal to the padded flat param buffer (memory_report()['params'] / 2) and the "
-        "same on every step; plus one 8-byte all-reduce per step (gradient norm and inf check).",
+        "comm check: the elements each rank passed to reduce-scatter and all-gather in the first step (the engine's "
+        "comm_stats()), equal to the padded flat param buffer (memory_report()['params'] / 2) for N > 1 and zero for "
+        "N = 1 (one rank skips communication), and the same on every step; the MiB are what travelled (on gloo bf16 "
+        "gradients travel as bf16 and are summed in fp32 afterwards); plus one 8-byte all-reduce per step "
+        "(gradient norm and inf check).",
     ]
     if oversub:
         notes.append(

@@ -280,8 +280,8 @@ def train(rank: int, world: int, device: torch.device, cfg: RunConfig) -> dict:
         out["grad_shard_fp32"] = report.grad_shard_fp32
         out["owned_numel"] = report.owned_numel
         out["memory_table"] = report.table()
-        out["comm_first_step_bytes"] = comm_first
-        out["comm_total_bytes"] = {k: v - comm0[k] for k, v in opt.comm_stats().items()}
+        out["comm_first_step"] = comm_first  # elements and bytes per collective (comm_stats())
+        out["comm_total"] = {k: v - comm0[k] for k, v in opt.comm_stats().items()}
         # The flat param buffer holds every parameter plus bucket padding: its size is the padded Psi.
         out["padded_numel"] = report.allocated["params"] // 2
         out["skipped_steps"] = opt.skipped_steps

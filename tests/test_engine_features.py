@@ -349,3 +349,28 @@ def _stage2_backward_without_zero_grad_warns(rank, world):
 
 def test_stage2_backward_after_step_without_zero_grad_warns():
     assert run_on_ranks(2, _stage2_backward_without_zero_grad_warns) == [True, True]
+
+
+def _comm_volume(rank, world, stage):
+    model = build(torch.bfloat16)
+    opt = ZeroAdamW(model.named_parameters(), **HYPER, stage=stage, bucket_size=BUCKET)
+    padded = sum(fg.layout.numel for fg in opt._flat_groups)
+    for step in range(2):
+        loss_fn(model, batch(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+    c = opt.comm_stats()
+    if world == 1:  # nothing to communicate: gradients go straight to the shard, the all-gather is in place
+        assert c["reduce_scatter_elements"] == c["all_gather_elements"] == 0, c
+    else:  # ZeRO-1/2's promise: Psi (padded) reduce-scattered + Psi all-gathered per step
+        assert c["reduce_scatter_elements"] == c["all_gather_elements"] == 2 * padded, c
+        # bf16 gradients travel as bf16 on gloo (summed in fp32 after the transfer); params are gathered in bf16
+        assert c["reduce_scatter_bytes"] == c["all_gather_bytes"] == 2 * padded * 2, c
+    assert c["all_reduce_elements"] == 2 * 2, c  # the norm and non-finite flag, once per step
+    return True
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_communication_volume_per_step(world, stage):
+    assert all(run_on_ranks(world, _comm_volume, stage))

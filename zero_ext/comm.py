@@ -67,11 +67,11 @@ class Communicator:
         # NCCL has a real reduce-scatter; everything else (gloo) goes through all-to-all + a local sum.
         self.reduce_scatter_by_all_to_all = self.world_size > 1 and dist.get_backend(process_group) != "nccl"
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
-        # Bytes sent through each kind of collective since construction (ZeRO-1/2 promise 2*Psi elements
-        # per step; the benchmark checks it).
-        self.bytes_reduce_scattered = 0
-        self.bytes_all_gathered = 0
-        self.bytes_all_reduced = 0
+        # Elements and bytes passed to each kind of collective since construction (ZeRO-1/2 promise 2*Psi
+        # elements per step; the benchmark checks it). Bytes depend on the dtype that travels.
+        self.elements_reduce_scattered = self.bytes_reduce_scattered = 0
+        self.elements_all_gathered = self.bytes_all_gathered = 0
+        self.elements_all_reduced = self.bytes_all_reduced = 0
 
     def _launch(self, collective: Callable[[], object], then: Optional[Callable[[], None]]) -> Pending:
         if self.stream is None:
@@ -112,12 +112,12 @@ class Communicator:
                     f"reduce_scatter: `output` must have the dtype of `input` ({input.dtype}) when the collective "
                     f"sums, got {output.dtype}"
                 )
-            self.bytes_reduce_scattered += input.numel() * input.element_size()
+            self._count_reduce_scatter(input)
             return self._launch(lambda: _reduce_scatter_flat(output, input, group=self.group, async_op=True), then)
         n = input.numel()
         if scratch is None or scratch.numel() < n or scratch.dtype != input.dtype:
             raise ValueError(f"reduce_scatter: `scratch` must be a {input.dtype} buffer of at least {n} elements")
-        self.bytes_reduce_scattered += input.numel() * input.element_size()
+        self._count_reduce_scatter(input)
         received = scratch[:n]
         slices = received.view(self.world_size, n // self.world_size).unbind(0)
 
@@ -140,12 +140,21 @@ class Communicator:
             lambda: dist.all_to_all_single(received, input, group=self.group, async_op=True), sum_received
         )
 
+    def _count_reduce_scatter(self, input: torch.Tensor) -> None:
+        self.elements_reduce_scattered += input.numel()
+        self.bytes_reduce_scattered += input.numel() * input.element_size()
+
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
-        """Gather every rank's ``input`` into ``output`` (in place when ``input`` is this rank's slice of it)."""
+        """Gather every rank's ``input`` into ``output`` (in place when ``input`` is this rank's slice of it).
+        One rank gathering in place has nothing to do: no collective, nothing counted."""
+        if self.world_size == 1 and output.data_ptr() == input.data_ptr() and output.numel() == input.numel():
+            return _DONE
+        self.elements_all_gathered += output.numel()
         self.bytes_all_gathered += output.numel() * output.element_size()
         return self._launch(lambda: _all_gather_flat(output, input, group=self.group, async_op=True), None)
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> Pending:
+        self.elements_all_reduced += tensor.numel()
         self.bytes_all_reduced += tensor.numel() * tensor.element_size()
         return self._launch(lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True), None)
 
@@ -159,3 +168,13 @@ class Communicator:
         out = torch.empty(self.world_size, dtype=torch.int64, device=device)
         _all_gather_flat(out, mine, group=self.group)
         return out.tolist()
+
+
+class _Done:
+    """A collective that needed no communication: already complete."""
+
+    def wait(self) -> None:
+        pass
+
+
+_DONE = _Done()

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from . import ops
 from .buffers import FlatGroup, fingerprint
-from .comm import Communicator, Pending
+from .comm import _DONE, Communicator, Pending
 from .memory import MemoryReport
 from .reducer import GradReducer
 from .state_dict import load_local_state_dict, local_state_dict
@@ -344,12 +344,17 @@ class ZeroAdamW(torch.optim.Optimizer):
         return int(self._step_count.item())
 
     def comm_stats(self) -> dict[str, int]:
-        """Bytes this rank has passed to each collective since construction."""
+        """Elements and bytes this rank has passed to each collective since construction (one rank
+        communicates nothing: its gradients go straight to the grad shard and its all-gather is in place)."""
         c = self._comm
         return {
-            "reduce_scatter_bytes": c.bytes_reduce_scattered,
-            "all_gather_bytes": c.bytes_all_gathered,
-            "all_reduce_bytes": c.bytes_all_reduced,
+            f"{kind}_{unit}": getattr(c, f"{unit}_{attr}")
+            for kind, attr in (
+                ("reduce_scatter", "reduce_scattered"),
+                ("all_gather", "all_gathered"),
+                ("all_reduce", "all_reduced"),
+            )
+            for unit in ("elements", "bytes")
         }
 
     def memory_report(self) -> MemoryReport:
@@ -404,7 +409,9 @@ class _SingleProcess:
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = None
-        self.bytes_reduce_scattered = self.bytes_all_gathered = self.bytes_all_reduced = 0
+        self.elements_reduce_scattered = self.bytes_reduce_scattered = 0
+        self.elements_all_gathered = self.bytes_all_gathered = 0
+        self.elements_all_reduced = self.bytes_all_reduced = 0
 
     def scratch_numel(self, input_numel: int) -> int:
         return 0
@@ -412,6 +419,8 @@ class _SingleProcess:
     reduce_scatter_by_all_to_all = False
 
     def reduce_scatter(self, output, input, then=None, scratch=None, divide_by=1) -> Pending:
+        # Only reached with GradReducer.direct_at_one_rank switched off (tests): count it as a collective.
+        self.elements_reduce_scattered += input.numel()
         self.bytes_reduce_scattered += input.numel() * input.element_size()
         output.copy_(input)
         if then is not None:
@@ -419,8 +428,7 @@ class _SingleProcess:
         return _DONE
 
     def all_gather(self, output, input) -> Pending:
-        self.bytes_all_gathered += output.numel() * output.element_size()
-        if output.data_ptr() != input.data_ptr():
+        if output.data_ptr() != input.data_ptr():  # in place (the engine's case) there is nothing to do
             output.copy_(input)
         return _DONE
 
@@ -429,11 +437,3 @@ class _SingleProcess:
 
     def all_gather_object_ints(self, value: int) -> list[int]:
         return [value]
-
-
-class _Done:
-    def wait(self) -> None:
-        pass
-
-
-_DONE = _Done()
