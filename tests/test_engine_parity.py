@@ -102,3 +102,54 @@ def _bf16_reduce(rank, world, stage):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_reduce_dtype_bfloat16_is_the_mean_within_bf16_rounding(world, stage):
     assert len(set(run_on_ranks(world, _bf16_reduce, stage))) == 1
+
+
+class _TwoDtypes(torch.nn.Module):
+    """fp32 and bf16 parameters in one model: two flat groups whose gradients travel in different dtypes
+    through the one staging pool."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.inner = torch.nn.Linear(24, 40)  # fp32
+        self.outer = torch.nn.Linear(40, 8).to(torch.bfloat16)
+
+    def forward(self, x):
+        return self.outer(torch.tanh(self.inner(x)).to(torch.bfloat16)).float()
+
+
+def _two_dtypes_loss(model, b):
+    x, y = b
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _two_dtypes_batch(step, rank):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(16, 24, generator=g), torch.randn(16, 8, generator=g)
+
+
+def _two_dtypes(rank, world, stage):
+    model = _TwoDtypes()
+    opt = ZeroAdamW(model.named_parameters(), **HYPER, stage=stage, bucket_size=256)
+    assert sorted(str(fg.dtype) for fg in opt._flat_groups) == ["torch.bfloat16", "torch.float32"]
+    ref_params, ref_opt = reference(_TwoDtypes(), **HYPER)
+    for step in range(4):
+        per_rank = rank_grads(
+            model, list(model.parameters()), [_two_dtypes_batch(step, r) for r in range(world)], _two_dtypes_loss
+        )
+        means = mean_grads(per_rank, ref_params)
+        for p, g in zip(ref_params, means):
+            p.grad = g
+        ref_opt.step()
+        _two_dtypes_loss(model, _two_dtypes_batch(step, rank)).backward()
+        check_grad_shard_is_mean(opt, means, rank)
+        opt.step()
+        opt.zero_grad()
+        check_against_reference(opt, model, ref_params, rank)
+    return params_digest(model)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fp32_and_bf16_params_in_one_model(world, stage):
+    assert len(set(run_on_ranks(world, _two_dtypes, stage))) == 1
