@@ -39,7 +39,7 @@ def _reduce_scatter(rank, world, in_name, out_name, divide_by):
         # One rank takes torch's reduce-scatter, which sums in the input dtype: a wider output is refused.
         with pytest.raises(ValueError, match="`output` must have the dtype of `input`"):
             comm.reduce_scatter(out, x)
-        assert comm.bytes_reduce_scattered == 0
+        assert comm.counts.as_dict()["reduce_scatter_bytes"] == 0
         return
     pending = comm.reduce_scatter(out, x, then=lambda: then_ran.append(out.clone()), **kwargs)
     pending.wait()
@@ -48,7 +48,7 @@ def _reduce_scatter(rank, world, in_name, out_name, divide_by):
     assert len(then_ran) == 1 and torch.equal(then_ran[0], out), "`then` ran before the result was complete"
     expected = _reference(world, rank, numel, in_dtype, out_dtype, divide_by if world > 1 else 1)
     assert torch.equal(out, expected)
-    assert comm.bytes_reduce_scattered == x.numel() * x.element_size()
+    assert comm.counts.as_dict()["reduce_scatter_bytes"] == x.numel() * x.element_size()
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -90,7 +90,7 @@ def _bad_scratch(rank, world):
     for scratch in (None, torch.empty(world * 64 - 1), torch.empty(world * 64, dtype=torch.bfloat16)):
         with pytest.raises(ValueError, match="`scratch` must be a torch.float32 buffer of at least"):
             comm.reduce_scatter(out, x, scratch=scratch)
-    assert comm.bytes_reduce_scattered == 0, "a refused call was counted"
+    assert comm.counts.as_dict()["reduce_scatter_bytes"] == 0, "a refused call was counted"
     # Both ranks refused locally before communicating: the group still works.
     comm.reduce_scatter(out, x, scratch=torch.empty(world * 64)).wait()
     assert torch.equal(out, torch.full((64,), float(world)))

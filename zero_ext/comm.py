@@ -56,6 +56,29 @@ class Pending:
         self._done = True
 
 
+class CommCounts:
+    """Elements and bytes passed to each kind of collective since construction (ZeRO-1/2 promise 2*Psi
+    elements per step; the benchmarks check it). Bytes depend on the dtype that travels."""
+
+    KINDS = ("reduce_scatter", "all_gather", "all_reduce")
+
+    def __init__(self):
+        self._elements = dict.fromkeys(self.KINDS, 0)
+        self._bytes = dict.fromkeys(self.KINDS, 0)
+
+    def add(self, kind: str, tensor: torch.Tensor) -> None:
+        self._elements[kind] += tensor.numel()
+        self._bytes[kind] += tensor.numel() * tensor.element_size()
+
+    def as_dict(self) -> dict[str, int]:
+        """``{kind}_elements`` and ``{kind}_bytes`` for every kind."""
+        out = {}
+        for kind in self.KINDS:
+            out[f"{kind}_elements"] = self._elements[kind]
+            out[f"{kind}_bytes"] = self._bytes[kind]
+        return out
+
+
 class Communicator:
     """Collectives of one process group for buffers on one device."""
 
@@ -67,11 +90,7 @@ class Communicator:
         # NCCL has a real reduce-scatter; everything else (gloo) goes through all-to-all + a local sum.
         self.reduce_scatter_by_all_to_all = self.world_size > 1 and dist.get_backend(process_group) != "nccl"
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
-        # Elements and bytes passed to each kind of collective since construction (ZeRO-1/2 promise 2*Psi
-        # elements per step; the benchmark checks it). Bytes depend on the dtype that travels.
-        self.elements_reduce_scattered = self.bytes_reduce_scattered = 0
-        self.elements_all_gathered = self.bytes_all_gathered = 0
-        self.elements_all_reduced = self.bytes_all_reduced = 0
+        self.counts = CommCounts()
 
     def _launch(self, collective: Callable[[], object], then: Optional[Callable[[], None]]) -> Pending:
         if self.stream is None:
@@ -112,12 +131,12 @@ class Communicator:
                     f"reduce_scatter: `output` must have the dtype of `input` ({input.dtype}) when the collective "
                     f"sums, got {output.dtype}"
                 )
-            self._count_reduce_scatter(input)
+            self.counts.add("reduce_scatter", input)
             return self._launch(lambda: _reduce_scatter_flat(output, input, group=self.group, async_op=True), then)
         n = input.numel()
         if scratch is None or scratch.numel() < n or scratch.dtype != input.dtype:
             raise ValueError(f"reduce_scatter: `scratch` must be a {input.dtype} buffer of at least {n} elements")
-        self._count_reduce_scatter(input)
+        self.counts.add("reduce_scatter", input)
         received = scratch[:n]
         slices = received.view(self.world_size, n // self.world_size).unbind(0)
 
@@ -140,22 +159,16 @@ class Communicator:
             lambda: dist.all_to_all_single(received, input, group=self.group, async_op=True), sum_received
         )
 
-    def _count_reduce_scatter(self, input: torch.Tensor) -> None:
-        self.elements_reduce_scattered += input.numel()
-        self.bytes_reduce_scattered += input.numel() * input.element_size()
-
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
         """Gather every rank's ``input`` into ``output`` (in place when ``input`` is this rank's slice of it).
         One rank gathering in place has nothing to do: no collective, nothing counted."""
         if self.world_size == 1 and output.data_ptr() == input.data_ptr() and output.numel() == input.numel():
             return _DONE
-        self.elements_all_gathered += output.numel()
-        self.bytes_all_gathered += output.numel() * output.element_size()
+        self.counts.add("all_gather", output)
         return self._launch(lambda: _all_gather_flat(output, input, group=self.group, async_op=True), None)
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> Pending:
-        self.elements_all_reduced += tensor.numel()
-        self.bytes_all_reduced += tensor.numel() * tensor.element_size()
+        self.counts.add("all_reduce", tensor)
         return self._launch(lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True), None)
 
     def all_gather_object_ints(self, value: int) -> list[int]:

@@ -8,9 +8,13 @@ import torch
 from . import ops
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+
+
 def cast_scale_into(out: torch.Tensor, src: torch.Tensor, scale: float) -> None:
     """``out[:] = src * scale`` rounded to ``out.dtype`` (nearest even); ``out`` is a contiguous 1-D view."""
-    src = src.reshape(-1) if src.is_contiguous() else src.contiguous().reshape(-1)
+    src = _flat(src)
     if out.is_cuda:
         from .kernels import cast_scale
 
@@ -20,7 +24,8 @@ def cast_scale_into(out: torch.Tensor, src: torch.Tensor, scale: float) -> None:
 
 
 def accumulate_into(acc: torch.Tensor, src: torch.Tensor) -> None:
-    """fp32 ``acc += src`` for a bf16/fp16/fp32 ``src`` of the same size."""
+    """fp32 ``acc += src`` for a bf16/fp16/fp32 ``src`` of the same size (any shape); ``acc`` is contiguous 1-D."""
+    src = _flat(src)
     if acc.is_cuda:
         from .kernels import accumulate_
 

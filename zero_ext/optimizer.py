@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from . import ops
 from .buffers import FlatGroup, fingerprint
-from .comm import _DONE, Communicator, Pending
+from .comm import _DONE, CommCounts, Communicator, Pending
 from .memory import MemoryReport
 from .reducer import GradReducer
 from .state_dict import load_local_state_dict, local_state_dict
@@ -346,16 +346,7 @@ class ZeroAdamW(torch.optim.Optimizer):
     def comm_stats(self) -> dict[str, int]:
         """Elements and bytes this rank has passed to each collective since construction (one rank
         communicates nothing: its gradients go straight to the grad shard and its all-gather is in place)."""
-        c = self._comm
-        return {
-            f"{kind}_{unit}": getattr(c, f"{unit}_{attr}")
-            for kind, attr in (
-                ("reduce_scatter", "reduce_scattered"),
-                ("all_gather", "all_gathered"),
-                ("all_reduce", "all_reduced"),
-            )
-            for unit in ("elements", "bytes")
-        }
+        return self._comm.counts.as_dict()
 
     def memory_report(self) -> MemoryReport:
         """Every persistent byte on this rank by kind; see :class:`zero_ext.memory.MemoryReport`."""
@@ -409,9 +400,7 @@ class _SingleProcess:
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = None
-        self.elements_reduce_scattered = self.bytes_reduce_scattered = 0
-        self.elements_all_gathered = self.bytes_all_gathered = 0
-        self.elements_all_reduced = self.bytes_all_reduced = 0
+        self.counts = CommCounts()
 
     def scratch_numel(self, input_numel: int) -> int:
         return 0
@@ -420,8 +409,7 @@ class _SingleProcess:
 
     def reduce_scatter(self, output, input, then=None, scratch=None, divide_by=1) -> Pending:
         # Only reached with GradReducer.direct_at_one_rank switched off (tests): count it as a collective.
-        self.elements_reduce_scattered += input.numel()
-        self.bytes_reduce_scattered += input.numel() * input.element_size()
+        self.counts.add("reduce_scatter", input)
         output.copy_(input)
         if then is not None:
             then()

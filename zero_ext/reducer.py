@@ -38,13 +38,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from .buffers import Bucket, FlatGroup
+from .buffers import Bucket, FlatGroup, Slot
 from .comm import Communicator, Pending
 from .device_ops import accumulate_into, cast_scale_into
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
 
 
 @dataclass
@@ -178,7 +174,7 @@ class GradReducer:
         return group.dtype if self._local_sum else self.reduce_dtype
 
     def _wire_itemsize(self, ref: _BucketRef) -> int:
-        return torch.empty(0, dtype=self._wire_dtype(ref.group)).element_size()
+        return self._wire_dtype(ref.group).itemsize
 
     def _new_staging(self) -> _Staging:
         out = torch.empty(self._max_shard, dtype=self.reduce_dtype, device=self._device) if self._needs_output else None
@@ -224,19 +220,14 @@ class GradReducer:
         ref = self._ref_of[(id(group), group.layout.slots[index].bucket)]
         slot = group.layout.slots[index]
         if self.stage == 1:
-            view = self._grad_buffer_of[id(group)][slot.offset : slot.offset + slot.numel]
-            if grad.data_ptr() != view.data_ptr():
-                # The user replaced .grad (e.g. module.zero_grad(set_to_none=True)): a fresh gradient means
-                # "previous value was zero", so overwrite the slot and point .grad back at it.
-                view.copy_(grad.reshape(-1))
-                param.grad = view.view(param.shape)
+            self._adopt_grad(group, slot, param, grad)
             if not self.sync_enabled:
                 self._unreduced = True
                 return
         self._open_round()
         if self.stage == 2 and self._direct:
             start = ref.bucket.shard_offset + slot.offset - ref.bucket.offset
-            accumulate_into(group.grad_shard[start : start + slot.numel], _flat(grad))
+            accumulate_into(group.grad_shard[start : start + slot.numel], grad)
             param.grad = None
         elif self.stage == 2:
             entry = self._staging_of[ref.order]
@@ -285,15 +276,13 @@ class GradReducer:
     def _launch(self, ref: _BucketRef) -> None:
         group, bucket = ref.group, ref.bucket
         grad_shard = group.shard_of(group.grad_shard, bucket)
+        if self.stage == 1 and self._arrived[ref.order] < len(bucket.slots):
+            self._settle_missing(group, bucket)
         if self._direct:
             if self.stage == 1:
-                if self._arrived[ref.order] < len(bucket.slots):
-                    self._settle_missing(group, bucket)
                 grad_shard.copy_(group.bucket_view(self._grad_buffer_of[id(group)], bucket))
             return
         if self.stage == 1:
-            if self._arrived[ref.order] < len(bucket.slots):
-                self._settle_missing(group, bucket)
             entry = self._acquire(ref.order)
             grads = group.bucket_view(self._grad_buffer_of[id(group)], bucket)
             if self._send_from_grad_buffer:
@@ -327,21 +316,23 @@ class GradReducer:
         entry.holder = None
         self._inflight.append(entry)
 
+    def _adopt_grad(self, group: FlatGroup, slot: Slot, param: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
+        """Stage 1: make ``param``'s slot of the flat grad buffer hold ``grad`` and ``param.grad`` a view of it.
+        A slot holds the parameter's gradient only while ``param.grad`` is that view: after zero_grad() (or the
+        user's own set-to-None) autograd hands over a fresh tensor, meaning "the previous value was zero", so it
+        is copied over the slot; no gradient at all (None) is zero."""
+        view = self._grad_buffer_of[id(group)][slot.offset : slot.offset + slot.numel]
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() != view.data_ptr():
+            view.copy_(grad.reshape(-1))
+            param.grad = view.view(param.shape)
+
     def _settle_missing(self, group: FlatGroup, bucket: Bucket) -> None:
-        """Stage 1, a bucket launched before all its parameters got a gradient this round: a slot holds the
-        parameter's gradient only while ``param.grad`` is the view of it. A parameter whose ``.grad`` is None
-        (zero_grad(), or the user's own set-to-None) contributes zero: its slot may hold an old gradient, so
-        it is zeroed. One whose ``.grad`` was replaced by another tensor contributes that tensor."""
-        buffer = self._grad_buffer_of[id(group)]
+        """Stage 1, a bucket launched before all its parameters got a gradient this round: the slots of those
+        parameters may hold old gradients; make each hold what its ``.grad`` says (None: zero)."""
         for i in bucket.slots:
-            slot, param = group.layout.slots[i], group.params[i]
-            view = buffer[slot.offset : slot.offset + slot.numel]
-            grad = param.grad
-            if grad is None:
-                view.zero_()
-            elif grad.data_ptr() != view.data_ptr():
-                view.copy_(grad.reshape(-1))
-                param.grad = view.view(param.shape)
+            self._adopt_grad(group, group.layout.slots[i], group.params[i], group.params[i].grad)
 
     # ---------------------------------------------------------------- step / zero_grad
     def finish(self) -> None:
