@@ -46,3 +46,16 @@ def test_main_job_tiny(tmp_path):
     )
     assert mem.returncode == 0, mem.stdout[-3000:] + mem.stderr[-3000:]
     assert "PASS 7.5B params, 64 ranks: 120.0 / 31.4 / 16.6 / 1.9 GB" in mem.stdout
+
+
+def test_collectives_tiny(tmp_path):
+    """bench_collectives.py on 3 ranks, a small buffer: every contender timed, the files written."""
+    cmd = [sys.executable, "bench/bench_collectives.py", "--world-size", "3", "--numel", "5000", "--buckets", "1,2"]
+    cmd += ["--reps", "2", "--warmup", "1", "--out-dir", str(tmp_path), "--name", "coll"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "coll.json").read_text())
+    assert result["config"]["numel"] % (3 * 2 * 64) == 0 and result["config"]["numel"] >= 5000
+    assert len(result["runs"]) == 6 * 2
+    assert all(len(r["times_s"]) == 2 and r["median_s"] > 0 for r in result["runs"].values())
+    assert (tmp_path / "coll.md").read_text().count("| all_to_all + sum") == 4
