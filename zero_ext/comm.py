@@ -5,11 +5,12 @@ compute stream has queued so far (so the collective reads finished data), and an
 marks completion; waiting on a :class:`Pending` makes the *current stream* wait for that event: no host
 synchronisation. On CPU (gloo) collectives run asynchronously in gloo's threads and waiting blocks.
 
-gloo's ``reduce_scatter_tensor`` is slower than its ``all_reduce`` of the same buffer (measured: 3.3M fp32
-elements over 2 ranks, 16.6 ms vs 13.8 ms), although a reduce-scatter needs to move only half the bytes. On
-gloo a reduce-scatter is therefore one ``all_to_all_single`` (each rank sends slice j of the bucket to rank j:
-the (N-1)/N of the bucket a ring reduce-scatter also sends) into a receive buffer, followed by a local sum of
-the N received slices in rank order (8.4 ms for the same buffer, sum included). The caller provides that
+gloo's ``reduce_scatter_tensor`` is slower than its ``all_reduce`` of the same buffer, although a
+reduce-scatter needs to move only half the bytes (``bench/bench_collectives.py``; 3.3M fp32 elements over 2
+ranks: 18.5 ms vs 14.8 ms). On gloo a reduce-scatter is therefore one ``all_to_all_single`` (each rank sends
+slice j of the bucket to rank j: the (N-1)/N of the bucket a ring reduce-scatter also sends) into a receive
+buffer, followed by a local sum of the N received slices in rank order (9.8 ms for the same buffer, sum
+included). The caller provides that
 receive buffer (``scratch``, :meth:`Communicator.scratch_numel` elements) so that it is allocated once and
 counted in the memory ledger.
 

@@ -121,7 +121,8 @@ class ZeroAdamW(torch.optim.Optimizer):
             trainable = sum(p.numel() for g in self.param_groups for p in g["params"] if p.requires_grad)
             # NCCL: 8 buckets, so backward hides all but the last. gloo: 4, because there every collective
             # costs a fixed ~0.5-1 ms of thread hand-offs on cores that backward keeps busy; measured on the
-            # 3.3M-param benchmark GPT at 2 ranks, 8 buckets took 1.05x DDP's step, 2-4 buckets 0.92-1.01x.
+            # 3.3M-param benchmark GPT at 2 ranks, 8 buckets took 1.05x DDP's step, 2-4 buckets 0.92-1.01x
+            # (bench/results/engine_step_cpu.md, Findings; per-collective costs: bench_collectives.py).
             per_model = 4 if self._comm.reduce_scatter_by_all_to_all else 8
             bucket_size = min(max(2**22, world * 2**18), max(world * 2**16, -(-trainable // per_model)))
         self.bucket_size = bucket_size
