@@ -1,19 +1,36 @@
-"""Triton kernels of zero_ext (installed as ``zero_ext.kernels``): fused cast/scale and fp32 accumulate.
+"""Triton kernels of zero_ext (installed as ``zero_ext.kernels``): fused cast/scale and fp32 accumulate, and
+``dispatch``, which picks them or the C++ kernels by the tensors' device.
 
-They run compiled on CUDA and, with ``TRITON_INTERPRET=1`` set before this import, on CPU tensors
-through Triton's interpreter (how the tests run them on every machine). Each is also registered as a
+They run compiled on CUDA and, with ``TRITON_INTERPRET=1`` set before this import, on CPU tensors through
+Triton's interpreter (how the tests run them on every machine). Each is also registered as a
 ``torch.ops.zero_ext.*`` op via ``torch.library.triton_op`` so torch.compile'd code can call it.
+
+Without Triton (a CPU-only install may lack it) ``zero_ext.kernels.dispatch``, which is what the engine calls,
+still works on CPU tensors; only these two names raise an ImportError saying how to get Triton.
 """
+
+__all__ = ["cast_scale", "accumulate_"]
+
+if __name__ != "zero_ext.kernels":  # e.g. `import kernels` from the repository root, looking for another package
+    raise ImportError(
+        f"{__file__} is zero_ext's Triton kernels folder, importable only as zero_ext.kernels, not as {__name__!r} "
+        "(a `kernels` package of your own or of another library is shadowed by this folder on sys.path)"
+    )
 
 try:
     import triton  # noqa: F401
-except ImportError as e:  # CUDA builds of torch bring Triton; a CPU-only install may not have it
-    raise ImportError(
-        "zero_ext.kernels needs Triton: `pip install triton` (or install zero_ext with the [dev] extra); "
-        "the rest of zero_ext works without it on CPU"
-    ) from e
+except ImportError:  # CUDA builds of torch bring Triton; a CPU-only install may not have it
 
-from .accumulate import accumulate_  # noqa: E402
-from .cast_scale import cast_scale  # noqa: E402
+    def __getattr__(name: str):
+        if name in __all__:
+            raise ImportError(
+                f"zero_ext.kernels.{name} needs Triton: `pip install triton` (or install zero_ext with the [dev] "
+                "extra); the rest of zero_ext works without it on CPU"
+            )
+        raise AttributeError(f"module 'zero_ext.kernels' has no attribute {name!r}")
 
-__all__ = ["cast_scale", "accumulate_"]
+else:
+    # Imported here, not on first use: the submodules share the functions' names, and a submodule imported
+    # later would replace the function as the package attribute.
+    from .accumulate import accumulate_
+    from .cast_scale import cast_scale

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import struct
-from numbers import Real
 from typing import Callable, Iterable, Optional, Union
 
 import torch
 
-Scalar = Union[float, int, torch.Tensor]
+from ..hyperparams import Scalar, split_scalar
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -31,18 +31,29 @@ def to_fp32(value: float) -> float:
 
 
 def split_scale(op: str, scale: Scalar, device: torch.device) -> tuple[float, Optional[torch.Tensor]]:
-    """``(fp32 value, None)`` for a Python number, ``(1.0, tensor)`` for a one-element fp32 device tensor."""
-    if isinstance(scale, torch.Tensor):
-        if scale.numel() != 1:
-            raise ValueError(f"{op}: `scale` tensor must have exactly one element, got shape {tuple(scale.shape)}")
-        if scale.dtype != torch.float32:
-            raise TypeError(f"{op}: `scale` tensor must be float32, got {scale.dtype}")
-        if scale.device != device:
-            raise ValueError(f"{op}: `scale` tensor must be on {device} (read in the kernel), got {scale.device}")
-        return 1.0, scale
-    if isinstance(scale, bool) or not isinstance(scale, Real):
-        raise TypeError(f"{op}: `scale` must be a Python number or a one-element tensor, got {type(scale).__name__}")
-    return to_fp32(float(scale)), None
+    """``(fp32 value, None)`` for a Python number, ``(1.0, tensor)`` for a one-element fp32 tensor on ``device``
+    (read by the kernel). The number-or-tensor split is ``zero_ext.hyperparams.split_scalar``'s, as for the C++
+    ops; the fp32 rounding and the tensor checks are the Triton kernels' own."""
+    value, tensor = split_scalar(op, "scale", scale)
+    if tensor is None:
+        return to_fp32(value), None
+    if tensor.numel() != 1:
+        raise ValueError(f"{op}: `scale` tensor must have exactly one element, got shape {tuple(tensor.shape)}")
+    if tensor.dtype != torch.float32:
+        raise TypeError(f"{op}: `scale` tensor must be float32, got {tensor.dtype}")
+    if tensor.device != device:
+        raise ValueError(f"{op}: `scale` tensor must be on {device} (read in the kernel), got {tensor.device}")
+    return 1.0, tensor
+
+
+def device_guard(t: torch.Tensor):
+    """The context every launch runs in: ``t``'s CUDA device made current, so the kernel runs on ``t``'s device
+    and on that device's current stream, whatever device the calling thread has current (stage 1's last buckets
+    launch from autograd's end-of-backward callback on the user's thread). A no-op for CPU tensors and while
+    torch.compile traces (Inductor places the kernel itself)."""
+    if t.device.type != "cuda" or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return torch.cuda.device(t.device)
 
 
 def check_flat(op: str, name: str, t: object, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
@@ -75,6 +86,23 @@ def check_no_partial_overlap(op: str, name: str, t: torch.Tensor, ref_name: str,
         raise ValueError(
             f"{op}: `{name}` overlaps `{ref_name}` in memory; only the identical tensor (same address and "
             f"dtype, an in-place update) is allowed"
+        )
+
+
+def check_fake_same(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    """check_same for the fake impls (torch._check, so it works on fake and meta tensors alike): a call with one
+    tensor on ``meta`` reaches the fake, which must fail it as the eager launcher would instead of doing nothing."""
+    torch._check(t.device == ref.device, lambda: f"{op}: `{name}` is on {t.device} but `{ref_name}` is on {ref.device}")
+    torch._check(
+        t.numel() == ref.numel(), lambda: f"{op}: `{name}` has {t.numel()} elements but `{ref_name}` has {ref.numel()}"
+    )
+
+
+def check_fake_scale(op: str, scale_tensor: Optional[torch.Tensor], ref_name: str, ref: torch.Tensor) -> None:
+    if scale_tensor is not None:
+        torch._check(
+            scale_tensor.device == ref.device,
+            lambda: f"{op}: `scale_tensor` is on {scale_tensor.device} but `{ref_name}` is on {ref.device}",
         )
 
 

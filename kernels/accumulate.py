@@ -23,9 +23,12 @@ from ._launch import (
     FLOAT_DTYPES,
     NUM_WARPS,
     Scalar,
+    check_fake_same,
+    check_fake_scale,
     check_flat,
     check_no_partial_overlap,
     check_same,
+    device_guard,
     register_op,
     split_scale,
 )
@@ -48,7 +51,8 @@ def _accumulate_kernel(acc_ptr, x_ptr, scale, scale_ptr, n, SCALE_FROM_PTR: tl.c
 
 
 def _accumulate_fake(acc, x, scale, scale_tensor) -> None:
-    return None
+    check_fake_same(_OP, "x", x, "acc", acc)
+    check_fake_scale(_OP, scale_tensor, "acc", acc)
 
 
 @register_op("zero_ext::accumulate_", mutates_args={"acc"}, fake=_accumulate_fake)
@@ -60,10 +64,11 @@ def _accumulate_op(acc: torch.Tensor, x: torch.Tensor, scale: float, scale_tenso
     kernel = torch.library.wrap_triton(_accumulate_kernel)
     launch = kernel[(triton.cdiv(n, BLOCK),)]
     args = (acc, x, scale, scale_tensor if from_ptr else x, n)
-    if isinstance(kernel, triton.runtime.JITFunction):  # a real launch (not traced, not interpreted)
-        launch(*args, SCALE_FROM_PTR=from_ptr, BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False)
-    else:  # traced for torch.compile (the flag is no kernel argument there) or interpreted (no FMA)
-        launch(*args, SCALE_FROM_PTR=from_ptr, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    with device_guard(acc):
+        if isinstance(kernel, triton.runtime.JITFunction):  # a real launch (not traced, not interpreted)
+            launch(*args, SCALE_FROM_PTR=from_ptr, BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False)
+        else:  # traced for torch.compile (the flag is no kernel argument there) or interpreted (no FMA)
+            launch(*args, SCALE_FROM_PTR=from_ptr, BLOCK=BLOCK, num_warps=NUM_WARPS)
 
 
 def accumulate_(acc: torch.Tensor, x: torch.Tensor, scale: Scalar = 1.0) -> torch.Tensor:

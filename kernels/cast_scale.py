@@ -17,9 +17,12 @@ from ._launch import (
     FLOAT_DTYPES,
     NUM_WARPS,
     Scalar,
+    check_fake_same,
+    check_fake_scale,
     check_flat,
     check_no_partial_overlap,
     check_same,
+    device_guard,
     register_op,
     split_scale,
 )
@@ -48,16 +51,19 @@ def _launch(x: torch.Tensor, out: torch.Tensor, scale: float, scale_tensor: Opti
         return
     grid = (triton.cdiv(n, BLOCK),)
     from_ptr = scale_tensor is not None
-    torch.library.wrap_triton(_cast_scale_kernel)[grid](
-        x, out, scale, scale_tensor if from_ptr else x, n, SCALE_FROM_PTR=from_ptr, BLOCK=BLOCK, num_warps=NUM_WARPS
-    )
+    with device_guard(out):
+        torch.library.wrap_triton(_cast_scale_kernel)[grid](
+            x, out, scale, scale_tensor if from_ptr else x, n, SCALE_FROM_PTR=from_ptr, BLOCK=BLOCK, num_warps=NUM_WARPS
+        )
 
 
 def _cast_scale_into_fake(x, out, scale, scale_tensor) -> None:
-    return None
+    check_fake_same(_OP, "out", out, "x", x)
+    check_fake_scale(_OP, scale_tensor, "x", x)
 
 
 def _cast_scale_fake(x, scale, scale_tensor, out_dtype):
+    check_fake_scale(_OP, scale_tensor, "x", x)
     return torch.empty(x.shape, dtype=out_dtype, device=x.device)
 
 

@@ -43,7 +43,9 @@ def fp32_to_fp16_rne(x):
     mant = (mag & 0x7FFFFF) | 0x800000
     half_minus_one = (tl.full(mant.shape, 1, tl.uint32) << (shift - 1)) - 1
     subnormal = (mant + half_minus_one + ((mant >> shift) & 1)) >> shift
-    quiet_nan = 0x7E00 | (mag >> 13)
+    # Quiet NaN, top payload bits kept; masked to the 10 mantissa bits so the payload cannot reach the sign bit
+    # (fp32 0x7FC00000 -> fp16 0x7E00, as torch gives).
+    quiet_nan = 0x7E00 | ((mag >> 13) & 0x3FF)
     h = tl.where(mag >= 0x38800000, normal, subnormal)
     h = tl.where(mag < 0x33000000, 0, h)  # below 2^-25: rounds to zero
     h = tl.where(mag >= 0x477FF000, 0x7C00, h)  # >= 65520 (incl. inf): rounds to inf

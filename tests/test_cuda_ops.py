@@ -81,6 +81,21 @@ def test_cpu_scalar_tensors_are_read_without_device_sync():
         assert_bitwise(a, b)
 
 
+def test_cpu_tensor_scalars_validated_device_tensor_scalars_trusted():
+    state = make_state(100)
+    before = clone_all(state)
+    # A CPU tensor is read (no device sync) and validated like a number, even with master on the GPU.
+    for name, bad in (("grad_scale", float("nan")), ("grad_scale", float("inf")), ("lr", -1.0), ("step", 0.0)):
+        with pytest.raises(RuntimeError, match=f"`{name}`"):
+            ops.fused_adamw_(*state, **dict(HP, **{name: torch.tensor(bad)}))
+    for a, b in zip(state, before):
+        assert_bitwise(a, b)
+    # A device tensor is read by the kernel and not validated (that would synchronise): the caller vouches for it.
+    with no_host_sync():
+        ops.fused_adamw_(*state, **dict(HP, grad_scale=torch.tensor(float("nan"), device="cuda")))
+    assert state[0].isnan().all()
+
+
 def test_other_ops_no_host_sync():
     tensors = [torch.randn(n, device="cuda") for n in (5, 1000, 33)]
     flat = torch.zeros(1038, device="cuda")
@@ -256,6 +271,20 @@ def test_rejected_call_modifies_nothing():
         ops.fused_adamw_(*state, **HP, param_out=torch.empty(99, dtype=torch.bfloat16, device="cuda"))
     with pytest.raises(RuntimeError):
         ops.fused_adamw_(state[0], state[1].cpu(), state[2], state[3], **HP)
+    for a, b in zip(state, before):
+        assert_bitwise(a, b)
+
+
+def test_overlapping_arguments_rejected_before_any_launch():
+    state = make_state(100)
+    before = clone_all(state)
+    out = state[0].view(torch.bfloat16)[50:150]  # param_out inside master's bytes
+    with pytest.raises(RuntimeError, match="`master` and `param_out` overlap"):
+        ops.fused_adamw_(*state, **HP, param_out=out)
+    flat = torch.zeros(64, device="cuda")
+    with pytest.raises(RuntimeError, match=r"`tensors\[0\]` and `flat` overlap"):
+        ops.unflatten_(flat, [flat[8:16]], [0])
+    torch.cuda.synchronize()
     for a, b in zip(state, before):
         assert_bitwise(a, b)
 

@@ -186,6 +186,18 @@ def test_found_inf_changes_nothing(device):
     assert not torch.equal(shard.master, before[0])
 
 
+def test_found_inf_skips_before_reading_the_scalars():
+    """The step that found an inf is the one whose clip coefficient is nan and, on a parameter's first step, whose
+    step count is still 0: a skip must not fail on them (CPU tensors are otherwise validated)."""
+    shard = Shard(1025, "cpu", torch.bfloat16, torch.bfloat16)
+    before = [t.clone() for t in shard.tensors()]
+    shard.step(torch.tensor(0.0), grad_scale=torch.tensor(float("nan")), found_inf=torch.ones(()))
+    for a, b in zip(shard.tensors(), before):
+        assert_same_bits(a, b)
+    with pytest.raises(RuntimeError, match="`grad_scale` must be finite"):
+        shard.step(1, grad_scale=torch.tensor(float("nan")), found_inf=torch.zeros(()))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_empty_shard(device):
     shard = Shard(0, device, torch.bfloat16, torch.bfloat16)
@@ -234,7 +246,9 @@ def _bad_input_cases():
         ("grad_scale_inf", set_arg("grad_scale", float("inf")), "grad_scale"),
         ("grad_scale_tensor_shape", set_arg("grad_scale", torch.ones(3)), "grad_scale"),
         ("found_inf_shape", set_arg("found_inf", torch.zeros(2)), "found_inf"),
-        ("master_is_exp_avg", set_arg("exp_avg", lambda a: a["master"]), "distinct"),
+        ("grad_scale_tensor_nan", set_arg("grad_scale", torch.tensor(float("nan"))), "grad_scale"),
+        ("grad_scale_tensor_inf", set_arg("grad_scale", torch.tensor([float("-inf")])), "grad_scale"),
+        ("master_is_exp_avg", set_arg("exp_avg", lambda a: a["master"]), "`master` and `exp_avg` overlap"),
     ]
 
 
@@ -257,7 +271,7 @@ def test_bad_input_raises_and_modifies_nothing(name, mutate, match):
     tensors = [v for v in args.values() if isinstance(v, torch.Tensor)]
     before = [t.clone() for t in tensors]
     master, grad, exp_avg, exp_avg_sq = (args.pop(k) for k in ("master", "grad", "exp_avg", "exp_avg_sq"))
-    with pytest.raises(RuntimeError, match=f"`{match}`" if match != "distinct" else match):
+    with pytest.raises(RuntimeError, match=match if "`" in match else f"`{match}`"):
         ops.fused_adamw_(master, grad, exp_avg, exp_avg_sq, **args)
     for t, b in zip(tensors, before):
         assert torch.equal(t.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
@@ -280,3 +294,47 @@ def test_device_mismatch_raises_and_modifies_nothing():
         shard.step(1)
     for t, b in zip(shard.tensors()[:4], before[:4]):
         assert_same_bits(t, b)
+
+
+# Values each scalar must reject, whether given as a Python number or as a CPU tensor (read without a sync).
+INVALID_SCALARS = {
+    "lr": [-1e-3, float("nan"), float("inf")],
+    "beta1": [-0.1, 1.0, float("nan")],
+    "beta2": [1.0, 2.0, float("nan")],
+    "eps": [-1e-8, float("nan"), float("inf")],
+    "weight_decay": [-0.1, float("nan"), float("inf")],
+    "step": [0.0, 0.5, float("nan"), float("inf")],
+    "grad_scale": [float("nan"), float("inf"), float("-inf")],
+}
+
+
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["number", "cpu_tensor"])
+@pytest.mark.parametrize("name,value", [(n, v) for n, vs in INVALID_SCALARS.items() for v in vs])
+def test_invalid_scalar_rejected_as_number_and_as_cpu_tensor(name, value, as_tensor):
+    """One resolver validates every host-known scalar: a CPU tensor holding NaN/inf/out-of-range fails like the
+    number (a NaN grad_scale in a CPU tensor used to slip through and turn master into NaN)."""
+    shard = Shard(97, "cpu", torch.bfloat16, torch.bfloat16)
+    before = [t.clone() for t in shard.tensors()]
+    bad = {name: torch.tensor(value, dtype=torch.float64) if as_tensor else value}
+    with pytest.raises(RuntimeError, match=f"`{name}`"):
+        shard.step(**{"step": 1, **bad})
+    for t, b in zip(shard.tensors(), before):
+        assert_same_bits(t, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.int64])
+def test_cpu_tensor_scalars_give_the_numbers_bits(dtype):
+    """Values representable in `dtype`, given as CPU tensors, reach the kernel exactly as the Python numbers do."""
+    scalars = dict(lr=2.0**-10, beta1=0.875, beta2=1 - 2.0**-10, eps=2.0**-20, weight_decay=0.0625, grad_scale=0.5)
+    if dtype == torch.int64:
+        scalars = dict(scalars, step=3)
+        tensors = {k: torch.tensor(v) for k, v in scalars.items()}  # ints stay int64, floats are float32
+        tensors["step"] = torch.tensor(3, dtype=torch.int64)
+    else:
+        scalars = dict(scalars, step=3.0)
+        tensors = {k: torch.tensor(v, dtype=dtype) for k, v in scalars.items()}
+    a, b = Shard(1025, "cpu", torch.bfloat16, torch.bfloat16), Shard(1025, "cpu", torch.bfloat16, torch.bfloat16)
+    for shard, kw in ((a, scalars), (b, tensors)):
+        ops.fused_adamw_(shard.master, shard.grad, shard.exp_avg, shard.exp_avg_sq, param_out=shard.param_out, **kw)
+    for x, y in zip(a.tensors(), b.tensors()):
+        assert_same_bits(y, x)

@@ -1,5 +1,8 @@
 """torch.library.opcheck on every zero_ext op: schema (mutations declared), fake impls, autograd
-registration and AOT dispatch, so torch.compile can trace code that calls them."""
+registration and AOT dispatch, so torch.compile can trace code that calls them.
+
+The C++ ops (fused_adamw_, flatten_, unflatten_, sum_squares) and the Triton ops (cast_scale, cast_scale_into,
+accumulate_). Inputs are finite: opcheck compares outputs, and NaN != NaN."""
 
 import pytest
 import torch
@@ -52,3 +55,49 @@ def test_unflatten_opcheck(device):
 def test_sum_squares_opcheck(device, dtype):
     x = torch.randn(1025, device=device).to(dtype)
     torch.library.opcheck(torch.ops.zero_ext.sum_squares.default, (x,))
+
+
+# ----------------------------------------------------------------------------------------------------- Triton ops
+# On CPU the kernels run under TRITON_INTERPRET=1 (conftest.py), where kernels/_launch.register_op registers each
+# op as an opaque torch.library.custom_op (torch.compile cannot trace the interpreter); the cuda variants check the
+# torch.library.triton_op registration that compiled code uses. Same schema, same fake, both checked here.
+FLOATS = [torch.float32, torch.bfloat16, torch.float16]
+SCALES = ["number", "tensor"]
+
+
+@pytest.fixture
+def triton_ops():
+    pytest.importorskip("triton")
+    import zero_ext.kernels  # noqa: F401  (registers torch.ops.zero_ext.cast_scale / cast_scale_into / accumulate_)
+
+
+def _scale(kind, device):
+    return (0.5, None) if kind == "number" else (1.0, torch.tensor(0.25, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scale_kind", SCALES)
+@pytest.mark.parametrize("out_dtype", FLOATS)
+@pytest.mark.parametrize("x_dtype", FLOATS)
+def test_cast_scale_into_opcheck(triton_ops, x_dtype, out_dtype, scale_kind, device):
+    x = torch.randn(97, device=device).to(x_dtype)
+    out = torch.zeros(200, dtype=out_dtype, device=device)[3:100]  # a view at an odd offset, as the engine passes
+    torch.library.opcheck(torch.ops.zero_ext.cast_scale_into.default, (x, out, *_scale(scale_kind, device)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scale_kind", SCALES)
+@pytest.mark.parametrize("out_dtype", FLOATS)
+@pytest.mark.parametrize("x_dtype", FLOATS)
+def test_cast_scale_opcheck(triton_ops, x_dtype, out_dtype, scale_kind, device):
+    x = torch.randn(7, 13, device=device).to(x_dtype)  # any shape; the result has x's
+    torch.library.opcheck(torch.ops.zero_ext.cast_scale.default, (x, *_scale(scale_kind, device), out_dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scale_kind", SCALES)
+@pytest.mark.parametrize("x_dtype", FLOATS)
+def test_accumulate_opcheck(triton_ops, x_dtype, scale_kind, device):
+    acc = torch.randn(1025, device=device)
+    x = torch.randn(1025, device=device).to(x_dtype)
+    torch.library.opcheck(torch.ops.zero_ext.accumulate_.default, (acc, x, *_scale(scale_kind, device)))

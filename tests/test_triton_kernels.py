@@ -7,6 +7,7 @@ import struct
 import pytest
 import torch
 
+from zero_ext.hyperparams import split_scalar
 from zero_ext.kernels import accumulate_, cast_scale
 
 # The interpreter does fp math in numpy, which warns on inf/nan arithmetic the tests do on purpose.
@@ -122,6 +123,48 @@ def test_rounding_is_rne_not_truncation():
     assert cast_scale(x, out_dtype=torch.float16)[3:].tolist() == [math.inf, 1.0 + 4 * 2**-11]
 
 
+# fp32 NaN bits -> (bf16 bits, fp16 bits) from kernels/rounding.py: quiet, sign kept, the top payload bits kept.
+NAN_BITS = {
+    0x7FC00000: (0x7FC0, 0x7E00),  # the default quiet NaN (torch's fp16 NaN: sign clear, not 0xFE00)
+    0xFFC00000: (0xFFC0, 0xFE00),  # negative quiet NaN keeps its sign
+    0x7FE00000: (0x7FE0, 0x7F00),  # top payload bit kept
+    0x7FC02000: (0x7FC0, 0x7E01),  # lowest payload bit fp16 keeps (bf16 drops it)
+    0xFFC02000: (0xFFC0, 0xFE01),
+    0x7F812345: (0x7FC1, 0x7E09),  # signalling NaN comes out quiet
+}
+
+
+def _nan_input(device: str) -> torch.Tensor:
+    bits = torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in NAN_BITS], dtype=torch.int32)
+    return bits.view(torch.float32).to(device)
+
+
+def _bits16(t: torch.Tensor) -> list:
+    return [b & 0xFFFF for b in t.cpu().view(torch.int16).tolist()]
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5, "tensor"])
+def test_cast_scale_nan_bits(scale):
+    """Exact NaN bits, not just isnan (interpreter: fp32 multiplication keeps a NaN's sign and payload)."""
+    x = _nan_input("cpu")
+    s = torch.tensor(2.0) if scale == "tensor" else scale
+    assert _bits16(cast_scale(x, s, out_dtype=torch.bfloat16)) == [bf for bf, _ in NAN_BITS.values()]
+    assert _bits16(cast_scale(x, s, out_dtype=torch.float16)) == [h for _, h in NAN_BITS.values()]
+    quiet = [b | 0x00400000 for b in NAN_BITS]
+    assert [b & 0xFFFFFFFF for b in cast_scale(x, s, out_dtype=torch.float32).view(torch.int32).tolist()] == quiet
+
+
+@pytest.mark.cuda
+def test_cast_scale_nan_bits_cuda():
+    """On a GPU the fp32 multiply before the rounding returns the canonical NaN 0x7FFFFFFF for any NaN operand
+    (no payload, no sign), which rounds to 0x7FFF in both formats; either that or the input's own mapping."""
+    x = _nan_input("cuda")
+    for dtype, column in ((torch.bfloat16, 0), (torch.float16, 1)):
+        got = _bits16(cast_scale(x, 0.5, out_dtype=dtype))
+        for g, expected in zip(got, NAN_BITS.values()):
+            assert g in (expected[column], 0x7FFF), (dtype, hex(g))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("buf_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("in_dtype", DTYPES)
@@ -182,6 +225,23 @@ def test_cast_scale_errors_leave_everything_untouched():
         with pytest.raises(exc, match=words):
             call()
         assert torch.equal(buf, before)
+
+
+def test_scale_split_is_the_one_the_cpp_ops_use():
+    """The launchers leave the number-or-tensor split of `scale` to zero_ext.hyperparams.split_scalar, which
+    fused_adamw_'s wrapper uses too: one rule, one wording."""
+    x = torch.randn(4)
+    for bad in ("2", None, True, [1.0]):
+        with pytest.raises(TypeError) as expected:
+            split_scalar("zero_ext.kernels.cast_scale", "scale", bad)
+        with pytest.raises(TypeError) as got:
+            cast_scale(x, bad)
+        assert str(got.value) == str(expected.value)
+        with pytest.raises(TypeError) as expected:
+            split_scalar("zero_ext.kernels.accumulate_", "scale", bad)
+        with pytest.raises(TypeError) as got:
+            accumulate_(x, x.clone(), bad)
+        assert str(got.value) == str(expected.value)
 
 
 # --------------------------------------------------------------------------------------------- accumulate_
@@ -271,14 +331,7 @@ def test_accumulate_errors_leave_everything_untouched():
 
 
 # ---------------------------------------------------------------------------------- registered torch ops
-
-
-def test_opcheck():
-    x = torch.randn(97).bfloat16()  # finite: opcheck compares outputs with NaN != NaN
-    out = torch.randn(97)
-    torch.library.opcheck(torch.ops.zero_ext.cast_scale_into.default, (x, out, 0.5, None))
-    torch.library.opcheck(torch.ops.zero_ext.cast_scale.default, (x, 1.0, torch.tensor(2.0), torch.float16))
-    torch.library.opcheck(torch.ops.zero_ext.accumulate_.default, (out, x, 0.5, torch.tensor(0.25)))
+# (torch.library.opcheck of each op: tests/test_ops_opcheck.py)
 
 
 @pytest.mark.parametrize(
@@ -300,3 +353,24 @@ def test_callable_from_compiled_code(device, backend):
     torch.testing.assert_close(acc, acc_eager, rtol=0 if device == "cpu" else 1.2e-7, atol=0)
     torch.testing.assert_close(z, z_eager, rtol=0 if device == "cpu" else 1.2e-7, atol=0)
     assert_bitwise(y, cast_ref(acc, 0.25, torch.bfloat16))
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_past_2_to_31_elements_and_at_odd_offsets():
+    """64-bit offsets: elements beyond 2**31 are written and read, at an odd offset into a larger buffer (about
+    13 GB of GPU memory)."""
+    n = 2**31 + 5
+    idx = torch.tensor([0, 1, 2**31 - 1, 2**31, 2**31 + 1, n - 1], device="cuda")
+    x = torch.zeros(n, dtype=torch.bfloat16, device="cuda")
+    x[idx] = torch.tensor([1.0, -2.0, 3.0, 4.0, -5.0, 6.0], dtype=torch.bfloat16, device="cuda")
+    buf = torch.full((n + 3,), -1.0, device="cuda")
+    out = buf[3:]  # an odd element offset: 12 bytes, not 16-aligned
+    cast_scale(x, 0.5, out=out)
+    assert buf[:3].eq(-1.0).all()
+    assert torch.equal(out[idx].cpu(), torch.tensor([0.5, -1.0, 1.5, 2.0, -2.5, 3.0]))
+    del buf, out
+    acc = torch.ones(n, device="cuda")
+    accumulate_(acc, x, 2.0)
+    assert torch.equal(acc[idx].cpu(), torch.tensor([3.0, -3.0, 7.0, 9.0, -9.0, 13.0]))
+    assert acc[2**31 + 2].item() == 1.0

@@ -1,24 +1,12 @@
 #include "checks.h"
 
 #include <algorithm>
-#include <cmath>
 #include <utility>
+
+#include "scalars.h"
 
 namespace zero_ext {
 namespace {
-
-void check_scalar_tensor(const std::optional<at::Tensor>& t, const at::Tensor& master,
-                         const char* arg) {
-  if (!t.has_value()) return;
-  TORCH_CHECK(t->numel() == 1, "zero_ext.fused_adamw_: `", arg,
-              "` must be a Python number or a tensor with one element, got shape ", t->sizes());
-  TORCH_CHECK(at::isFloatingType(t->scalar_type()) || at::isIntegralType(t->scalar_type(), false),
-              "zero_ext.fused_adamw_: `", arg, "` must be a floating or integer tensor, got ",
-              t->scalar_type());
-  TORCH_CHECK(t->device() == master.device() || t->device().is_cpu(), "zero_ext.fused_adamw_: `",
-              arg, "` must be on ", master.device(), " (like `master`) or the CPU, got ",
-              t->device());
-}
 
 void check_state_tensor(const at::Tensor& t, const at::Tensor& master, const char* arg) {
   TORCH_CHECK(t.device() == master.device(), "zero_ext.fused_adamw_: `", arg,
@@ -47,29 +35,60 @@ DType to_kernel_dtype(const at::Tensor& t, const char* op, const char* arg) {
   }
 }
 
-void check_adamw_hyperparameters(double lr, double beta1, double beta2, double eps,
-                                 double weight_decay, double step) {
-  // Written so that NaN fails every check.
-  TORCH_CHECK(lr >= 0.0 && std::isfinite(lr),
-              "zero_ext.fused_adamw_: `lr` must be a finite value >= 0, got ", lr);
-  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, "zero_ext.fused_adamw_: `beta1` must be in [0, 1), got ",
-              beta1);
-  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, "zero_ext.fused_adamw_: `beta2` must be in [0, 1), got ",
-              beta2);
-  TORCH_CHECK(eps >= 0.0 && std::isfinite(eps),
-              "zero_ext.fused_adamw_: `eps` must be a finite value >= 0, got ", eps);
-  TORCH_CHECK(weight_decay >= 0.0 && std::isfinite(weight_decay),
-              "zero_ext.fused_adamw_: `weight_decay` must be a finite value >= 0, got ",
-              weight_decay);
-  TORCH_CHECK(step >= 1.0 && std::isfinite(step),
-              "zero_ext.fused_adamw_: `step` must be >= 1 (the count including this update), got ",
-              step);
+ByteRange byte_range(const at::Tensor& t, int64_t first, int64_t numel, std::string name) {
+  ByteRange r{std::move(name)};
+  if (numel > 0) {
+    const auto size = static_cast<uintptr_t>(t.element_size());
+    r.begin =
+        reinterpret_cast<uintptr_t>(t.const_data_ptr()) + static_cast<uintptr_t>(first) * size;
+    r.end = r.begin + static_cast<uintptr_t>(numel) * size;
+  }
+  return r;
+}
+
+void check_no_overlap(const char* op, const std::vector<ByteRange>& writes,
+                      const std::vector<ByteRange>& reads) {
+  struct Entry {
+    const ByteRange* range;
+    size_t order;  // position in writes, then reads: messages name the pair in this order
+    bool written;
+  };
+  std::vector<Entry> entries;
+  entries.reserve(writes.size() + reads.size());
+  for (size_t i = 0; i < writes.size(); ++i) {
+    if (writes[i].begin < writes[i].end) entries.push_back({&writes[i], i, true});
+  }
+  for (size_t i = 0; i < reads.size(); ++i) {
+    if (reads[i].begin < reads[i].end) entries.push_back({&reads[i], writes.size() + i, false});
+  }
+  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
+    return a.range->begin != b.range->begin ? a.range->begin < b.range->begin : a.order < b.order;
+  });
+  // Sweep by start address: a range overlaps an earlier one iff the earlier one ends past its
+  // start, so the earlier range that ends last (of all, or of the written ones) is the witness.
+  const Entry* ends_last = nullptr;
+  const Entry* written_ends_last = nullptr;
+  for (const Entry& e : entries) {
+    const Entry* other = e.written ? ends_last : written_ends_last;
+    if (other != nullptr && other->range->end > e.range->begin) {
+      const Entry& first = other->order < e.order ? *other : e;
+      const Entry& second = other->order < e.order ? e : *other;
+      TORCH_CHECK(false, "zero_ext.", op, ": ", first.range->name, " and ", second.range->name,
+                  " overlap in memory; memory the op writes must not be shared with any other "
+                  "argument");
+    }
+    if (ends_last == nullptr || e.range->end > ends_last->range->end) ends_last = &e;
+    if (e.written &&
+        (written_ends_last == nullptr || e.range->end > written_ends_last->range->end)) {
+      written_ends_last = &e;
+    }
+  }
 }
 
 void check_fused_adamw_args(const at::Tensor& master, const at::Tensor& grad,
                             const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                             const std::optional<at::Tensor>& param_out,
-                            const std::optional<at::Tensor>& found_inf, const AdamWScalarArgs& s) {
+                            const std::optional<at::Tensor>& found_inf) {
   TORCH_CHECK(master.scalar_type() == at::kFloat,
               "zero_ext.fused_adamw_: `master` must be float32, got ", master.scalar_type());
   TORCH_CHECK(master.is_contiguous() && master.layout() == at::kStrided,
@@ -89,28 +108,13 @@ void check_fused_adamw_args(const at::Tensor& master, const at::Tensor& grad,
                 param_out->scalar_type());
     check_state_tensor(*param_out, master, "param_out");
   }
-  if (found_inf.has_value()) check_scalar_tensor(found_inf, master, "found_inf");
-  check_scalar_tensor(s.lr_t, master, "lr");
-  check_scalar_tensor(s.beta1_t, master, "beta1");
-  check_scalar_tensor(s.beta2_t, master, "beta2");
-  check_scalar_tensor(s.eps_t, master, "eps");
-  check_scalar_tensor(s.weight_decay_t, master, "weight_decay");
-  check_scalar_tensor(s.step_t, master, "step");
-  check_scalar_tensor(s.grad_scale_t, master, "grad_scale");
-  // Host-known values are checked here; values inside tensors are checked where they can be read
-  // without a device sync (the CPU path), placeholder values stand in for them otherwise.
-  check_adamw_hyperparameters(s.lr_t ? 0.0 : s.lr, s.beta1_t ? 0.0 : s.beta1,
-                              s.beta2_t ? 0.0 : s.beta2, s.eps_t ? 0.0 : s.eps,
-                              s.weight_decay_t ? 0.0 : s.weight_decay, s.step_t ? 1.0 : s.step);
-  TORCH_CHECK(s.grad_scale_t.has_value() || std::isfinite(s.grad_scale),
-              "zero_ext.fused_adamw_: `grad_scale` must be finite, got ", s.grad_scale);
-  // In-place outputs must not share memory: the update would read values it already wrote.
-  if (master.numel() > 0) {
-    TORCH_CHECK(
-        master.data_ptr() != exp_avg.data_ptr() && master.data_ptr() != exp_avg_sq.data_ptr() &&
-            exp_avg.data_ptr() != exp_avg_sq.data_ptr(),
-        "zero_ext.fused_adamw_: `master`, `exp_avg` and `exp_avg_sq` must be distinct tensors");
-  }
+  if (found_inf.has_value()) check_scalar_tensor(*found_inf, master.device(), "found_inf");
+  // Elementwise, yet no sharing is allowed: a partial overlap makes one element's write another's
+  // read, and even an identical grad and master would be read after the write on some paths.
+  std::vector<ByteRange> writes{byte_range(master, "`master`"), byte_range(exp_avg, "`exp_avg`"),
+                                byte_range(exp_avg_sq, "`exp_avg_sq`")};
+  if (param_out.has_value()) writes.push_back(byte_range(*param_out, "`param_out`"));
+  check_no_overlap("fused_adamw_", writes, {byte_range(grad, "`grad`")});
 }
 
 std::vector<TensorSlice> check_flatten_args(const at::Tensor& flat, at::TensorList tensors,
@@ -123,7 +127,8 @@ std::vector<TensorSlice> check_flatten_args(const at::Tensor& flat, at::TensorLi
               " entries but `tensors` has ", tensors.size());
   std::vector<TensorSlice> slices;
   slices.reserve(tensors.size());
-  std::vector<std::pair<int64_t, int64_t>> ranges;
+  std::vector<ByteRange> writes;  // what the op writes: flat's destination ranges, or the tensors
+  std::vector<ByteRange> reads;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
     const std::string arg = "tensors[" + std::to_string(i) + "]";
@@ -136,18 +141,16 @@ std::vector<TensorSlice> check_flatten_args(const at::Tensor& flat, at::TensorLi
     TORCH_CHECK(off >= 0 && off + t.numel() <= flat.numel(), "zero_ext.", op, ": `", arg, "` (",
                 t.numel(), " elements at offset ", off, ") does not fit in `flat` (", flat.numel(),
                 " elements)");
-    if (t.numel() > 0) ranges.emplace_back(off, off + t.numel());
+    if (tensors_are_outputs) {
+      writes.push_back(byte_range(t, "`" + arg + "`"));
+    } else {
+      reads.push_back(byte_range(t, "`" + arg + "`"));
+      writes.push_back(byte_range(flat, off, t.numel(), "`flat` (the range of `" + arg + "`)"));
+    }
     slices.push_back(TensorSlice{t.numel() > 0 ? t.data_ptr() : nullptr, t.numel(), off, dt, 0});
   }
-  if (!tensors_are_outputs) {
-    // flatten_ writes the ranges: overlapping ranges would make the result order-dependent.
-    std::sort(ranges.begin(), ranges.end());
-    for (size_t i = 1; i < ranges.size(); ++i) {
-      TORCH_CHECK(ranges[i].first >= ranges[i - 1].second, "zero_ext.", op,
-                  ": destination ranges overlap in `flat` ([", ranges[i - 1].first, ", ",
-                  ranges[i - 1].second, ") and [", ranges[i].first, ", ", ranges[i].second, "))");
-    }
-  }
+  if (tensors_are_outputs) reads.push_back(byte_range(flat, "`flat`"));
+  check_no_overlap(op, writes, reads);
   return slices;
 }
 

@@ -1,7 +1,6 @@
-// CPU backend of the zero_ext ops: validate (checks.h) before any write, then call the torch-free
-// kernels in csrc/cpu. Scalar tensors are read with .item() here: on the CPU that is no sync.
+// CPU backend of the zero_ext ops: validate (checks.h, scalars.h) before any write, then call the
+// torch-free kernels in csrc/cpu. Scalar tensors are read with .item(): on the CPU that is no sync.
 #include <ATen/Parallel.h>
-#include <Python.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -9,13 +8,10 @@
 #include "../adamw_math.h"
 #include "../cpu/kernels.h"
 #include "checks.h"
+#include "scalars.h"
 
 namespace zero_ext {
 namespace {
-
-double value_of(double number, const std::optional<at::Tensor>& tensor) {
-  return tensor.has_value() ? tensor->item<double>() : number;
-}
 
 void fused_adamw_cpu(const at::Tensor& master, const at::Tensor& grad, const at::Tensor& exp_avg,
                      const at::Tensor& exp_avg_sq, double lr, double beta1, double beta2,
@@ -29,27 +25,25 @@ void fused_adamw_cpu(const at::Tensor& master, const at::Tensor& grad, const at:
                      const std::optional<at::Tensor>& grad_scale_tensor,
                      const std::optional<at::Tensor>& param_out,
                      const std::optional<at::Tensor>& found_inf) {
-  const AdamWScalarArgs s{lr,           beta1,
-                          beta2,        eps,
-                          weight_decay, step,
-                          grad_scale,   lr_tensor,
-                          beta1_tensor, beta2_tensor,
-                          eps_tensor,   weight_decay_tensor,
-                          step_tensor,  grad_scale_tensor};
-  check_fused_adamw_args(master, grad, exp_avg, exp_avg_sq, param_out, found_inf, s);
-  lr = value_of(lr, lr_tensor);
-  beta1 = value_of(beta1, beta1_tensor);
-  beta2 = value_of(beta2, beta2_tensor);
-  eps = value_of(eps, eps_tensor);
-  weight_decay = value_of(weight_decay, weight_decay_tensor);
-  step = value_of(step, step_tensor);
-  grad_scale = value_of(grad_scale, grad_scale_tensor);
-  check_adamw_hyperparameters(lr, beta1, beta2, eps, weight_decay, step);
+  check_fused_adamw_args(master, grad, exp_avg, exp_avg_sq, param_out, found_inf);
+  // A skipped step is a no-op before its scalars are read: the step that found the inf is the one
+  // whose clip coefficient is nan and, when it is a parameter's first, whose step count is still 0
+  // (the CUDA kernel reads found_inf first too).
   if (found_inf.has_value() && found_inf->item<double>() != 0.0) return;
+  const AdamWScalars s = resolve_adamw_scalars({{lr, lr_tensor},
+                                                {beta1, beta1_tensor},
+                                                {beta2, beta2_tensor},
+                                                {eps, eps_tensor},
+                                                {weight_decay, weight_decay_tensor},
+                                                {step, step_tensor},
+                                                {grad_scale, grad_scale_tensor}},
+                                               master.device());
+  TORCH_INTERNAL_ASSERT(s.all_on_host());  // master is on the CPU, so every scalar tensor is too
   const int64_t n = master.numel();
   if (n == 0) return;
   const AdamWCoefficients coeffs =
-      adamw_coefficients(lr, beta1, beta2, eps, weight_decay, step, grad_scale);
+      adamw_coefficients(s.lr.value, s.beta1.value, s.beta2.value, s.eps.value,
+                         s.weight_decay.value, s.step.value, s.grad_scale.value);
   void* out = param_out.has_value() ? param_out->data_ptr() : nullptr;
   const DType out_dtype = param_out.has_value()
                               ? to_kernel_dtype(*param_out, "fused_adamw_", "param_out")
@@ -99,14 +93,4 @@ TORCH_LIBRARY_IMPL(zero_ext, CPU, m) {
   m.impl("flatten_", &zero_ext::flatten_cpu);
   m.impl("unflatten_", &zero_ext::unflatten_cpu);
   m.impl("sum_squares", &zero_ext::sum_squares_cpu);
-}
-
-// `import zero_ext._C` needs a module init function; importing it runs the static registrations
-// above and in registration.cpp. The module itself is empty (extension-cpp's pattern).
-// NOTE: this belongs with the schemas in registration.cpp; it lives here only because this file is
-// in every build (CPU and CUDA) and registration.cpp had none. Move it there if that file gains
-// one.
-extern "C" PyObject* PyInit__C(void) {
-  static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module_def);
 }

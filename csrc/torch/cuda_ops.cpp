@@ -1,10 +1,10 @@
-// CUDA backend of the zero_ext ops (built only when torch has CUDA): validate (checks.h) before any
-// launch, then call the torch-free launchers in csrc/cuda on the current stream.
+// CUDA backend of the zero_ext ops (built only when torch has CUDA): validate (checks.h, scalars.h)
+// before any launch, then call the torch-free launchers in csrc/cuda on the current stream.
 //
 // No host synchronisation anywhere: a scalar given as a device tensor is handed to the kernel as a
-// pointer (converted to fp32 on the stream first when it is not fp32) and found_inf is read by the
-// kernel itself. Scalars given as CPU tensors are read with .item() (no device sync) and validated
-// like Python numbers.
+// pointer (converted to fp32 on the stream first when it is not fp32), unvalidated, and found_inf
+// is read by the kernel itself. Scalars given as CPU tensors are read with .item() (no device sync)
+// and validated like Python numbers (resolve_adamw_scalars).
 //
 // The current stream comes from c10/cuda/CUDAStream.h: at::cuda::getCurrentCUDAStream is the same
 // function re-exported by ATen/cuda/CUDAContext.h, which also pulls in cuBLAS/cuSPARSE headers that
@@ -16,7 +16,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <optional>
 #include <tuple>
@@ -24,19 +23,10 @@
 
 #include "../cuda/kernels.h"
 #include "checks.h"
+#include "scalars.h"
 
 namespace zero_ext {
 namespace {
-
-bool on_host(const std::optional<at::Tensor>& t) { return t.has_value() && t->device().is_cpu(); }
-bool on_device(const std::optional<at::Tensor>& t) {
-  return t.has_value() && !t->device().is_cpu();
-}
-
-// The host-known value of a scalar: the Python number, or the CPU tensor's value (no sync).
-double host_value(double number, const std::optional<at::Tensor>& t) {
-  return on_host(t) ? t->item<double>() : number;
-}
 
 // Device pointer to a device scalar as fp32. `keep` owns the converted copy until after the launch;
 // freeing it then is safe because the caching allocator reuses it only in stream order.
@@ -45,10 +35,9 @@ const float* device_fp32(const at::Tensor& t, std::vector<at::Tensor>& keep) {
   return keep.back().const_data_ptr<float>();
 }
 
-cuda::DeviceScalar resolve(double value, const std::optional<at::Tensor>& t,
-                           std::vector<at::Tensor>& keep) {
-  if (on_device(t)) return {0.0, device_fp32(*t, keep)};
-  return {value, nullptr};
+cuda::DeviceScalar device_scalar(const ResolvedScalar& s, std::vector<at::Tensor>& keep) {
+  if (s.on_device()) return {0.0, device_fp32(s.device_tensor, keep)};
+  return {s.value, nullptr};
 }
 
 void fused_adamw_cuda(const at::Tensor& master, const at::Tensor& grad, const at::Tensor& exp_avg,
@@ -66,29 +55,17 @@ void fused_adamw_cuda(const at::Tensor& master, const at::Tensor& grad, const at
   // --- validation: everything below this block may write ---
   TORCH_CHECK(master.is_cuda(), "zero_ext.fused_adamw_: `master` must be a CUDA tensor, got ",
               master.device());
-  const AdamWScalarArgs s{lr,           beta1,
-                          beta2,        eps,
-                          weight_decay, step,
-                          grad_scale,   lr_tensor,
-                          beta1_tensor, beta2_tensor,
-                          eps_tensor,   weight_decay_tensor,
-                          step_tensor,  grad_scale_tensor};
-  check_fused_adamw_args(master, grad, exp_avg, exp_avg_sq, param_out, found_inf, s);
-  lr = host_value(lr, lr_tensor);
-  beta1 = host_value(beta1, beta1_tensor);
-  beta2 = host_value(beta2, beta2_tensor);
-  eps = host_value(eps, eps_tensor);
-  weight_decay = host_value(weight_decay, weight_decay_tensor);
-  step = host_value(step, step_tensor);
-  grad_scale = host_value(grad_scale, grad_scale_tensor);
-  // Values in device tensors cannot be checked without a sync; valid placeholders stand in.
-  check_adamw_hyperparameters(
-      on_device(lr_tensor) ? 0.0 : lr, on_device(beta1_tensor) ? 0.0 : beta1,
-      on_device(beta2_tensor) ? 0.0 : beta2, on_device(eps_tensor) ? 0.0 : eps,
-      on_device(weight_decay_tensor) ? 0.0 : weight_decay, on_device(step_tensor) ? 1.0 : step);
-  TORCH_CHECK(on_device(grad_scale_tensor) || std::isfinite(grad_scale),
-              "zero_ext.fused_adamw_: `grad_scale` must be finite, got ", grad_scale);
-  if (on_host(found_inf) && found_inf->item<double>() != 0.0) return;
+  check_fused_adamw_args(master, grad, exp_avg, exp_avg_sq, param_out, found_inf);
+  const AdamWScalars s = resolve_adamw_scalars({{lr, lr_tensor},
+                                                {beta1, beta1_tensor},
+                                                {beta2, beta2_tensor},
+                                                {eps, eps_tensor},
+                                                {weight_decay, weight_decay_tensor},
+                                                {step, step_tensor},
+                                                {grad_scale, grad_scale_tensor}},
+                                               master.device());
+  const bool found_inf_on_host = found_inf.has_value() && found_inf->device().is_cpu();
+  if (found_inf_on_host && found_inf->item<double>() != 0.0) return;
   const int64_t n = master.numel();
   if (n == 0) return;
   const DType grad_dtype = to_kernel_dtype(grad, "fused_adamw_", "grad");
@@ -102,14 +79,15 @@ void fused_adamw_cuda(const at::Tensor& master, const at::Tensor& grad, const at
   std::vector<at::Tensor> keep;
   keep.reserve(8);
   cuda::AdamWArgs args{};
-  args.lr = resolve(lr, lr_tensor, keep);
-  args.beta1 = resolve(beta1, beta1_tensor, keep);
-  args.beta2 = resolve(beta2, beta2_tensor, keep);
-  args.eps = resolve(eps, eps_tensor, keep);
-  args.weight_decay = resolve(weight_decay, weight_decay_tensor, keep);
-  args.step = resolve(step, step_tensor, keep);
-  args.grad_scale = resolve(grad_scale, grad_scale_tensor, keep);
-  args.found_inf = on_device(found_inf) ? device_fp32(*found_inf, keep) : nullptr;
+  args.lr = device_scalar(s.lr, keep);
+  args.beta1 = device_scalar(s.beta1, keep);
+  args.beta2 = device_scalar(s.beta2, keep);
+  args.eps = device_scalar(s.eps, keep);
+  args.weight_decay = device_scalar(s.weight_decay, keep);
+  args.step = device_scalar(s.step, keep);
+  args.grad_scale = device_scalar(s.grad_scale, keep);
+  args.found_inf =
+      found_inf.has_value() && !found_inf_on_host ? device_fp32(*found_inf, keep) : nullptr;
   void* out = param_out.has_value() ? param_out->data_ptr() : nullptr;
   C10_CUDA_CHECK(cuda::launch_fused_adamw(
       master.data_ptr<float>(), grad.const_data_ptr(), grad_dtype, exp_avg.data_ptr<float>(),

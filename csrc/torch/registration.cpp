@@ -1,5 +1,7 @@
-// The op schemas. Backends: cpu_ops.cpp (CPU) and cuda_ops.cpp (CUDA, only in CUDA builds).
-// Python fake impls live in zero_ext/ops.py.
+// The op schemas and the Python module init. Backends: cpu_ops.cpp (CPU) and cuda_ops.cpp (CUDA,
+// only in CUDA builds, which setup.py marks by defining ZERO_EXT_WITH_CUDA). Python fake impls live
+// in zero_ext/ops.py.
+#include <Python.h>
 #include <torch/library.h>
 
 #include <string>
@@ -33,6 +35,17 @@ std::string cpu_isa(const std::string& isa) {
   return cpu::isa_name(cpu::active_isa());
 }
 
+// Whether this build has the CUDA kernels (setup.py builds them when torch has CUDA and CUDA_HOME
+// is set), so a CPU-only build on a GPU machine can say so instead of failing at the first CUDA
+// call.
+bool built_with_cuda() {
+#ifdef ZERO_EXT_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 }  // namespace zero_ext
 
@@ -48,4 +61,12 @@ TORCH_LIBRARY(zero_ext, m) {
   m.def("unflatten_(Tensor flat, Tensor(a!)[] tensors, int[] offsets, float scale=1.0) -> ()");
   m.def("sum_squares(Tensor x) -> (Tensor sumsq, Tensor nonfinite)");
   m.def("_cpu_isa(str isa=\"\") -> str", &zero_ext::cpu_isa);
+  m.def("_built_with_cuda() -> bool", &zero_ext::built_with_cuda);
+}
+
+// `import zero_ext._C` needs a module init function; importing it runs the static registrations
+// above and in the backend files. The module itself is empty (extension-cpp's pattern).
+extern "C" PyObject* PyInit__C(void) {
+  static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
 }
