@@ -6,44 +6,37 @@
 tests/ on sys.path and spawned workers inherit it). Return values come back per rank. An exception on
 any rank fails the call with every failing rank's traceback; a call that does not finish within
 ``timeout`` seconds (e.g. a collective that never matched) kills the pool, which is respawned next time.
-Spawning a pool costs a few seconds; every later call costs milliseconds.
+Spawning a pool costs a few seconds; every later call costs milliseconds. How a process becomes a rank (the
+rendezvous) is bench/harness.py's ``join_group``, the one the benchmarks' fresh-process ``launch`` uses.
 """
 
 from __future__ import annotations
 
 import atexit
-import datetime
 import importlib
 import os
 import queue
-import socket
+import sys
 import traceback
+from pathlib import Path
 
 import torch.multiprocessing as mp
+
+_BENCH = str(Path(__file__).resolve().parent.parent / "bench")
+if _BENCH not in sys.path:
+    sys.path.insert(0, _BENCH)
+
+import harness  # noqa: E402
 
 _CTX = mp.get_context("spawn")
 _POOLS: dict[int, "_Pool"] = {}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world_size: int, port: int, inbox, outbox) -> None:
-    import torch
     import torch.distributed as dist
 
     # Ranks share 2 cores: one thread each keeps them from oversubscribing (and matches torchrun).
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    harness.join_group(rank, world_size, port, "cpu", threads=1, timeout_s=60)
     while True:
         job = inbox.get()
         if job is None:
@@ -60,7 +53,7 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox) -> None:
 class _Pool:
     def __init__(self, world_size: int):
         self.world_size = world_size
-        port = _free_port()
+        port = harness.free_port()
         self.outbox = _CTX.Queue()
         self.inboxes = [_CTX.Queue() for _ in range(world_size)]
         env = dict(os.environ)
@@ -87,9 +80,8 @@ class _Pool:
                 self.kill()
                 missing = sorted(set(range(self.world_size)) - set(results) - set(failures))
                 details = "".join(f"\n--- rank {r} failed:\n{tb}" for r, tb in sorted(failures.items()))
-                raise TimeoutError(
-                    f"{fn.__name__} on {self.world_size} ranks: ranks {missing} did not finish within {timeout} s{details}"
-                ) from None
+                where = f"{fn.__name__} on {self.world_size} ranks: ranks {missing}"
+                raise TimeoutError(f"{where} did not finish within {timeout} s{details}") from None
             (results if ok else failures)[rank] = value
         if failures:
             details = "".join(f"\n--- rank {r}:\n{tb}" for r, tb in sorted(failures.items()))
@@ -118,6 +110,13 @@ def run_on_ranks(world_size: int, fn, *args, timeout: float = 120.0) -> list:
             pool.kill()
         pool = _POOLS[world_size] = _Pool(world_size)
     return pool.run(fn, args, timeout)
+
+
+def discard_pool(world_size: int) -> None:
+    """Kill the pool of ``world_size`` workers (e.g. after a test left a collective unmatched in their group)."""
+    pool = _POOLS.pop(world_size, None)
+    if pool is not None:
+        pool.kill()
 
 
 @atexit.register

@@ -4,6 +4,7 @@ within one shard plus one bucket of extra memory."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ from safetensors.torch import load_file
 import zero_ext
 from zero_ext import checkpoint
 from zero_ext.checkpoint import CheckpointError
+from zero_ext.checkpoint import saving as save_module
 
 GLOBAL_BATCH, IN, HID, OUT = 6, 13, 37, 7
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
@@ -49,7 +51,8 @@ def _build(dtype_name, stage, seed=0, lr=HYPER["lr"], hidden=HID, bucket_size=15
     no_decay = [(n, p) for n, p in model.named_parameters() if p.dim() <= 1]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
     hyper = dict(HYPER, lr=lr)
-    return model, zero_ext.ZeroAdamW(groups, **hyper, stage=stage, bucket_size=bucket_size)
+    module = model if stage == 3 else None  # stage 3 needs the model for its hooks
+    return model, zero_ext.ZeroAdamW(groups, **hyper, stage=stage, bucket_size=bucket_size, module=module)
 
 
 def _step(model, opt, step, rank, world):
@@ -70,15 +73,11 @@ def _step(model, opt, step, rank, world):
 def _state(opt, rank):
     """This rank's owned pieces by name: {name: [(start, end, master, exp_avg, exp_avg_sq)]} (copies)."""
     out = {}
-    for fg, indices in zip(opt._flat_groups, opt._global_indices):
-        for piece in fg.layout.owned_pieces(rank):
-            bucket = fg.layout.buckets[fg.layout.slots[piece.index].bucket]
-            local = piece.shard_offset - bucket.shard_offset
-            run = slice(local, local + piece.end - piece.start)
-            kinds = [fg.master_of(bucket), fg.shard_of(fg.exp_avg, bucket), fg.shard_of(fg.exp_avg_sq, bucket)]
-            out.setdefault(opt._names[indices[piece.index]], []).append(
-                (piece.start, piece.end, *(k[run].float().clone() for k in kinds))
-            )
+    for ref in opt.sharded_state.pieces():
+        kinds = [
+            ref.group.state.read(k, ref.piece.shard_range).float().clone() for k in ("master", "exp_avg", "exp_avg_sq")
+        ]
+        out.setdefault(ref.name, []).append((ref.piece.start, ref.piece.end, *kinds))
     return out
 
 
@@ -95,8 +94,10 @@ def _gather(per_rank, model_params):
     return {n: tuple(t.view(model_params[n].shape) for t in ts) for n, ts in full.items()}
 
 
-def _params(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+def _params(model, opt=None):
+    """Full copies of the parameters (stage 3 shards them: read inside gathered_params)."""
+    with opt.gathered_params() if opt is not None else contextlib.nullcontext():
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _save_and_continue(rank, world, dtype, stage, path):
@@ -104,24 +105,24 @@ def _save_and_continue(rank, world, dtype, stage, path):
     for s in range(SAVE_AT):
         _step(model, opt, s, rank, world)
     checkpoint.save(path, opt)
-    saved = (_params(model), _state(opt, rank), opt.step_count)
+    saved = (_params(model, opt), _state(opt, rank), opt.step_count)
     for s in range(SAVE_AT, SAVE_AT + CONTINUE):
         _step(model, opt, s, rank, world)
-    return saved, (_params(model), _state(opt, rank))
+    return saved, (_params(model, opt), _state(opt, rank))
 
 
 def _load_and_continue(rank, world, dtype, stage, path):
     model, opt = _build(dtype, stage, seed=1, lr=1.0)  # other weights and lr: load must overwrite them
     checkpoint.load(path, opt)
     loaded = (
-        _params(model),
+        _params(model, opt),
         _state(opt, rank),
         opt.step_count,
         [(g["lr"], g["weight_decay"]) for g in opt.param_groups],
     )
     for s in range(SAVE_AT, SAVE_AT + CONTINUE):
         _step(model, opt, s, rank, world)
-    return loaded, (_params(model), _state(opt, rank))
+    return loaded, (_params(model, opt), _state(opt, rank))
 
 
 def _assert_equal(a, b, what):
@@ -138,7 +139,7 @@ def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     out = {}
     for dtype in ("bfloat16", "float32"):
-        for stage in (1, 2):
+        for stage in (1, 2, 3):
             path = str(root / f"{dtype}-s{stage}")
             results = run_on_ranks(2, _save_and_continue, dtype, stage, path)
             shapes = results[0][0][0]
@@ -156,7 +157,7 @@ def saved(tmp_path_factory):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_load_at_any_world_size_and_stage(saved, dtype, world):
-    for save_stage, load_stage in ((1, 2), (2, 1)):  # stages crossed
+    for save_stage, load_stage in ((1, 2), (2, 1), (3, 1), (2, 3), (3, 3)):  # stages crossed
         ref = saved[dtype, save_stage]
         results = run_on_ranks(world, _load_and_continue, dtype, load_stage, ref["path"])
         where = f"saved stage {save_stage} at 2 ranks, loaded stage {load_stage} at {world}"
@@ -167,7 +168,7 @@ def test_load_at_any_world_size_and_stage(saved, dtype, world):
             assert groups == [(HYPER["lr"], 0.1), (HYPER["lr"], 0.0)]
         _assert_equal(ref["state"], _gather([r[0][1] for r in results], ref["params"]), where)
         final = _gather([r[1][1] for r in results], ref["params"])
-        if world == 2:  # same world size: bitwise the uninterrupted run (stages 1 and 2 do the same math)
+        if world == 2:  # same world size: bitwise the uninterrupted run (stages 1, 2 and 3 do the same math)
             _assert_equal(ref["final_state"], final, where + ", continued")
             _assert_equal(ref["final_params"], results[0][1][0], where + ", continued")
             continue
@@ -188,8 +189,9 @@ def test_load_at_any_world_size_and_stage(saved, dtype, world):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_consolidate_matches_live_state(saved, tmp_path, dtype):
-    ref = saved[dtype, 2]
+@pytest.mark.parametrize("stage", [2, 3])
+def test_consolidate_matches_live_state(saved, tmp_path, dtype, stage):
+    ref = saved[dtype, stage]
     if dtype == "bfloat16":  # the command line, as a user runs it: no process group, no GPU
         cmd = [sys.executable, "-m", "zero_ext.checkpoint", "consolidate", ref["path"], str(tmp_path)]
         subprocess.run(cmd, check=True, capture_output=True, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
@@ -216,7 +218,8 @@ def _interrupted_save(rank, world, path, fail_at):
     _step(model, opt, 0, rank, world)
     checkpoint.save(path, opt)  # a good checkpoint at step 1
     _step(model, opt, 1, rank, world)
-    original = {"write_rank": checkpoint._write_rank, "write_marker": checkpoint._write_marker}[fail_at]
+    # Fault injection: the save module's steps are replaced by ones that crash part way.
+    original = getattr(save_module, "_" + fail_at)
 
     def dying(*args):  # a crash after some files are on disk: rank 1's shard, or every shard but the marker
         if fail_at == "write_marker":
@@ -226,12 +229,12 @@ def _interrupted_save(rank, world, path, fail_at):
             raise KeyboardInterrupt("simulated crash after writing rank 1's shard")
         return result
 
-    setattr(checkpoint, "_" + fail_at, dying)
+    setattr(save_module, "_" + fail_at, dying)
     try:
         with pytest.raises((KeyboardInterrupt, CheckpointError), match="simulated crash|failed"):
             checkpoint.save(path, opt)
     finally:
-        setattr(checkpoint, "_" + fail_at, original)
+        setattr(save_module, "_" + fail_at, original)
     leftovers = [d for d in os.listdir(os.path.dirname(path)) if ".tmp-" in d]
     fresh_model, fresh = _build("bfloat16", 2, seed=5)
     checkpoint.load(path, fresh)  # the previous checkpoint is intact
@@ -284,13 +287,14 @@ def test_truncated_corrupted_and_missing_files(damaged):
     # is written: the optimizer keeps the state it had.
     sections = json.loads((path / "rank00001.json").read_text())["groups"][0]["sections"]
     _flip_byte(path / "rank00001.bin", sections["exp_avg_sq"]["offset"] + 8)
-    for fg in opt._flat_groups:
-        for t in fg.persistent_tensors().values():
+    groups = opt.sharded_state.groups
+    for group in groups:
+        for t in group.tensors().values():
             t.add_(1.0)  # state that differs from the checkpoint's everywhere
-    before = [t.clone() for fg in opt._flat_groups for t in fg.persistent_tensors().values()]
+    before = [t.clone() for group in groups for t in group.tensors().values()]
     with pytest.raises(CheckpointError, match=r"rank00001\.bin: corrupted"):
         checkpoint.load(path, opt)
-    after = [t for fg in opt._flat_groups for t in fg.persistent_tensors().values()]
+    after = [t for group in groups for t in group.tensors().values()]
     assert all(torch.equal(a, b) for a, b in zip(before, after)), "a failed load changed the optimizer"
     _flip_byte(path / "rank00001.bin", sections["exp_avg_sq"]["offset"] + 8)
     _flip_byte(path / "rank00001.json", 30)
@@ -311,7 +315,9 @@ def test_marker_and_version(damaged):
     path, opt = damaged
     marker = json.loads((path / "COMPLETE").read_text())
     (path / "COMPLETE").write_text(json.dumps(dict(marker, version=99)))
-    with pytest.raises(CheckpointError, match=r"COMPLETE: format version 99, but this zero_ext reads version 1"):
+    with pytest.raises(
+        CheckpointError, match=r"COMPLETE: format version 99, but this zero_ext reads versions \[1, 2\]"
+    ):
         checkpoint.load(path, opt)
     os.remove(path / "COMPLETE")
     with pytest.raises(CheckpointError, match=r"no completion marker COMPLETE"):
@@ -359,7 +365,7 @@ def _memory(rank, world, path):
     bucket_size = 2**16
     model, opt = _build("bfloat16", 2, hidden=1200, bucket_size=bucket_size)
     _step(model, opt, 0, rank, world)
-    shard = sum(fg.layout.shard_numel for fg in opt._flat_groups) * 14  # fp32 master, m, v + bf16 params
+    shard = sum(g.layout.shard_numel for g in opt.sharded_state.groups) * 14  # fp32 master, m, v + bf16 params
     checkpoint.save(path, opt)  # warm-up: imports, first-touch of code paths
     checkpoint.load(path, opt)
     save_peak = _measured(lambda: checkpoint.save(path, opt))
@@ -375,3 +381,51 @@ def test_peak_memory_within_shard_plus_bucket(tmp_path):
         assert shard > 2 * bound, "model too small to tell a gather from streaming"
         assert save_peak < bound, f"save peak {save_peak / 2**20:.1f} MiB > {bound / 2**20:.1f} MiB"
         assert load_peak < bound, f"load peak {load_peak / 2**20:.1f} MiB > {bound / 2**20:.1f} MiB"
+
+
+# ---------------------------------------------------------------------------------------------- collective calls
+def _load_fails_on_one_rank(rank, world, path):
+    """The last rank is given a path that does not exist: every rank raises within seconds, nothing changes."""
+    import time
+
+    model, opt = _build("bfloat16", 2)
+    _step(model, opt, 0, rank, world)
+    checkpoint.save(path, opt)
+    _step(model, opt, 1, rank, world)
+    before = [t.clone() for g in opt.sharded_state.groups for t in g.tensors().values()]
+    t0 = time.monotonic()
+    mine = path + "-missing" if rank == world - 1 else path
+    match = (
+        "missing checkpoint directory" if rank == world - 1 else rf"loading {path} failed on rank\(s\) \[{world - 1}\]"
+    )
+    with pytest.raises(CheckpointError, match=match):
+        checkpoint.load(mine, opt)
+    assert time.monotonic() - t0 < 10
+    after = [t for g in opt.sharded_state.groups for t in g.tensors().values()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after)), "a failed load changed the optimizer"
+    checkpoint.load(path, opt)  # the group is fine: a good load still works
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_load_failing_on_one_rank_fails_on_every_rank(tmp_path, world):
+    assert all(run_on_ranks(world, _load_fails_on_one_rank, str(tmp_path / "ck"), timeout=60))
+
+
+def _save_on_rank_zero_only(rank, world, path):
+    """The torch habit of saving on rank 0 only: the calling rank gets a clear error after the timeout instead of
+    hanging until the process group's own timeout (30 min)."""
+    model, opt = _build("bfloat16", 2)
+    if rank == 0:
+        with pytest.raises(CheckpointError, match="collective: call them on every rank"):
+            checkpoint.save(path, opt, timeout=1.0)
+    return True
+
+
+def test_save_called_on_one_rank_only_fails_instead_of_hanging(tmp_path):
+    from distributed import discard_pool
+
+    try:
+        assert all(run_on_ranks(2, _save_on_rank_zero_only, str(tmp_path / "ck"), timeout=60))
+    finally:
+        discard_pool(2)  # the abandoned collective leaves this group unusable

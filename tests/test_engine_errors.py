@@ -20,8 +20,9 @@ def _stage_and_hyperparameters(rank, world):
     model = build()
     p = list(model.parameters())
     for kw, match in [
-        (dict(stage=3), "`stage` must be 1 or 2"),
-        (dict(stage=0), "`stage` must be 1 or 2"),
+        (dict(stage=4), "`stage` must be 1, 2 or 3"),
+        (dict(stage=0), "`stage` must be 1, 2 or 3"),
+        (dict(stage=3), "stage 3 needs the model"),
         (dict(lr=-1.0), "`lr` must be"),
         (dict(eps=-1e-8), "`eps` must be"),
         (dict(betas=(1.0, 0.999)), r"`betas\[0\]` must be in \[0, 1\)"),
@@ -63,7 +64,8 @@ def _only_one_rank_bad(rank, world):
     """Rank 1 lists a param twice, rank 0 doesn't: both must fail (rank 0 learns of it), neither hangs."""
     p = list(build().parameters())
     params = p + [p[0]] if rank == 1 else p
-    return _expect((ValueError, RuntimeError), "listed twice|differ between ranks", lambda: ZeroAdamW(params))
+    match = "listed twice" if rank == 1 else r"construction failed on rank\(s\) \[1\]"
+    return _expect(ValueError, match, lambda: ZeroAdamW(params))
 
 
 def _model_differs_between_ranks(rank, world):
@@ -158,3 +160,14 @@ def _failed_construction_leaves_model_untouched(rank, world):
 
 def test_failed_construction_leaves_model_untouched():
     assert run_on_ranks(2, _failed_construction_leaves_model_untouched) == [True, True]
+
+
+def _one_bad_rank_of_three(rank, world):
+    p = list(build().parameters())
+    params = p + [p[0]] if rank == 1 else p
+    match = "listed twice" if rank == 1 else r"construction failed on rank\(s\) \[1\]"
+    return _expect(ValueError, match, lambda: ZeroAdamW(params))
+
+
+def test_construction_failing_on_one_rank_of_three_fails_everywhere():
+    assert run_on_ranks(3, _one_bad_rank_of_three, timeout=60) == [True] * 3

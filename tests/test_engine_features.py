@@ -9,6 +9,7 @@ from engine_reference import check_against_reference, mean_grads, params_digest,
 from tiny_transformer import batch, build, loss_fn
 
 from zero_ext import ZeroAdamW
+from zero_ext.layout import Range
 
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 BUCKET = 1500
@@ -104,10 +105,11 @@ def test_clipping_matches_clip_grad_norm(world, stage):
 
 def _snapshot(model, opt):
     """Params, every optimizer state buffer (the grad shard aside: zero_grad() zeroes it) and the step."""
+    state = opt.sharded_state
     tensors = [p.detach().clone() for p in model.parameters()]
-    for fg in opt._flat_groups:
-        tensors += [t.clone() for kind, t in fg.persistent_tensors().items() if kind != "grad_shard"]
-    return tensors + [opt._step_count.clone()]
+    for group in state.groups:
+        tensors += [t.clone() for kind, t in group.tensors().items() if kind not in ("grad_shard", "grads")]
+    return tensors + [state.step_count.clone()]
 
 
 def _bits(t):
@@ -184,7 +186,7 @@ def _param_groups_and_schedule(rank, world, stage, dtype_name):
         opt.zero_grad()
         assert [id(p) for p in model.parameters()] == order
         check_against_reference(opt, model, ref_params, rank, [p for g in ref_groups for p in g["params"]])
-    assert len(opt._flat_groups) == 2
+    assert len(opt.sharded_state.groups) == 2
     return opt.param_groups[1]["lr"]
 
 
@@ -220,13 +222,13 @@ def _unused_and_frozen(rank, world, stage):
         opt.zero_grad()
         check_against_reference(opt, model, ref_params, rank)
     assert torch.equal(model.pos, frozen_before)
-    assert all(model.pos is not p for fg in opt._flat_groups for p in fg.params)
+    assert all(model.pos is not p for _, _, p in opt.sharded_state.members())
     return params_digest(model)
 
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("stage", [1, 2])
-def test_unused_params_count_as_zero_and_frozen_params_are_left_alone(world, stage):
+def test_unused_params_are_left_alone_like_torch_and_frozen_params_untouched(world, stage):
     assert len(set(run_on_ranks(world, _unused_and_frozen, stage))) == 1
 
 
@@ -281,8 +283,10 @@ def _local_state_dict_round_trip(rank, world, stage):
     assert fresh_opt.param_groups[0]["lr"] == HYPER["lr"]
     train(fresh, fresh_opt, range(3, 6))
     assert params_digest(fresh) == params_digest(model)
-    for a, b in zip(opt._flat_groups, fresh_opt._flat_groups):
-        assert torch.equal(a.master, b.master) and torch.equal(a.exp_avg_sq, b.exp_avg_sq)
+    for a, b in zip(opt.sharded_state.groups, fresh_opt.sharded_state.groups):
+        for kind in ("master", "exp_avg", "exp_avg_sq"):
+            everything = Range(0, a.layout.shard_numel)
+            assert torch.equal(a.state.read(kind, everything), b.state.read(kind, everything)), kind
     return True
 
 
@@ -294,15 +298,21 @@ def test_local_state_dict_round_trip(world, stage):
 
 def _zero_grad_semantics(rank, world, zero_with):
     """Stage 1 after a zero_grad that sets .grad to None (the optimizer's default, or the model's own): the next
-    gradient lands in the param's slot, and a param that then gets no gradient counts as zero even though its
-    slot still holds an old gradient (the extra branch is used at step 0 only)."""
+    gradient lands in the param's slot, and a param that then gets no gradient is left alone like torch leaves it,
+    although its slot still holds an old gradient (the extra branch is used at step 0 only). After a zero_grad that
+    zeroes in place, every .grad is a zero gradient, which torch applies (weight decay moves the param)."""
     model = build(torch.float32, unused_branch=True)
     opt = ZeroAdamW(model.named_parameters(), **HYPER, stage=1, bucket_size=BUCKET)
     ref_params, ref_opt = reference(build(torch.float32, unused_branch=True), **HYPER)
-    buffers = opt._reducer.grad_buffers
+    buffers = [g.grad_buffer for g in opt.sharded_state.groups]
     for step in range(4):
         uses = [step == 0] * world
-        _step_reference(model, ref_params, ref_opt, [batch(step, r) for r in range(world)], use_extra=uses[rank])
+        per_rank = rank_grads(model, list(model.parameters()), [batch(step, r) for r in range(world)], loss_fn,
+                              use_extra=uses[rank])  # fmt: skip
+        for p, g in zip(ref_params, mean_grads(per_rank, ref_params)):
+            # Zeroed in place, a .grad is a zero gradient, not None: torch then updates (decays) the parameter.
+            p.grad = torch.zeros_like(p) if g is None and zero_with == "optimizer_zeros" and step > 0 else g
+        ref_opt.step()
         loss_fn(model, batch(step, rank), use_extra=uses[rank]).backward()
         for p in model.parameters():
             if p.grad is not None:  # a gradient is always a view of the flat buffer
@@ -326,35 +336,39 @@ def test_stage1_zero_grad_semantics_and_stale_slots(world, zero_with):
     assert len(set(run_on_ranks(world, _zero_grad_semantics, zero_with))) == 1
 
 
-def _stage2_backward_without_zero_grad_warns(rank, world):
+def _step_consumes_sharded_grads(rank, world, zero_with):
+    """Stage 2: the gradients live only in the shard, so step() consumes them. Whatever the loop calls to zero
+    them (the model's zero_grad, which cannot reach the shard; the optimizer's; both; nothing), each step uses
+    only the backward passes since the previous step, silently (no warning)."""
     import warnings
 
     model = build(torch.float32)
     opt = ZeroAdamW(model.named_parameters(), **HYPER, stage=2, bucket_size=BUCKET)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        loss_fn(model, batch(0, rank)).backward()
-        opt.step()
-        opt.zero_grad()
-        loss_fn(model, batch(1, rank)).backward()
-        opt.step()
-        assert not caught, [str(w.message) for w in caught]
-        model.zero_grad()  # cannot clear stage 2's sharded gradients
-        for _ in range(2):
-            loss_fn(model, batch(2, rank)).backward()
-    messages = [str(w.message) for w in caught]
-    assert len(messages) == 1 and "without opt.zero_grad()" in messages[0], messages
-    return True
+    ref_params, ref_opt = reference(build(torch.float32), **HYPER)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(4):
+            _step_reference(model, ref_params, ref_opt, [batch(step, r) for r in range(world)])
+            loss_fn(model, batch(step, rank)).backward()
+            opt.step()
+            if zero_with in ("model", "both"):
+                model.zero_grad()
+            if zero_with in ("optimizer", "both"):
+                opt.zero_grad()
+            check_against_reference(opt, model, ref_params, rank)
+    return params_digest(model)
 
 
-def test_stage2_backward_after_step_without_zero_grad_warns():
-    assert run_on_ranks(2, _stage2_backward_without_zero_grad_warns) == [True, True]
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("zero_with", ["model", "optimizer", "both", "nothing"])
+def test_stage2_step_consumes_gradients(world, zero_with):
+    assert len(set(run_on_ranks(world, _step_consumes_sharded_grads, zero_with))) == 1
 
 
 def _comm_volume(rank, world, stage):
     model = build(torch.bfloat16)
     opt = ZeroAdamW(model.named_parameters(), **HYPER, stage=stage, bucket_size=BUCKET)
-    padded = sum(fg.layout.numel for fg in opt._flat_groups)
+    padded = sum(g.layout.numel for g in opt.sharded_state.groups)
     for step in range(2):
         loss_fn(model, batch(step, rank)).backward()
         opt.step()
@@ -366,7 +380,10 @@ def _comm_volume(rank, world, stage):
         assert c["reduce_scatter_elements"] == c["all_gather_elements"] == 2 * padded, c
         # bf16 gradients travel as bf16 on gloo (summed in fp32 after the transfer); params are gathered in bf16
         assert c["reduce_scatter_bytes"] == c["all_gather_bytes"] == 2 * padded * 2, c
-    assert c["all_reduce_elements"] == 2 * 2, c  # the norm and non-finite flag, once per step
+    # Once per step, one all-reduce: the norm and non-finite flag, an error flag and a got-a-gradient flag per
+    # trainable parameter (one rank has nothing to reduce).
+    trainable = sum(1 for p in model.parameters() if p.requires_grad)
+    assert c["all_reduce_elements"] == (0 if world == 1 else 2 * (2 + 1 + trainable)), c
     return True
 
 
@@ -374,3 +391,46 @@ def _comm_volume(rank, world, stage):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_communication_volume_per_step(world, stage):
     assert all(run_on_ranks(world, _comm_volume, stage))
+
+
+def _accumulate_in_fp32(rank, world, stage, grad_accum_dtype_name):
+    """bf16 params, three micro-batches per step: stage 1 with grad_accum_dtype=float32 and stage 2 both add the
+    bf16 gradients in fp32, so both match an fp32-accumulated reference (one bf16 ulp on params). Stage 1 adds a
+    rank's micro-batches and reduces once; stage 2 reduces every micro-batch and adds the means, so its reference
+    does the same: at 3 ranks the division by 3 rounds, and the two orders differ by an fp32 ulp of the gradient,
+    which AdamW turns into a visible difference wherever a gradient is near zero."""
+    grad_accum_dtype = getattr(torch, grad_accum_dtype_name) if grad_accum_dtype_name else None
+    model = build(torch.bfloat16)
+    opt = ZeroAdamW(
+        model.named_parameters(), **HYPER, stage=stage, bucket_size=BUCKET, grad_accum_dtype=grad_accum_dtype
+    )
+    ref_params, ref_opt = reference(build(torch.bfloat16), **HYPER)
+    for step in range(4):
+        micro = [[batch(step, 10 * r + k) for k in range(3)] for r in range(world)]
+        params = list(model.parameters())
+        grads = [rank_grads(model, params, micro[r], loss_fn) for r in range(world)]  # [rank][micro][param]
+        if stage == 1:
+            per_rank = [[sum(g.float() for g in gs) for gs in zip(*grads[r])] for r in range(world)]
+            mean = mean_grads(per_rank, ref_params)
+        else:
+            per_micro = [mean_grads([grads[r][k] for r in range(world)], ref_params) for k in range(3)]
+            mean = [sum(ms) for ms in zip(*per_micro)]
+        for p, g in zip(ref_params, mean):
+            p.grad = g
+        ref_opt.step()
+        with opt.no_sync():
+            for k in range(2):
+                loss_fn(model, micro[rank][k]).backward()
+        loss_fn(model, micro[rank][2]).backward()
+        if grad_accum_dtype is not None:
+            assert all(p.grad is None for p in model.parameters()), "fp32 accumulation frees .grad"
+        opt.step()
+        opt.zero_grad()
+        check_against_reference(opt, model, ref_params, rank)
+    return params_digest(model)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("stage,accum", [(1, "float32"), (2, None), (2, "float32")])
+def test_bf16_micro_batches_accumulate_in_fp32(world, stage, accum):
+    assert len(set(run_on_ranks(world, _accumulate_in_fp32, stage, accum))) == 1

@@ -1,11 +1,13 @@
-"""zero_ext: ZeRO stage 1/2 sharded AdamW for PyTorch.
+"""zero_ext: ZeRO stages 1, 2 and 3 for PyTorch: a sharded AdamW, with its state optionally in host memory or on disk.
 
 ``zero_ext.ZeroAdamW`` replaces ``DDP(model)`` + ``torch.optim.AdamW``; ``zero_ext.ops`` holds the fused
-kernels; ``zero_ext.checkpoint`` saves and reshards; ``zero_ext.memory`` estimates and accounts memory.
+kernels; ``zero_ext.checkpoint`` saves and reshards; ``zero_ext.memory`` estimates and accounts memory;
+``zero_ext.offload`` keeps the optimizer state in host memory or on NVMe.
 """
 
-from . import memory, ops  # noqa: F401  (ops registers torch.ops.zero_ext.*)
+from . import ops  # noqa: I001  (first: registers torch.ops.zero_ext.*)
+from . import checkpoint, memory
 from .optimizer import ZeroAdamW
 
-__all__ = ["ZeroAdamW", "memory", "ops"]
+__all__ = ["ZeroAdamW", "checkpoint", "memory", "ops"]
 __version__ = "0.1.0"

@@ -1,198 +1,171 @@
-"""Flat-buffer layout: where every parameter, bucket and shard lives. Pure layout, no communication.
+"""The one owner of a rank's sharded state: :class:`ShardedState`, made of :class:`FlatGroup` s.
 
-Parameters of one (param group, dtype, device) share one flat buffer. They are placed in *reverse*
-registration order (about the order backward produces their gradients), each at an offset aligned to
-``PARAM_ALIGN`` elements, and cut into buckets of about ``bucket_size`` elements. Every bucket is padded
-to a multiple of ``world_size * BUCKET_ALIGN`` elements and split into ``world_size`` equal slices: rank r
-owns slice r of every bucket. A rank's optimizer state is one contiguous buffer per kind: the
-concatenation of its slices of all buckets, in bucket order.
+``ShardedState`` is the seam every other part of zero_ext reads (``state_dict``, ``checkpoint``, ``memory``, the
+tests): the flat groups with their parameters' global indices, names and param group, the step and skip counters
+(device scalars), the stage and the communicator. ``ZeroAdamW.sharded_state`` returns it.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
-# Every shard slice is a multiple of 64 elements: 256-byte aligned in fp32, and a whole number of
-# 128-bit vectors in every dtype.
-BUCKET_ALIGN = 64
-# Parameter views start 16-element aligned (32 bytes in bf16) so kernels that read the params (matmuls,
-# vectorised elementwise ops) see aligned memory; the gaps are zeros that never change.
-PARAM_ALIGN = 16
-
-
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One parameter's place in the flat buffer."""
-
-    index: int  # position of the parameter in its group's registration order
-    offset: int  # element offset in the flat buffer
-    numel: int
-    bucket: int
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """A contiguous run of the flat buffer reduced and gathered as one collective."""
-
-    index: int
-    offset: int  # first element in the flat buffer
-    numel: int  # padded size: a multiple of world_size * BUCKET_ALIGN
-    slots: tuple[int, ...]  # parameter indices, in placement order
-    shard_numel: int  # numel // world_size: one rank's slice
-    shard_offset: int  # where this bucket's slice starts in a rank's contiguous shard buffers
-
-    def slice_range(self, rank: int) -> tuple[int, int]:
-        """Rank ``rank``'s slice of this bucket as [start, end) in the flat buffer."""
-        start = self.offset + rank * self.shard_numel
-        return start, start + self.shard_numel
-
-
-@dataclass(frozen=True)
-class OwnedPiece:
-    """The elements of one parameter that one rank owns: one contiguous run of the flattened parameter."""
-
-    index: int  # parameter index
-    start: int  # first owned element of the flattened parameter
-    end: int  # one past the last
-    shard_offset: int  # where element ``start`` lives in the rank's contiguous shard buffers
-
-
-class Layout:
-    """The placement of a list of parameter sizes into padded buckets for ``world_size`` ranks."""
-
-    def __init__(self, numels: Sequence[int], world_size: int, bucket_size: int):
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
-        if bucket_size < 1:
-            raise ValueError(f"bucket_size must be >= 1 element, got {bucket_size}")
-        self.world_size = world_size
-        self.bucket_size = bucket_size
-        self.numels = tuple(int(n) for n in numels)
-        granule = world_size * BUCKET_ALIGN
-        slots: list[Slot | None] = [None] * len(self.numels)
-        buckets: list[Bucket] = []
-        members: list[int] = []
-        start = 0  # flat offset where the open bucket starts
-        fill = 0  # elements used in the open bucket (aligned placement)
-        shard_offset = 0
-
-        def close_bucket() -> None:
-            nonlocal start, fill, members, shard_offset
-            numel = max(_round_up(fill, granule), granule)
-            b = Bucket(len(buckets), start, numel, tuple(members), numel // world_size, shard_offset)
-            buckets.append(b)
-            shard_offset += b.shard_numel
-            start += numel
-            fill = 0
-            members = []
-
-        for index in reversed(range(len(self.numels))):
-            numel = self.numels[index]
-            at = _round_up(fill, PARAM_ALIGN)
-            if members and at + numel > bucket_size:
-                close_bucket()
-                at = 0
-            slots[index] = Slot(index, start + at, numel, len(buckets))
-            members.append(index)
-            fill = at + numel
-        if members:
-            close_bucket()
-        self.slots: tuple[Slot, ...] = tuple(slots)  # type: ignore[arg-type]
-        self.buckets: tuple[Bucket, ...] = tuple(buckets)
-        self.numel = start
-        self.shard_numel = shard_offset
-        self.real_numel = sum(self.numels)
-
-    def owned_pieces(self, rank: int) -> list[OwnedPiece]:
-        """Every parameter run that ``rank`` owns, in shard order (empty runs left out)."""
-        pieces = []
-        for bucket in self.buckets:
-            lo, hi = bucket.slice_range(rank)
-            for index in bucket.slots:
-                slot = self.slots[index]
-                a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-                if a < b:
-                    pieces.append(OwnedPiece(index, a - slot.offset, b - slot.offset, bucket.shard_offset + a - lo))
-        return pieces
-
-    def owned_real_numel(self, rank: int) -> int:
-        """Elements of real parameters (not padding or gaps) in ``rank``'s shard."""
-        return sum(p.end - p.start for p in self.owned_pieces(rank))
-
-
-def fingerprint(parts: Sequence[str]) -> int:
-    """A 63-bit hash of layout descriptions, cheap to compare across ranks."""
-    digest = hashlib.sha256("\n".join(parts).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
+from .comm import Communicator
+from .layout import Bucket, Layout, OwnedPiece
+from .params import FullParams
+from .placement import DeviceState
+from .staging import StagingPool
+from .step_counts import StepCounts
 
 
 class FlatGroup:
-    """The allocated buffers of one (param group, dtype, device): the flat param buffer every parameter
-    views into, and this rank's contiguous fp32 shards of master / exp_avg / exp_avg_sq / grad.
+    """One (param group, dtype) of trainable parameters (``params``): their layout, where they live
+    (``flat_params``, per stage) and where their optimizer state lives (``state``, per placement)."""
 
-    fp32 parameters are their own master: ``master_of(bucket)`` is then a view of the param buffer.
-    """
-
-    def __init__(self, params: Sequence[torch.Tensor], group_index: int, world_size: int, rank: int, bucket_size: int):
+    def __init__(
+        self,
+        index: int,
+        group_index: int,
+        params: Sequence[torch.nn.Parameter],
+        param_indices: Sequence[int],
+        names: Sequence[str],
+        layout: Layout,
+        rank: int,
+        params_cls=FullParams,
+        device: Optional[torch.device] = None,
+        placement=None,
+    ):
+        self.index = index  # position among the flat groups
+        self.group_index = group_index  # the param group (optimizer.param_groups[group_index])
         self.params = list(params)
-        self.group_index = group_index
+        self.param_indices = list(param_indices)  # each parameter's index across all param groups (torch.optim's)
+        self.names = list(names)
+        self.layout = layout
         self.rank = rank
         self.dtype = self.params[0].dtype
-        self.device = self.params[0].device
-        self.layout = Layout([p.numel() for p in self.params], world_size, bucket_size)
-        self.master_is_param = self.dtype == torch.float32
-        kw = dict(device=self.device)
-        self.param_buffer = torch.zeros(self.layout.numel, dtype=self.dtype, **kw)
-        n = self.layout.shard_numel
-        self.exp_avg = torch.zeros(n, dtype=torch.float32, **kw)
-        self.exp_avg_sq = torch.zeros(n, dtype=torch.float32, **kw)
-        self.grad_shard = torch.zeros(n, dtype=torch.float32, **kw)
-        self.master = None if self.master_is_param else torch.zeros(n, dtype=torch.float32, **kw)
-        self._adopt_params()
+        self.device = device or self.params[0].device  # (params built on meta live on `device`)
+        self.flat_params = params_cls(layout, rank, self.dtype, self.device)
+        self.flat_params.adopt(self.params)
+        # where the optimizer state lives: in memory on the device (default), or offload's host memory or files
+        make = placement or (lambda layout, params, device, index: DeviceState(layout, params, device))
+        self.state = make(layout, self.flat_params, self.device, index)
+        self.grad_buffer: Optional[torch.Tensor] = None  # stage 1's persistent flat gradient buffer
+        self.pieces_by_bucket: dict[int, list[OwnedPiece]] = {b.index: [] for b in layout.buckets}
+        for piece in self.owned_pieces():
+            self.pieces_by_bucket[piece.bucket].append(piece)
 
-    def _adopt_params(self) -> None:
-        """Copy every parameter into its slot, make ``param.data`` a view of it, and fill the master."""
-        with torch.no_grad():
-            for p, slot in zip(self.params, self.layout.slots):
-                view = self.param_view(slot.index)
-                view.copy_(p.detach())
-                p.data = view
-            if self.master is not None:
-                for bucket in self.layout.buckets:
-                    self.master_of(bucket).copy_(self.param_slice(bucket))
+    @property
+    def master_is_param(self) -> bool:
+        """fp32 parameters are their own master copy."""
+        return self.state.master_is_param
 
-    def param_view(self, index: int) -> torch.Tensor:
-        slot = self.layout.slots[index]
-        return self.param_buffer[slot.offset : slot.offset + slot.numel].view(self.params[index].shape)
+    def owned_pieces(self) -> tuple[OwnedPiece, ...]:
+        return self.layout.owned_pieces(self.rank)
 
-    def bucket_view(self, buffer: torch.Tensor, bucket: Bucket) -> torch.Tensor:
-        """``bucket``'s run of a full-size flat buffer (param or grad buffer)."""
-        return buffer[bucket.offset : bucket.offset + bucket.numel]
-
-    def param_slice(self, bucket: Bucket) -> torch.Tensor:
-        """This rank's slice of ``bucket`` in the param buffer: the all-gather input."""
-        lo, hi = bucket.slice_range(self.rank)
-        return self.param_buffer[lo:hi]
-
-    def shard_of(self, buffer: torch.Tensor, bucket: Bucket) -> torch.Tensor:
-        """``bucket``'s slice of one of this rank's contiguous shard buffers."""
-        return buffer[bucket.shard_offset : bucket.shard_offset + bucket.shard_numel]
-
-    def master_of(self, bucket: Bucket) -> torch.Tensor:
-        return self.param_slice(bucket) if self.master_is_param else self.shard_of(self.master, bucket)
-
-    def persistent_tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor this group keeps for the life of the optimizer, by kind."""
-        out = {"params": self.param_buffer, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
-        out["grad_shard"] = self.grad_shard
-        if self.master is not None:
-            out["master"] = self.master
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every persistent tensor of this group in memory, by kind (a kind of several tensors, such as offload's
+        landing ring, as ``kind.0``, ``kind.1``, ...)."""
+        out = dict(self.flat_params.tensors())
+        for kind, t in self.state.tensors().items():
+            if isinstance(t, torch.Tensor):
+                out[kind] = t
+            else:
+                out.update({f"{kind}.{i}": x for i, x in enumerate(t)})
+        if self.grad_buffer is not None:
+            out["grads"] = self.grad_buffer
         return out
+
+
+@dataclass(frozen=True)
+class PieceRef:
+    """An owned piece with the facts a serializer needs about its parameter."""
+
+    group: FlatGroup
+    piece: OwnedPiece
+    param_index: int  # global index (across all param groups)
+    name: str
+
+
+class ShardedState:
+    """Everything one rank holds of the sharded model state, and the facts needed to read it."""
+
+    def __init__(
+        self,
+        comm: Communicator,
+        stage: int,
+        bucket_size: int,
+        groups: Sequence[FlatGroup],
+        names: dict[int, str],
+        device: torch.device,
+    ):
+        self.comm = comm
+        self.stage = stage
+        self.bucket_size = bucket_size
+        self.groups = list(groups)
+        self.names = dict(names)  # global index -> name, for every parameter of the optimizer (frozen ones too)
+        self.device = device
+        # Steps that updated something (skipped steps excluded) and steps skipped for a non-finite gradient, and
+        # every parameter's own step count: device scalars, so that step() never has to read them on the host.
+        self.update_device = self.groups[0].state.update_device if self.groups else device  # offload: the CPU
+        self.step_count = torch.zeros((), dtype=torch.float32, device=self.update_device)
+        self.skipped = torch.zeros((), dtype=torch.float32, device=self.update_device)
+        self.step_counts = StepCounts([gidx for _, gidx, _ in self.members()], self.update_device)
+        self.staging: Optional[StagingPool] = None  # the gradient staging pool, set by the reducer
+        self.window = None  # stage 3: the ParamGather (its window of gathered buckets), for the memory ledger
+        self.model = None  # the model's names and state outside the optimizer (model_state.ModelState), with module=
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    def buckets(self) -> Iterator[tuple[FlatGroup, Bucket]]:
+        """Every (group, bucket), groups in order, buckets in layout order."""
+        for group in self.groups:
+            for bucket in group.layout.buckets:
+                yield group, bucket
+
+    def launch_order(self) -> list[tuple[FlatGroup, Bucket]]:
+        """Every (group, bucket) in the order their gradients are expected: the bucket whose parameters were
+        registered last first. Every rank launches collectives in this one order, so they always pair up."""
+        keyed = [(max(g.param_indices[i] for i in b.slots), g, b) for g, b in self.buckets()]
+        keyed.sort(key=lambda k: -k[0])
+        return [(g, b) for _, g, b in keyed]
+
+    def pieces(self) -> Iterator[PieceRef]:
+        """Every parameter run this rank owns, group by group, in shard order."""
+        for group in self.groups:
+            for piece in group.owned_pieces():
+                gidx = group.param_indices[piece.index]
+                yield PieceRef(group, piece, gidx, self.names[gidx])
+
+    def members(self) -> Iterator[tuple[FlatGroup, int, torch.nn.Parameter]]:
+        """Every trainable parameter: (its group, its global index, the parameter)."""
+        for group in self.groups:
+            for gidx, p in zip(group.param_indices, group.params):
+                yield group, gidx, p
+
+    def params_from_master(self) -> None:
+        """Collective: round this rank's master slices into the param buffer and gather every rank's (after the
+        master was loaded)."""
+        pending = []
+        with torch.no_grad():
+            for group, bucket in self.buckets():
+                mine = group.flat_params.rank_slice(bucket)  # None: stage 3 casts the master at each gather
+                if not group.master_is_param and mine is not None:
+                    mine.copy_(group.state.read("master", bucket.shard_range))
+                if group.flat_params.gathers_after_update:
+                    pending.append(self.comm.start_all_gather(group.flat_params.gathered(bucket), mine))
+        for p in pending:
+            p.wait()
+
+    def group_of(self, param: torch.Tensor) -> Optional[FlatGroup]:
+        for group in self.groups:
+            if any(p is param for p in group.params):
+                return group
+        return None

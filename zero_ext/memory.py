@@ -11,8 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
-__all__ = ["estimate", "estimate_breakdown", "MemoryReport"]
+if TYPE_CHECKING:  # a type only: buffers.py never imports this module back
+    from .buffers import ShardedState
+
+__all__ = ["estimate", "estimate_breakdown", "MemoryReport", "report", "human_bytes"]
 
 
 def estimate_breakdown(
@@ -61,9 +65,13 @@ class MemoryReport:
     ``grad_shard_fp32`` is what keeping the reduced gradient shard in fp32 (exact averaging and fp32
     accumulation) costs beyond the formula's ``grad_bytes``-wide gradients.
 
-    Exact identity, checked by the tests:  ``total == formula + padding + staging + grad_shard_fp32``,
+    Exact identity, checked by the tests: ``total + sum(on_disk.values()) == formula + padding + staging +
+    grad_shard_fp32 + offload_buffers - param_shard_not_kept`` (the last: stage 3 with bf16/fp16 params and the
+    master in device memory keeps no param-dtype shard; each gather rounds the fp32 master instead),
     where ``formula`` is :func:`estimate` for this rank's share of the real parameters (the formula's
-    ``Psi / N`` is the average over ranks of ``owned_numel``).
+    ``Psi / N`` is the average over ranks of ``owned_numel``). ``total`` counts memory only; ``where`` says for
+    each kind whether it is on the device, in host memory (``offload="cpu"``) or, in ``on_disk``, in files
+    (``offload="nvme"``), and :meth:`bytes_on` sums one medium.
     """
 
     stage: int
@@ -76,6 +84,20 @@ class MemoryReport:
     grad_shard_fp32: int = 0
     formula: int = 0
     widths: dict[str, int] = field(default_factory=dict)
+    rank: int = 0
+    window_bound: int = 0  # stage 3: bytes of gathered buckets the window may hold at once (not persistent)
+    window_peak: int = 0  # stage 3: the most it held so far
+    where: dict[str, str] = field(default_factory=dict)  # kind -> "device", "host" or "disk"
+    on_disk: dict[str, int] = field(default_factory=dict)  # offload="nvme": bytes of state files, by kind
+    offload_buffers: int = 0  # offload: the landing ring, parameter staging and disk window (bounded)
+    param_shard_not_kept: int = 0  # stage 3: the formula's param-dtype shard, not kept (the master is cast instead)
+
+    def bytes_on(self, medium: str) -> int:
+        """Bytes on ``medium``: "device" (the parameters' device; the host when that is the CPU), "host" (host
+        memory the optimizer keeps apart from the device's, with offload) or "disk"."""
+        if medium == "disk":
+            return sum(self.on_disk.values())
+        return sum(n for kind, n in self.allocated.items() if self.where.get(kind, "device") == medium)
 
     @property
     def total(self) -> int:
@@ -88,12 +110,131 @@ class MemoryReport:
         return estimate(self.num_params, self.world_size, self.stage, **self.widths)
 
     def table(self) -> str:
-        rows = [f"{k:<12}{v / 2**20:>12.2f} MiB" for k, v in self.allocated.items()]
-        rows += [
-            f"{'total':<12}{self.total / 2**20:>12.2f} MiB",
-            f"{'formula':<12}{self.formula / 2**20:>12.2f} MiB  (estimate for this rank's share)",
-            f"{'padding':<12}{self.padding / 2**20:>12.2f} MiB",
-            f"{'staging':<12}{self.staging / 2**20:>12.2f} MiB",
-            f"{'fp32 grads':<12}{self.grad_shard_fp32 / 2**20:>12.2f} MiB  (fp32 grad shard beyond the formula)",
+        """A readable ledger: every allocation, then the identity that splits the total into the ZeRO formula and
+        the named extras, each in bytes and in bytes per parameter of the model."""
+        psi = max(self.num_params, 1)
+
+        def row(label: str, nbytes: float, note: str = "", mark: str = " ") -> str:
+            return f"  {mark} {label:<32}{human_bytes(nbytes):>11}{nbytes / psi:>9.2f}  {note}".rstrip()
+
+        def located(kind: str) -> str:
+            return f"({self.where[kind]})" if self.where.get(kind, "device") != "device" else ""
+
+        w = self.widths
+        p, g, o = w.get("param_bytes", 2), w.get("grad_bytes", 2), w.get("optimizer_state_bytes", 12)
+        formula = {1: f"{p} + {g} + {o}/N", 2: f"{p} + ({g} + {o})/N", 3: f"({p} + {g} + {o})/N"}.get(
+            self.stage, ""
+        ) + " B/param"
+        lines = [
+            f"ZeroAdamW model state, rank {self.rank} of {self.world_size}, stage {self.stage}: "
+            f"{self.num_params:,} parameters, {self.owned_numel:,} in this rank's shard",
+            f"  {'':<34}{'bytes':>11}{'B/param':>9}",
         ]
-        return "\n".join(rows)
+        lines += [row(kind, nbytes, located(kind)) for kind, nbytes in self.allocated.items() if nbytes]
+        lines += [row(kind, nbytes, "(disk)") for kind, nbytes in self.on_disk.items() if nbytes]
+        media = [m for m in ("device", "host", "disk") if self.bytes_on(m)]
+        split = ", ".join(f"{m} {human_bytes(self.bytes_on(m))}" for m in media) if len(media) > 1 else ""
+        lines += [
+            row("total", self.total + sum(self.on_disk.values()), split),
+            row("ZeRO formula", self.formula, f"({formula}, this rank's share)", "="),
+            row("fp32 gradients beyond it", self.grad_shard_fp32, "(the fp32 grad shard: an exact mean)", "+"),
+            row("staging pool", self.staging, "(buckets in flight; bounded, not per parameter)", "+"),
+            row("padding", self.padding, "(bucket tails, alignment)", "+"),
+            *(
+                [row("offload buffers", self.offload_buffers, "(landing ring, parameter staging, disk window)", "+")]
+                if self.offload_buffers
+                else []
+            ),
+            *(
+                [row("param shard not kept", self.param_shard_not_kept, "(each gather rounds the fp32 master)", "-")]
+                if self.param_shard_not_kept
+                else []
+            ),
+            *(
+                [
+                    row(
+                        "gathered window (bound)",
+                        self.window_bound,
+                        f"(stage 3, not persistent; peak so far {human_bytes(self.window_peak)})",
+                    )
+                ]
+                if self.stage == 3
+                else []
+            ),
+            row(
+                "DDP + AdamW, for comparison",
+                estimate(self.num_params, self.world_size, 0, **_fp32_training),
+                "(fp32 params: 16 B/param + DDP's gradient buckets)",
+            ),  # fmt: skip
+        ]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+_fp32_training = {"param_bytes": 4, "grad_bytes": 4, "optimizer_state_bytes": 8}
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes in the largest binary unit that keeps it >= 1 (B, KiB, MiB, GiB, TiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def report(state: "ShardedState") -> MemoryReport:
+    """Every persistent byte ``state`` holds on this rank, by kind, and how it relates to the formula."""
+    stage, world, rank = state.stage, state.world_size, state.rank
+    out = MemoryReport(stage, world, 0, 0, rank=rank)
+    alloc: dict[str, int] = dict.fromkeys(("params", "grads", "master", "exp_avg", "exp_avg_sq", "grad_shard"), 0)
+    where: dict[str, str] = {}
+    for group in state.groups:
+        for key, t in group.tensors().items():
+            kind = key.split(".")[0]  # "landing.0" -> "landing"
+            alloc[kind] = alloc.get(kind, 0) + t.numel() * t.element_size()
+        where.update(group.state.where())
+        disk = group.state.disk_bytes()
+        if disk:
+            per_kind = disk // len(OPTIMIZER_KINDS)
+            for kind in OPTIMIZER_KINDS:
+                out.on_disk[kind] = out.on_disk.get(kind, 0) + per_kind
+            out.padding += disk - 12 * group.layout.shard_numel  # the files' last block
+        pw = group.dtype.itemsize
+        gw = pw  # the formula's gradients have the param dtype
+        sw = 8 if group.master_is_param else 12
+        psi, full = group.layout.real_numel, group.layout.numel
+        owned, shard = group.layout.owned_real_numel(rank), group.layout.shard_numel
+        out.num_params += psi
+        out.owned_numel += owned
+        out.formula += (pw * psi if stage < 3 else pw * owned) + (gw * psi if stage == 1 else gw * owned) + sw * owned
+        buffer_width = group.grad_buffer.element_size() if group.grad_buffer is not None else 0  # stage 1
+        shard_bytes = sw + 4  # fp32 optimizer states + fp32 grad shard
+        out.padding += buffer_width * (full - psi) + shard_bytes * (shard - owned)
+        kept = "params" in group.flat_params.tensors()  # stage 3 with the master on the device casts it instead
+        if stage < 3:
+            out.padding += pw * (full - psi)
+        elif kept:
+            out.padding += pw * (shard - owned)
+        else:
+            out.param_shard_not_kept += pw * owned
+        # fp32 gradients beyond the formula's param-dtype ones: the grad shard, and an fp32 stage-1 buffer.
+        out.grad_shard_fp32 += 4 * owned - (0 if stage == 1 else gw * owned)
+        out.grad_shard_fp32 += (buffer_width - gw) * psi if buffer_width > gw else 0
+        out.widths = {"param_bytes": pw, "grad_bytes": gw, "optimizer_state_bytes": sw}
+    out.staging = state.staging.nbytes if state.staging is not None else 0
+    if state.window is not None:  # stage 3: buckets live at once, at the largest bucket's size
+        largest = max((b.numel * g.flat_params.dtype.itemsize for g, b in state.buckets()), default=0)
+        out.window_bound = state.window.window_bound * largest
+        out.window_peak = state.window.peak_live * largest
+    alloc["staging"] = out.staging
+    out.allocated = {k: v for k, v in alloc.items() if v or k not in ("master", *OPTIMIZER_KINDS)}
+    out.where = {k: where.get(k, "device") for k in list(out.allocated) + list(out.on_disk)}
+    out.offload_buffers = sum(alloc.get(k, 0) for k in OFFLOAD_BUFFER_KINDS)
+    return out
+
+
+OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
+OFFLOAD_BUFFER_KINDS = ("landing", "landing_host", "param_out", "window")

@@ -1,39 +1,38 @@
-"""ZeroAdamW: AdamW with its state and gradients sharded over data-parallel ranks (ZeRO stages 1 and 2)."""
+"""ZeroAdamW: AdamW with its state, gradients and (stage 3) parameters sharded over data-parallel ranks; the state
+optionally in host memory or on disk (ZeRO-Offload / ZeRO-Infinity)."""
 
 from __future__ import annotations
 
 import contextlib
-import math
-from typing import Any, Iterable, Optional
+import warnings
+import weakref
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 
-from . import ops
-from .buffers import FlatGroup, fingerprint
-from .comm import _DONE, CommCounts, Communicator, Pending
-from .memory import MemoryReport
-from .reducer import GradReducer
+from . import memory
+from .buffers import FlatGroup, ShardedState
+from .comm import Communicator, communicator_for, fallback_device
+from .grads import grads_for
+from .hyperparams import check_hyperparameters
+from .layout import Layout
+from .meta_init import default_device, initialise_shards
+from .model_state import ModelState
+from .offload import check_offload_options, placement_factory, prepare_offload, warn_if_one_thread
+from .options import check_options, check_process_group, check_stage3_options
+from .param_gather import ParamGather
+from .param_sync import ParamSync, write_back
+from .params import FullParams
+from .planning import agree_on_plan, default_bucket_size, name_by_model, plan_groups
+from .reducer import GradSync
+from .sharded_params import ShardedParams
 from .state_dict import load_local_state_dict, local_state_dict
+from .step import Stepper
 
-_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-
-def _check_hyperparameters(where: str, lr, betas, eps, weight_decay) -> None:
-    if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"{where}: `lr` must be a number or a one-element tensor, got shape {tuple(lr.shape)}")
-    elif not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
-        raise ValueError(f"{where}: `lr` must be a finite number >= 0, got {lr!r}")
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-        raise ValueError(f"{where}: `betas` must be a pair (beta1, beta2), got {betas!r}")
-    for i, b in enumerate(betas):
-        if not (isinstance(b, (int, float)) and 0.0 <= b < 1.0):
-            raise ValueError(f"{where}: `betas[{i}]` must be in [0, 1), got {b!r}")
-    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"{where}: `eps` must be a finite number >= 0, got {eps!r}")
-    if not (isinstance(weight_decay, (int, float)) and math.isfinite(weight_decay) and weight_decay >= 0):
-        raise ValueError(f"{where}: `weight_decay` must be a finite number >= 0, got {weight_decay!r}")
+def _cuda_graph_capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class ZeroAdamW(torch.optim.Optimizer):
@@ -48,22 +47,53 @@ class ZeroAdamW(torch.optim.Optimizer):
             checkpoints), or param-group dicts with per-group ``lr``, ``betas``, ``eps``, ``weight_decay``.
             Params may be fp32 (their own master copy), bf16 or fp16; all on one device. Params with
             ``requires_grad=False`` are left alone.
-        stage: 1 (shard optimizer state; a persistent flat grad buffer) or 2 (also shard gradients).
+        stage: 1 (shard optimizer state; a persistent flat grad buffer), 2 (also shard gradients; ``step()``
+            consumes them: the next backward starts from zero) or 3 (also shard the parameters: each rank keeps
+            1/N of them; a bucket is gathered just before a module that uses it runs and freed after; needs
+            ``module=``). See :mod:`zero_ext.param_gather`.
         process_group: the data-parallel group (default: the world; a single process when torch.distributed
             is not initialised).
-        bucket_size: elements per bucket. Default: an eighth of the trainable parameters on NCCL, a quarter on
-            gloo (so that even a small model gets several buckets to overlap with backward, and the staging
-            pool stays small; gloo's per-collective cost is higher), clamped
-            to [world_size * 2**16, max(2**22, world_size * 2**18)] (large models: 16 MiB fp32 buckets, at
-            least 1 MiB per rank per collective).
-        reduce_dtype: dtype of the gradient reduce-scatter: float32 (default; exact fp32 mean) or the
-            param dtype (half the bytes, low-precision sums). On gloo with float32, bf16/fp16 gradients
-            already travel in their own dtype and are summed in fp32 after the transfer (exact, half the bytes).
-        max_grad_norm: clip the global gradient norm to this value (fused into the AdamW kernel).
-        defer_all_gather_to: a module; when given, ``step()`` returns without waiting for the parameter
-            all-gather, and forward pre-hooks on the module's submodules wait for each parameter's bucket
-            just before it is used.
+        bucket_size: elements per bucket. Default: the model in 8 buckets on NCCL, 4 on gloo (so that even a small
+            model overlaps reduction with backward; gloo's per-collective cost is higher), clamped to
+            [N * 2**16, max(2**22, N * 2**18)].
+        reduce_dtype: dtype of the gradient mean: float32 (default; exact) or bfloat16/float16 (half the bytes on
+            NCCL, low-precision sums). On gloo with float32, bf16/fp16 gradients travel in their own dtype and
+            are summed in fp32 after the transfer (exact, half the bytes).
+        grad_accum_dtype: where stage 1 accumulates gradients between steps (``no_sync()`` micro-batches): None
+            (default) in ``param.grad``, in the param dtype, as torch does; ``torch.float32`` in an fp32 flat buffer
+            (``param.grad`` is then freed as it arrives), as stage 2 accumulates in its fp32 grad shard, so that
+            bf16 runs at both stages agree. Stages 2 and 3 always accumulate in fp32.
+        max_grad_norm: clip the global gradient norm to this value (fused into the AdamW kernel); or call
+            :meth:`clip_grad_norm_` before each ``step()``.
+        module: the model. Parameters are then named after it (its ``state_dict`` keys); a model wrapped in, or
+            running inside, ``DistributedDataParallel`` is refused; checkpoints hold its whole state (frozen
+            parameters, buffers, tied names), so a consolidated checkpoint loads with ``load_state_dict(strict=True)``.
+        reshard_after_forward: stage 3: free a gathered bucket after its last use in forward (True; backward gathers
+            it again: 3 Psi communicated per step) or keep it until its gradients are reduced (False: 2 Psi, every
+            bucket gathered at the end of forward).
+        prefetch: stage 3: buckets gathered ahead of use, in the execution order of the previous step.
+        param_init: stage 3, for a model built on the ``meta`` device (larger than one rank's memory): a function
+            ``init(module)`` that initialises one module's own parameters and buffers in place (like
+            ``reset_parameters``); only this rank's shard is ever materialised (see :mod:`zero_ext.meta_init`).
+            Seed torch identically on every rank first.
+        param_device: where a meta model's shards live (default: the current CUDA device, else the CPU).
+        defer_all_gather_to: the model, to let ``step()`` return without waiting for the parameter all-gather:
+            forward hooks wait for each bucket just before it is used (implies ``module=``). Parameters read
+            outside forward (an EMA update, logging) need ``finish_sync()`` first.
         staging_buffers: initial size of the gradient staging pool (buckets in flight at once).
+        communicator: a :class:`zero_ext.comm.Communicator` to use instead of the one chosen from
+            ``process_group`` (e.g. ``NcclCommunicator`` on a one-rank group, to run the communicating path).
+        offload: where the fp32 master, exp_avg and exp_avg_sq live: None (default: on the params' device),
+            ``"cpu"`` (host memory, pinned on CUDA, with the reduced-gradient shard; updated by the CPU kernel) or
+            ``"nvme"`` (files in ``offload_dir``, streamed through ``offload_window`` bytes of host memory). Same
+            results bit for bit as without; checkpoints cross freely. See :mod:`zero_ext.offload`. The CPU update
+            uses torch's intra-op threads: under torchrun set ``OMP_NUM_THREADS`` to the cores per rank.
+        offload_dir: ``offload="nvme"``: a directory on a fast local disk (each rank makes its own subdirectory,
+            deleted by :meth:`close` or at exit; the files are working memory, not a checkpoint).
+        offload_window: ``offload="nvme"``: bytes of host memory the state streams through (default 64 MiB).
+
+    The sharded state (flat groups, shards, counters) is :attr:`sharded_state`, the seam that
+    :mod:`zero_ext.checkpoint`, :mod:`zero_ext.state_dict` and :mod:`zero_ext.memory` read.
     """
 
     def __init__(
@@ -78,96 +108,141 @@ class ZeroAdamW(torch.optim.Optimizer):
         process_group: Optional[dist.ProcessGroup] = None,
         bucket_size: Optional[int] = None,
         reduce_dtype: torch.dtype = torch.float32,
+        grad_accum_dtype: Optional[torch.dtype] = None,
         max_grad_norm: Optional[float] = None,
+        module: Optional[torch.nn.Module] = None,
+        reshard_after_forward: bool = True,
+        prefetch: int = 1,
+        param_init: Optional[Callable[[torch.nn.Module], None]] = None,
+        param_device: Optional[torch.device] = None,
         defer_all_gather_to: Optional[torch.nn.Module] = None,
         staging_buffers: int = 2,
+        communicator: Optional[Communicator] = None,
+        offload: Optional[str] = None,
+        offload_dir: Optional[str] = None,
+        offload_window: Optional[int] = None,
     ):
-        if stage not in (1, 2):
-            raise ValueError(f"zero_ext.ZeroAdamW: `stage` must be 1 or 2, got {stage!r}")
-        _check_hyperparameters("zero_ext.ZeroAdamW", lr, betas, eps, weight_decay)
-        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
-            raise ValueError(f"zero_ext.ZeroAdamW: `max_grad_norm` must be a number > 0 or None, got {max_grad_norm!r}")
-        if bucket_size is not None and not (isinstance(bucket_size, int) and bucket_size > 0):
+        check_offload_options(offload, offload_dir, offload_window)
+        check_options(stage, lr, betas, eps, weight_decay, max_grad_norm, bucket_size, staging_buffers, reduce_dtype)
+        check_stage3_options(stage, module, reshard_after_forward, prefetch, defer_all_gather_to)
+        if grad_accum_dtype not in (None, torch.float32):
             raise ValueError(
-                f"zero_ext.ZeroAdamW: `bucket_size` must be a positive int (elements), got {bucket_size!r}"
+                f"zero_ext.ZeroAdamW: `grad_accum_dtype` must be None or torch.float32, got {grad_accum_dtype}"
             )
-        if not (isinstance(staging_buffers, int) and staging_buffers >= 1):
-            raise ValueError(f"zero_ext.ZeroAdamW: `staging_buffers` must be an int >= 1, got {staging_buffers!r}")
-        if dist.is_initialized():
-            if dist.get_rank(process_group) < 0:
-                raise ValueError(
-                    f"zero_ext.ZeroAdamW: `process_group` does not include this process (global rank {dist.get_rank()})"
-                )
-        elif process_group is not None:
-            raise ValueError("zero_ext.ZeroAdamW: `process_group` given but torch.distributed is not initialised")
-
+        check_process_group(process_group, communicator)
         self._constructing = True
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self._constructing = False
-        self.stage = stage
-        self.max_grad_norm = max_grad_norm
+        self.stage, self.max_grad_norm, self.reduce_dtype = stage, max_grad_norm, reduce_dtype
 
-        # Local checks that could differ between ranks are collected, not raised, so that every rank gets
-        # to the layout exchange below and all ranks fail together instead of some hanging.
-        error = self._check_groups()
-        device = self._device if error is None else torch.device("cpu")
-        self._comm = Communicator(process_group, device) if dist.is_initialized() else _SingleProcess(device)
-        world, rank = self._comm.world_size, self._comm.rank
-        if reduce_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            error = error or f"`reduce_dtype` must be float32, bfloat16 or float16, got {reduce_dtype}"
-        self.reduce_dtype = reduce_dtype
-        if bucket_size is None:
-            trainable = sum(p.numel() for g in self.param_groups for p in g["params"] if p.requires_grad)
-            # NCCL: 8 buckets, so backward hides all but the last. gloo: 4, because there every collective
-            # costs a fixed ~0.5-1 ms of thread hand-offs on cores that backward keeps busy; measured on the
-            # 3.3M-param benchmark GPT at 2 ranks, 8 buckets took 1.05x DDP's step, 2-4 buckets 0.92-1.01x
-            # (bench/results/engine_step_cpu.md, Findings; per-collective costs: bench_collectives.py).
-            per_model = 4 if self._comm.reduce_scatter_by_all_to_all else 8
-            bucket_size = min(max(2**22, world * 2**18), max(world * 2**16, -(-trainable // per_model)))
-        self.bucket_size = bucket_size
+        if defer_all_gather_to is not None and module is not None and defer_all_gather_to is not module:
+            raise ValueError("zero_ext.ZeroAdamW: `defer_all_gather_to` and `module` must be the same model")
+        module = module if module is not None else defer_all_gather_to
+        # Local checks that could differ between ranks are collected, not raised, so that every rank reaches the
+        # agreement below and all ranks fail together instead of some hanging.
+        plan = plan_groups(self.param_groups)
+        model = None
+        if module is not None:
+            try:
+                model = ModelState(module)
+                name_by_model(plan, model)
+            except ValueError as e:
+                plan.error = plan.error or str(e).removeprefix("zero_ext.ZeroAdamW: ")
+        on_meta = plan.device is not None and plan.device.type == "meta"
+        if on_meta:
+            if stage != 3 or param_init is None:
+                plan.error = plan.error or (
+                    "the parameters are on the meta device: build the optimizer with stage=3 and param_init= (a "
+                    "function initialising one module's own parameters), which materialises only this rank's shard"
+                )
+            plan.device = torch.device(param_device) if param_device is not None else default_device()
+        elif param_init is not None:
+            plan.error = plan.error or "`param_init` is for a model built on the meta device (stage 3)"
+        device = plan.device or fallback_device(process_group)
+        comm = communicator or communicator_for(process_group, device)
+        trainable = sum(p.numel() for _, members in plan.groups for _, p in members)
+        self.bucket_size = bucket_size or default_bucket_size(trainable, comm)
+        settings = f"stage={stage} reduce={reduce_dtype} bucket={self.bucket_size} offload={offload} {offload_window}"
+        agree_on_plan(comm, plan, settings)
+        world, rank = comm.world_size, comm.rank
+        layouts = [Layout([p.numel() for _, p in members], world, self.bucket_size) for _, members in plan.groups]
+        directory = prepare_offload(comm, offload, offload_dir, layouts)  # nvme: agreed before anything is built
+        placement = placement_factory(offload, directory, offload_window, rank, len(layouts))
 
-        # Plan the flat groups (one per param group and dtype) and compare the plan across ranks before
-        # allocating anything or re-pointing any parameter: a failed construction leaves the model untouched.
-        plan: list[tuple[int, list[tuple[int, torch.Tensor]]]] = []
-        descriptions = [f"stage={stage} reduce={reduce_dtype} bucket={self.bucket_size} error={error is not None}"]
-        if error is None:
-            for gi in range(len(self.param_groups)):
-                for dtype in _SUPPORTED_DTYPES:
-                    members = [(i, p) for i, p in self._trainable(gi) if p.dtype == dtype]
-                    if members:
-                        plan.append((gi, members))
-                        descriptions.append(f"group={gi} dtype={dtype} shapes={[tuple(p.shape) for _, p in members]}")
-        everyone = self._comm.all_gather_object_ints(fingerprint(descriptions))
-        if error is not None:
-            raise ValueError(f"zero_ext.ZeroAdamW: {error}")
-        if len(set(everyone)) != 1:
-            differ = [r for r, f in enumerate(everyone) if f != everyone[0]]
-            raise RuntimeError(
-                "zero_ext.ZeroAdamW: the model or optimizer settings differ between ranks (layout fingerprints "
-                f"{everyone}; ranks {differ} differ from rank 0). Every rank must build the same model with the same "
-                "param groups, dtypes, stage, bucket_size and reduce_dtype."
-            )
-        self._flat_groups = [FlatGroup([p for _, p in m], gi, world, rank, self.bucket_size) for gi, m in plan]
-        self._global_indices = [[i for i, _ in m] for _, m in plan]
-        self._group_of_flat = [gi for gi, _ in plan]
-
-        self._reducer = GradReducer(
-            self._flat_groups, self._global_indices, self._names, self._comm, stage, reduce_dtype, staging_buffers
-        )
-        dev = self._device
-        self._step_count = torch.zeros((), dtype=torch.float32, device=dev)
-        self._skipped = torch.zeros((), dtype=torch.float32, device=dev)
-        self._found_inf = torch.zeros((), dtype=torch.float32, device=dev)
-        self._grad_norm = torch.zeros((), dtype=torch.float32, device=dev)
-        self._clip_coef = torch.ones((), dtype=torch.float32, device=dev)
-        self._norm_stats = torch.zeros(2, dtype=torch.float32, device=dev)
-        self._max_norm = torch.tensor(float(max_grad_norm or 0.0), dtype=torch.float32, device=dev)
+        _take_over([p for _, members in plan.groups for _, p in members], self)
+        groups = []
+        params_cls = ShardedParams if stage == 3 else FullParams
+        try:
+            for fi, ((gi, members), layout) in enumerate(zip(plan.groups, layouts)):
+                indices = [i for i, _ in members]
+                names = [plan.names[i] for i in indices]
+                groups.append(FlatGroup(fi, gi, [p for _, p in members], indices, names, layout, rank, params_cls,
+                                        plan.device, placement))  # fmt: skip
+        except BaseException as e:
+            for group in groups:  # files of the groups built so far
+                group.state.close()
+            if offload != "nvme":
+                raise
+            error = e
+        else:
+            error = None
+        if offload == "nvme":  # a disk that filled up since the check fails every rank, not just this one
+            failed = [r for r, f in enumerate(comm.agree(int(error is not None))) if f]
+            if error is not None:
+                raise error
+            if failed:
+                for group in groups:
+                    group.state.close()
+                raise RuntimeError(f"zero_ext.ZeroAdamW: creating the offload files failed on rank(s) {failed}")
+        self.offload = offload
+        warn_if_one_thread(offload)
+        self._state = ShardedState(comm, stage, self.bucket_size, groups, plan.names, plan.device)
+        self._state.model = model
+        strategy = grads_for(self._state, reduce_dtype, grad_accum_dtype)
+        self._grad_sync = GradSync(self._state, strategy, staging_buffers)
+        if stage == 3:
+            self._param_sync = self._state.window = ParamGather(self._state, module, reshard_after_forward, prefetch)
+            self._grad_sync.on_ready = self._param_sync.bucket_reduced
+            self._grad_sync.on_round_end = self._param_sync.backward_done
+            if on_meta:
+                initialise_shards(self._state, module, param_init, plan.device)
+            for group in self._state.groups:
+                if not group.master_is_param and group.state.resident:  # the fp32 master is on the device
+                    group.flat_params.cast_from(lambda bucket, g=group: g.state.read("master", bucket.shard_range))
+        else:
+            self._param_sync = ParamSync(self._state)
+        self._stepper = Stepper(self._state, self._grad_sync, self._param_sync, max_grad_norm)
         self._has_stepped = False
-        self._gathers: dict[tuple[int, int], Pending] = {}
-        self._prehook_handles = []
+        self._closed = False
+        if model is not None:
+            model.install()
         if defer_all_gather_to is not None:
-            self._install_forward_prehooks(defer_all_gather_to)
+            self._param_sync.defer_to(defer_all_gather_to)
+        for _, members in plan.groups:
+            for _, p in members:
+                p._zero_ext_owner = weakref.ref(self)
+
+    def close(self) -> None:
+        """Detach from the model: finish the communication in flight and remove every hook this optimizer put on
+        the parameters and the model. A ZeroAdamW built later over the same parameters closes this one itself.
+        A closed optimizer cannot step."""
+        if getattr(self, "_closed", True):
+            return
+        self.finish_sync()
+        self._grad_sync.remove_hooks()
+        self._param_sync.remove_hooks()
+        if self._state.model is not None:
+            self._state.model.remove_hooks()
+        for group in self._state.groups:
+            group.state.close()  # offload="nvme": the state files are deleted (a checkpoint is the durable copy)
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(
+                "zero_ext.ZeroAdamW: this optimizer was closed (close(), or a newer ZeroAdamW took over its "
+                "parameters); use the newer one"
+            )
 
     # ------------------------------------------------------------------ construction
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -178,251 +253,169 @@ class ZeroAdamW(torch.optim.Optimizer):
             )
         super().add_param_group(param_group)
         g = self.param_groups[-1]
-        _check_hyperparameters(
-            f"zero_ext.ZeroAdamW: param group {len(self.param_groups) - 1}",
-            g["lr"],
-            g["betas"],
-            g["eps"],
-            g["weight_decay"],
-        )
+        where = f"zero_ext.ZeroAdamW: param group {len(self.param_groups) - 1}"
+        check_hyperparameters(where, g["lr"], g["betas"], g["eps"], g["weight_decay"])
 
-    def _trainable(self, gi: int):
-        base = sum(len(g["params"]) for g in self.param_groups[:gi])
-        return [(base + i, p) for i, p in enumerate(self.param_groups[gi]["params"]) if p.requires_grad]
-
-    def _check_groups(self) -> Optional[str]:
-        """Names every parameter and validates devices, dtypes and duplicates; returns an error or None."""
-        self._names: dict[int, str] = {}
-        seen: dict[int, str] = {}
-        devices = set()
-        index = 0
-        for gi, group in enumerate(self.param_groups):
-            names = group.get("param_names")
-            group_devices = set()
-            for i, p in enumerate(group["params"]):
-                name = names[i] if names else f"param_groups[{gi}].params[{i}]"
-                self._names[index] = name
-                index += 1
-                if id(p) in seen:
-                    return f"parameter {name!r} is listed twice (also as {seen[id(p)]!r})"
-                seen[id(p)] = name
-                if p.requires_grad:
-                    if p.dtype not in _SUPPORTED_DTYPES:
-                        return f"parameter {name!r} has dtype {p.dtype}; expected float32, bfloat16 or float16"
-                    if p.is_sparse:
-                        return f"parameter {name!r} is sparse; only dense parameters are supported"
-                    group_devices.add(p.device)
-            if len(group_devices) > 1:
-                return f"param group {gi} has parameters on different devices {sorted(map(str, group_devices))}"
-            devices |= group_devices
-        if len(devices) > 1:
-            return f"parameters are on different devices {sorted(map(str, devices))}; all must be on one device"
-        if not devices:
-            return "no trainable parameters (every parameter has requires_grad=False)"
-        self._device = devices.pop()
-        return None
-
-    def _install_forward_prehooks(self, module: torch.nn.Module) -> None:
-        where = {}
-        for fi, fg in enumerate(self._flat_groups):
-            for slot, p in zip(fg.layout.slots, fg.params):
-                where[id(p)] = (fi, slot.bucket)
-        for m in module.modules():
-            keys = sorted({where[id(p)] for p in m.parameters(recurse=False) if id(p) in where})
-            if keys:
-                self._prehook_handles.append(m.register_forward_pre_hook(lambda _m, _a, keys=keys: self._wait(keys)))
-
-    def _wait(self, keys) -> None:
-        for key in keys:
-            pending = self._gathers.pop(key, None)
-            if pending is not None:
-                pending.wait()
+    @property
+    def sharded_state(self) -> ShardedState:
+        """This rank's sharded state: flat groups, shards, counters and the communicator (see ``buffers.py``).
+        Call :meth:`finish_sync` before reading its buffers."""
+        return self._state
 
     # ------------------------------------------------------------------ training
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients over micro-batches without reducing them (like ``DDP.no_sync``).
 
-        Stage 1 skips communication inside the context; the first backward after it (or ``step()``) reduces
-        the accumulated sum. Stage 2 has no full-size buffer to accumulate in, so it still reduces every
-        backward pass and accumulates the shards in fp32; the result is the same.
+        Stage 1 skips communication inside the context and accumulates in ``param.grad`` (the param dtype); the
+        first backward after it (or ``step()``) reduces the accumulated sum. Stage 2 has no full-size buffer to
+        accumulate in, so it still reduces every backward pass and accumulates the means in the fp32 grad shard.
         """
-        previous = self._reducer.sync_enabled
-        self._reducer.sync_enabled = False
+        previous = self._grad_sync.sync_enabled
+        self._grad_sync.sync_enabled = False
         try:
             yield
         finally:
-            self._reducer.sync_enabled = previous
+            self._grad_sync.sync_enabled = previous
+
+    def finish_sync(self) -> None:
+        """Finish every gradient reduction and parameter gather in flight (the current stream waits for them; no
+        host synchronisation on CUDA). Needed before reading parameters outside forward when
+        ``defer_all_gather_to`` is set, or the shards of :attr:`sharded_state`."""
+        self._param_sync.finish_param_sync()
+        self._grad_sync.finish_grad_sync()
+
+    @contextlib.contextmanager
+    def gathered_params(self, modifier_rank: Optional[int] = None):
+        """Full parameters on every rank inside the context, at any stage (collective: every rank enters it).
+
+        At stage 3 every bucket is gathered for the duration (the whole model in memory); at stages 1 and 2 the
+        parameters are full anyway. For reading (evaluation, export, logging) or, with ``modifier_rank``, for
+        editing: on exit that rank's parameters are copied to every rank and written back to the shards; the fp32
+        master follows every element whose value changed (unchanged ones keep their fp32 bits)."""
+        self._check_open()
+        world = self._state.world_size
+        if modifier_rank is not None and not (isinstance(modifier_rank, int) and 0 <= modifier_rank < world):
+            raise ValueError(f"zero_ext.ZeroAdamW.gathered_params: `modifier_rank` must be a rank in [0, {world}), "
+                             f"got {modifier_rank!r}")  # fmt: skip
+        self.finish_sync()
+        with self._param_sync.gathered() if self.stage == 3 else contextlib.nullcontext():
+            yield
+            if modifier_rank is not None:
+                write_back(self._state, modifier_rank)
 
     def wait_for_params(self) -> None:
         """Make the current stream wait for every parameter all-gather still in flight (``defer_all_gather_to``)."""
-        self._wait(list(self._gathers))
+        self._param_sync.finish_param_sync()
 
     @torch.no_grad()
+    @torch.compiler.disable
     def step(self, closure=None):
+        """One AdamW step on the mean of the ranks' gradients, with torch's semantics: a parameter with no gradient
+        on any rank is left alone (no decay, no moment update, its own step count unchanged); a step with no
+        gradient at all does nothing. Every rank fails together: a check that fails on one rank (e.g. a bad ``lr``)
+        raises on every rank before anything changes anywhere (see ``step.py``)."""
+        self._check_open()
+        if _cuda_graph_capturing():
+            raise RuntimeError(
+                "zero_ext.ZeroAdamW.step() cannot be captured in a CUDA graph: it issues collectives on side streams "
+                "and keeps host-side bookkeeping. Capture the forward/backward only and call step() outside the graph."
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for gi, g in enumerate(self.param_groups):
-            _check_hyperparameters(
-                f"zero_ext.ZeroAdamW: param group {gi}", g["lr"], g["betas"], g["eps"], g["weight_decay"]
-            )
-        self.wait_for_params()
-        self._reducer.finish()
-
-        # Global gradient norm and non-finite check over all shards, on device.
-        stats = self._norm_stats
-        stats.zero_()
-        for fg in self._flat_groups:
-            sumsq, nonfinite = ops.sum_squares(fg.grad_shard)
-            stats[0] += sumsq
-            stats[1] += nonfinite
-        self._comm.all_reduce(stats).wait()
-        torch.sqrt(stats[0], out=self._grad_norm)
-        torch.clamp(stats[1], max=1.0, out=self._found_inf)
-        grad_scale = 1.0
-        if self.max_grad_norm is not None:
-            # torch.nn.utils.clip_grad_norm_'s coefficient: max_norm / (norm + 1e-6), at most 1.
-            torch.add(self._grad_norm, 1e-6, out=self._clip_coef)
-            torch.div(self._max_norm, self._clip_coef, out=self._clip_coef)
-            self._clip_coef.clamp_(max=1.0)
-            grad_scale = self._clip_coef
-        self._step_count.add_(1.0).sub_(self._found_inf)
-        self._skipped.add_(self._found_inf)
-
-        # AdamW bucket by bucket, each bucket's all-gather overlapping the next bucket's update.
-        for fi, fg in enumerate(self._flat_groups):
-            group = self.param_groups[self._group_of_flat[fi]]
-            beta1, beta2 = group["betas"]
-            for bucket in fg.layout.buckets:
-                ops.fused_adamw_(
-                    fg.master_of(bucket),
-                    fg.shard_of(fg.grad_shard, bucket),
-                    fg.shard_of(fg.exp_avg, bucket),
-                    fg.shard_of(fg.exp_avg_sq, bucket),
-                    lr=group["lr"],
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    step=self._step_count,
-                    grad_scale=grad_scale,
-                    param_out=None if fg.master_is_param else fg.param_slice(bucket),
-                    found_inf=self._found_inf,
-                )
-                self._gathers[(fi, bucket.index)] = self._comm.all_gather(
-                    fg.bucket_view(fg.param_buffer, bucket), fg.param_slice(bucket)
-                )
-        self._has_stepped = True
-        self._reducer.stepped_since_zero_grad = True
-        if not self._prehook_handles:
-            self.wait_for_params()
+        self._param_sync.finish_param_sync()
+        if self._stepper.step(self.param_groups):
+            self._has_stepped = True
+            if not self._param_sync.deferred:
+                self._param_sync.finish_param_sync()
         return loss
+
+    @torch.no_grad()
+    @torch.compiler.disable
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients about to be applied to a global L2 norm of ``max_norm`` and return their norm before
+        clipping, as ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` would (a 0-d tensor on the
+        device; no host sync). The scaling happens inside the next ``step()``'s fused kernel; the gradients
+        themselves (sharded, at stages 2 and 3 not in ``.grad`` at all) are not rewritten. Collective: call it on
+        every rank, after backward, before ``step()``. Use it instead of torch's function, which sees no
+        gradients at stages 2 and 3 and only this rank's at stage 1."""
+        self._check_open()
+        if norm_type != 2.0:
+            raise ValueError(
+                f"zero_ext.ZeroAdamW.clip_grad_norm_: only `norm_type=2.0` is supported, got {norm_type!r}"
+            )
+        if not (isinstance(max_norm, (int, float)) and max_norm > 0):
+            raise ValueError(f"zero_ext.ZeroAdamW.clip_grad_norm_: `max_norm` must be a number > 0, got {max_norm!r}")
+        self._param_sync.finish_param_sync()
+        return self._stepper.clip_grad_norm_(self.param_groups, max_norm)
+
+    clip_grad_norm = clip_grad_norm_  # the name trainers look for on sharded optimizers
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients, like torch: with ``set_to_none`` (the default) every ``param.grad`` becomes None;
         stage 1's next gradient is then copied into the parameter's slot of the flat grad buffer (no pass over
         the whole buffer now, no read-add-write later) and ``param.grad`` points at that slot again. Without
         it stage 1 zeroes the buffer in place and ``param.grad`` stays a view of it. Stage 2's ``param.grad``
-        is always None between backward passes. The fp32 grad shard is zeroed either way."""
-        self._reducer.zero_grad(set_to_none)
+        is always None between backward passes, and its gradients live in the fp32 grad shard, which ``step()``
+        already consumed (zeroed); ``zero_grad()`` zeroes it too (gradients accumulated since the last step are
+        dropped)."""
+        self._check_open()
+        self._grad_sync.zero_grad(set_to_none)
 
     # ------------------------------------------------------------------ introspection
     @property
     def grad_norm(self) -> Optional[torch.Tensor]:
         """The global gradient norm (before clipping) of the last ``step()``, as a 0-d tensor on the device."""
-        return self._grad_norm if self._has_stepped else None
+        return self._stepper.grad_norm if self._has_stepped else None
 
     @property
     def skipped_steps(self) -> int:
         """How many steps were skipped because a gradient was inf or nan (reading it synchronises)."""
-        return int(self._skipped.item())
+        return int(self._state.skipped.item())
 
     @property
     def step_count(self) -> int:
         """Updates applied so far (skipped steps excluded; reading it synchronises)."""
-        return int(self._step_count.item())
+        return int(self._state.step_count.item())
 
     def comm_stats(self) -> dict[str, int]:
         """Elements and bytes this rank has passed to each collective since construction (one rank
         communicates nothing: its gradients go straight to the grad shard and its all-gather is in place)."""
-        return self._comm.counts.as_dict()
+        return self._state.comm.counts.as_dict()
 
-    def memory_report(self) -> MemoryReport:
+    def memory_report(self) -> memory.MemoryReport:
         """Every persistent byte on this rank by kind; see :class:`zero_ext.memory.MemoryReport`."""
-        world, rank = self._comm.world_size, self._comm.rank
-        report = MemoryReport(self.stage, world, 0, 0)
-        alloc: dict[str, int] = {k: 0 for k in ("params", "grads", "master", "exp_avg", "exp_avg_sq", "grad_shard")}
-        for fg, grad_buffer in zip(self._flat_groups, self._reducer.grad_buffers):
-            tensors = fg.persistent_tensors()
-            if grad_buffer is not None:
-                tensors["grads"] = grad_buffer
-            for kind, t in tensors.items():
-                alloc[kind] += t.numel() * t.element_size()
-            pw = fg.param_buffer.element_size()
-            gw = pw  # the formula's gradients have the param dtype
-            sw = 8 if fg.master_is_param else 12
-            psi, full = fg.layout.real_numel, fg.layout.numel
-            owned, shard = fg.layout.owned_real_numel(rank), fg.layout.shard_numel
-            report.num_params += psi
-            report.owned_numel += owned
-            report.formula += pw * psi + (gw * psi if self.stage == 1 else gw * owned) + sw * owned
-            full_buffers = 2 if self.stage == 1 else 1  # params (+ grads in stage 1)
-            shard_bytes = sw + 4  # fp32 optimizer states + fp32 grad shard
-            report.padding += full_buffers * pw * (full - psi) + shard_bytes * (shard - owned)
-            report.grad_shard_fp32 += 4 * owned - (0 if self.stage == 1 else gw * owned)
-            report.widths = {"param_bytes": pw, "grad_bytes": gw, "optimizer_state_bytes": sw}
-        report.staging = self._reducer.staging_bytes()
-        alloc["staging"] = report.staging
-        report.allocated = {k: v for k, v in alloc.items() if v or k != "master"}
-        return report
+        return memory.report(self._state)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard in torch.optim's format: see :mod:`zero_ext.state_dict`."""
-        self.wait_for_params()
-        self._reducer.finish()
-        return local_state_dict(self)
+        self.finish_sync()
+        return local_state_dict(self._state, self.param_groups)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a dict from :meth:`state_dict` saved by the same rank of the same layout (use
-        ``zero_ext.checkpoint`` to load at another world size). Collective: every rank must call it."""
-        self.wait_for_params()
-        self._reducer.finish()
-        load_local_state_dict(self, state_dict)
+        ``zero_ext.checkpoint`` to load at another world size). Collective: every rank must call it; a dict that
+        fails to load on any rank changes nothing on any rank."""
+        self.finish_sync()
+        load_local_state_dict(self._state, self.param_groups, state_dict)
 
 
-class _SingleProcess:
-    """The Communicator of a single process when torch.distributed is not initialised: world size 1."""
-
-    world_size, rank = 1, 0
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.stream = None
-        self.counts = CommCounts()
-
-    def scratch_numel(self, input_numel: int) -> int:
-        return 0
-
-    reduce_scatter_by_all_to_all = False
-
-    def reduce_scatter(self, output, input, then=None, scratch=None, divide_by=1) -> Pending:
-        # Only reached with GradReducer.direct_at_one_rank switched off (tests): count it as a collective.
-        self.counts.add("reduce_scatter", input)
-        output.copy_(input)
-        if then is not None:
-            then()
-        return _DONE
-
-    def all_gather(self, output, input) -> Pending:
-        if output.data_ptr() != input.data_ptr():  # in place (the engine's case) there is nothing to do
-            output.copy_(input)
-        return _DONE
-
-    def all_reduce(self, tensor, op=None) -> Pending:
-        return _DONE
-
-    def all_gather_object_ints(self, value: int) -> list[int]:
-        return [value]
+def _take_over(params, new: "ZeroAdamW") -> None:
+    """Close any earlier, still open ZeroAdamW over these parameters (re-running a cell that builds the optimizer
+    would otherwise leave two sets of hooks reducing every gradient twice)."""
+    earlier = []
+    for p in params:
+        ref = getattr(p, "_zero_ext_owner", None)
+        old = ref() if ref is not None else None
+        if old is not None and old is not new and not old._closed and old not in earlier:
+            earlier.append(old)
+    for old in earlier:
+        warnings.warn(
+            "zero_ext.ZeroAdamW: these parameters belonged to an earlier ZeroAdamW, which is now closed (its hooks "
+            "removed); use the new optimizer",
+            stacklevel=3,
+        )
+        old.close()

@@ -1,365 +1,186 @@
-"""Gradient reduction: from autograd's gradients to this rank's fp32 grad shard, bucket by bucket, during
-backward.
+"""Gradient reduction during backward: from autograd's gradients to this rank's fp32 grad shard, bucket by bucket.
 
-A post-accumulate-grad hook on every parameter tracks when each bucket has all its gradients; the bucket
-is then reduce-scattered at once (overlapping the rest of backward). Buckets are launched in one fixed
-global order on every rank (a bucket that completes early waits for its predecessors), so the collectives
-of all ranks always pair up, whatever order gradients arrive in. At the end of each backward pass the
-buckets still open (parameters that got no gradient: unused branches) are launched too, their missing
-gradients counting as zero.
+A post-accumulate-grad hook on every parameter hands the gradient to the stage's strategy (``grads.py``) and
+counts it against its bucket. A bucket whose gradients have all arrived is READY; READY buckets are launched
+(``start_grad_sync``) in one fixed global order on every rank (a bucket that completes early waits for its
+predecessors), so the collectives of all ranks always pair up, whatever order gradients arrive in. At the end of
+each backward pass (autograd's final callback) the buckets still open are launched too, their missing gradients
+counting as zero. ``finish_grad_sync`` makes every reduction so far visible in the grad shards.
 
-Stage 1 keeps a persistent flat grad buffer per group (``param.grad`` is a view into it, so autograd
-accumulates in place; after ``zero_grad()`` it is None and the next gradient is copied into its slot, so
-nothing rereads or clears the whole buffer); a bucket's slice is cast to ``reduce_dtype`` and pre-scaled by 1/world into a
-staging buffer, reduce-scattered, and the result written into the grad shard. Inside ``no_sync()`` nothing
-is reduced; the next synchronised backward (or ``step()``) reduces the accumulated sum.
+A bucket's status describes the current round (one synchronised backward pass)::
 
-Stage 2 keeps no full-size grad buffer: each gradient is cast + pre-scaled into its bucket's staging
-buffer the moment autograd produces it, then freed (``param.grad = None``). The reduce-scatter output is
-accumulated in fp32 into the grad shard, so several backward passes before ``step()`` accumulate. Stage 2
-cannot skip communication inside ``no_sync()`` (there is no buffer to accumulate a full gradient in); it
-reduces every backward pass, as DeepSpeed's ZeRO-2 does.
+    EMPTY --first gradient--> FILLING --last gradient--> READY --its turn--> SYNCING --finish_grad_sync--> SYNCED
+      |______________________ end of backward (missing gradients are zero) __^
 
-On gloo the communicator reduce-scatters with an all-to-all and sums the received slices itself (see
-``comm.py``). With the default fp32 ``reduce_dtype`` the gradients then travel in their own dtype, unscaled
-(stage 1 straight from the grad buffer, without a staging copy), and are summed in fp32 in rank order and
-divided by N: the exact fp32 mean, at half the bytes for bf16/fp16 gradients.
-
-With one rank there is nothing to reduce: no staging pool, no collective. Stage 1 casts its grad buffer into
-the fp32 grad shard bucket by bucket; stage 2 adds each gradient into the grad shard as it arrives.
+Collectives of an earlier round still in flight when a new round starts are tracked by the staging pool.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
-import warnings
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
-from .buffers import Bucket, FlatGroup, Slot
-from .comm import Communicator, Pending
-from .device_ops import accumulate_into, cast_scale_into
+from .buffers import FlatGroup, ShardedState
+from .comm import Pending
+from .grads import GradStrategy
+from .layout import Bucket
+from .staging import StagingEntry, StagingPool
 
 
-@dataclass
-class _BucketRef:
-    group: FlatGroup
-    bucket: Bucket
-    order: int  # position in the global launch order
+class BucketStatus(enum.Enum):
+    EMPTY = "empty"  # no gradient of this round has arrived
+    FILLING = "filling"  # some have
+    READY = "ready"  # all have (or the round is closing); launched when every bucket before it in order is
+    SYNCING = "syncing"  # its reduce-scatter is in flight
+    SYNCED = "synced"  # its mean is in the grad shard
 
 
-@dataclass
-class _Staging:
-    """One staging buffer of the pool: the reduce-scatter input and (when needed) its output."""
+class GradBucket:
+    """One bucket's gradient reduction: its place in the launch order and its status this round."""
 
-    input: Optional[torch.Tensor]  # None when stage 1 sends straight from its grad buffer
-    output: Optional[torch.Tensor]
-    scratch: Optional[torch.Tensor]  # the communicator's receive buffer (gloo), else None
-    pending: Optional[Pending] = None  # the in-flight collective reading/writing this entry
-    holder: Optional[int] = None  # order of the bucket filling it (stage 2), until launched
+    __slots__ = ("group", "bucket", "order", "status", "arrived", "staging")
+
+    def __init__(self, group: FlatGroup, bucket: Bucket, order: int):
+        self.group, self.bucket, self.order = group, bucket, order
+        self.status = BucketStatus.EMPTY
+        self.arrived = 0  # gradients counted this round
+        self.staging: Optional[StagingEntry] = None  # the pool entry it fills or sends from
 
 
-class GradReducer:
-    # With one rank there is nothing to reduce: gradients go straight to the grad shard. Tests turn this off to
-    # run the communicating path on one rank (on one GPU, the only way to exercise NCCL's side of it).
-    direct_at_one_rank = True
+class GradSync:
+    """Hooks, rounds and the bucket launch order; what a gradient does on arrival is the strategy's business."""
 
-    def __init__(
-        self,
-        groups: Sequence[FlatGroup],
-        global_indices: Sequence[Sequence[int]],
-        param_names: dict[int, str],
-        comm: Communicator,
-        stage: int,
-        reduce_dtype: torch.dtype,
-        pool_size: int = 2,
-    ):
-        self.groups = list(groups)
-        self._unreduced = False  # stage 1: grads accumulated (under no_sync()) and not reduced yet
-        self.comm = comm
-        self.stage = stage
-        self.reduce_dtype = reduce_dtype
-        # What the reduce-scatter carries. NCCL sums inside the collective, so gradients are cast to
-        # reduce_dtype and pre-scaled by 1/N first (a low-precision sum then cannot overflow). Where the
-        # communicator sums the received slices itself (gloo: all-to-all + a local sum) and reduce_dtype is fp32,
-        # a gradient travels in its own dtype, unscaled: bf16/fp16 -> fp32 is exact, so this loses nothing and
-        # halves the bytes; the slices are summed in fp32 in rank order and divided by N once, which is the
-        # reference's sum(grads) / N to the bit.
-        self._local_sum = comm.reduce_scatter_by_all_to_all and reduce_dtype == torch.float32
-        # Stage 1 on that path needs no staging copy at all: the all-to-all sends straight from the flat grad
-        # buffer. The buffer must then stay untouched until the transfer is done, so every backward pass waits
-        # for its reductions before it returns (as DDP's backward does); step() would wait for them anyway.
-        self._send_from_grad_buffer = stage == 1 and self._local_sum
-        self._divide_by = comm.world_size if self._local_sum else 1
-        # One rank: nothing to communicate and nothing to stage. Stage 1 copies (casts) each bucket of its grad
-        # buffer into the fp32 grad shard; stage 2 adds each gradient straight into its place in the grad shard.
-        self._direct = comm.world_size == 1 and self.direct_at_one_rank
-        self.prescale = 1.0 if self._local_sum else 1.0 / comm.world_size
-        self._names = param_names
-        # Launch order: the bucket whose parameters were registered last gets its gradients first.
-        refs = []
-        for g, indices in zip(self.groups, global_indices):
-            for bucket in g.layout.buckets:
-                refs.append((max(indices[i] for i in bucket.slots), g, bucket))
-        refs.sort(key=lambda r: -r[0])
-        self.refs = [_BucketRef(g, b, order) for order, (_, g, b) in enumerate(refs)]
-        self._ref_of = {(id(r.group), r.bucket.index): r for r in self.refs}
-
-        self.grad_buffers: list[Optional[torch.Tensor]] = []
-        stale = [
-            param_names[indices[i]]
-            for g, indices in zip(self.groups, global_indices)
-            for i, p in enumerate(g.params)
-            if p.grad is not None
-        ]
-        for g in self.groups:
-            if stage == 1:
-                buf = torch.zeros(g.layout.numel, dtype=g.dtype, device=g.device)
-                for slot, p in zip(g.layout.slots, g.params):
-                    view = buf[slot.offset : slot.offset + slot.numel].view(p.shape)
-                    if p.grad is not None:  # a gradient from before construction is kept (not yet reduced)
-                        view.copy_(p.grad)
-                        self._unreduced = True
-                    p.grad = view
-                self.grad_buffers.append(buf)
-            else:
-                self.grad_buffers.append(None)
-                for p in g.params:
-                    p.grad = None
-        if stale and stage == 2:
-            warnings.warn(
-                f"zero_ext.ZeroAdamW: dropping the gradients of {len(stale)} parameters (e.g. {stale[0]!r}) computed "
-                "before the optimizer existed: stage 2 reduces gradients while backward runs",
-                stacklevel=3,
-            )
-
-        self._grad_buffer_of = {id(g): buf for g, buf in zip(self.groups, self.grad_buffers)}
-        # Pool entries hold any bucket of any group: byte buffers, viewed in the bucket's wire dtype.
-        self._input_bytes = 0
-        if not self._send_from_grad_buffer:
-            self._input_bytes = max((r.bucket.numel * self._wire_itemsize(r) for r in self.refs), default=0)
-        self._scratch_bytes = max(
-            (comm.scratch_numel(r.bucket.numel) * self._wire_itemsize(r) for r in self.refs), default=0
-        )
-        self._max_shard = max((r.bucket.shard_numel for r in self.refs), default=0)
-        # A separate reduce-scatter output (one shard) is needed when the result cannot land in the grad shard
-        # directly: stage 2 accumulates it, and a reduce_dtype other than fp32 is cast. On the local-sum path
-        # stage 2 sums into its own staging input instead, viewed as fp32: the all-to-all has sent all of it
-        # by then, and a bucket of >= 2-byte elements is at least as large as one fp32 shard of it.
-        self._needs_output = (stage == 2 and not self._local_sum) or reduce_dtype != torch.float32
-        self._device = self.groups[0].device if self.groups else torch.device("cpu")
-        pool_size = 0 if self._direct else min(pool_size, len(self.refs))
-        self.pool: list[_Staging] = [self._new_staging() for _ in range(pool_size)]
-        self._inflight: list[_Staging] = []  # launched entries, oldest first
-
-        self.stepped_since_zero_grad = False  # set by step(), cleared by zero_grad()
-        self._warned_no_zero_grad = False
-        # Per-round state (a round = one synchronised backward pass).
-        self.sync_enabled = True
-        self._round_open = False
-        self._arrived = [0] * len(self.refs)
-        self._staging_of: list[Optional[_Staging]] = [None] * len(self.refs)
-        self._next = 0  # next bucket (in launch order) to launch this round
-
-        for g, indices in zip(self.groups, global_indices):
-            for slot, p in zip(g.layout.slots, g.params):
-                p.register_post_accumulate_grad_hook(
-                    functools.partial(self._on_grad, g, slot.index, indices[slot.index])
+    def __init__(self, state: ShardedState, strategy: GradStrategy, pool_capacity: int = 2):
+        self.state, self.strategy, self.comm = state, strategy, state.comm
+        self.buckets = [GradBucket(g, b, order) for order, (g, b) in enumerate(state.launch_order())]
+        send = max((gb.bucket.numel * strategy.send_bytes(gb.group) for gb in self.buckets), default=0)
+        workspace = 0
+        if self.comm.communicates:
+            workspace = max(
+                self.comm.workspace_bytes(
+                    gb.bucket.numel, strategy.wire_dtype(gb.group), strategy.reduce_dtype, strategy.accumulate
                 )
+                for gb in self.buckets
+            )
+        self.pool = StagingPool(send, workspace, min(pool_capacity, len(self.buckets)), state.device)
+        strategy.pool = state.staging = self.pool
+        self.sync_enabled = True
+        self.on_ready = None  # called with each bucket whose gradients have all arrived (stage 3 frees its params)
+        self.on_round_end = None  # called at the end of every backward pass
+        self.epoch = 0  # changes whenever the gradients may have: the step's agreement is cached per epoch
+        self._round_open = False
+        self._next = 0  # position in launch order of the next bucket to launch this round
+        self._inflight: list[Pending] = []  # collectives with no staging entry to track them
+        by_key = {(gb.group.index, gb.bucket.index): gb for gb in self.buckets}
+        self._hooks = []
+        for group in state.groups:
+            for slot, p in zip(group.layout.slots, group.params):
+                gb = by_key[(group.index, slot.bucket)]
+                self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, gb, slot)))
 
-    # ---------------------------------------------------------------- staging pool
-    def _wire_dtype(self, group: FlatGroup) -> torch.dtype:
-        return group.dtype if self._local_sum else self.reduce_dtype
-
-    def _wire_itemsize(self, ref: _BucketRef) -> int:
-        return self._wire_dtype(ref.group).itemsize
-
-    def _new_staging(self) -> _Staging:
-        out = torch.empty(self._max_shard, dtype=self.reduce_dtype, device=self._device) if self._needs_output else None
-        raw = dict(dtype=torch.uint8, device=self._device)
-        scratch = torch.empty(self._scratch_bytes, **raw) if self._scratch_bytes else None
-        staging = torch.zeros(self._input_bytes, **raw) if self._input_bytes else None
-        return _Staging(staging, out, scratch)
-
-    def _typed(self, buffer: Optional[torch.Tensor], ref: _BucketRef) -> Optional[torch.Tensor]:
-        """A pool byte buffer as ``ref``'s bucket in its wire dtype."""
-        if buffer is None:
-            return None
-        return buffer.view(self._wire_dtype(ref.group))[: ref.bucket.numel]
-
-    def _acquire(self, holder: Optional[int]) -> _Staging:
-        """A staging entry no unlaunched bucket holds: a free one, else the oldest in flight (waited for).
-        When every entry is held by a bucket still filling (gradients arriving far out of layout order),
-        the pool grows by one; it never shrinks, so this happens only in the first steps."""
-        entry = next((e for e in self.pool if e.holder is None and e.pending is None), None)
-        if entry is None and self._inflight:
-            entry = self._inflight.pop(0)
-            entry.pending.wait()
-            entry.pending = None
-        if entry is None:
-            entry = self._new_staging()
-            self.pool.append(entry)
-        entry.holder = holder
-        return entry
-
-    def staging_bytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size() for e in self.pool for t in (e.input, e.output, e.scratch) if t is not None
-        )
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
 
     # ---------------------------------------------------------------- backward
-    def _on_grad(self, group: FlatGroup, index: int, global_index: int, param: torch.Tensor) -> None:
-        grad = param.grad
-        if grad.layout != torch.strided:
-            raise RuntimeError(
-                f"zero_ext.ZeroAdamW: parameter {self._names[global_index]!r} received a {grad.layout} gradient; "
-                "only dense gradients are supported (use nn.Embedding(sparse=False))"
-            )
-        ref = self._ref_of[(id(group), group.layout.slots[index].bucket)]
-        slot = group.layout.slots[index]
-        if self.stage == 1:
-            self._adopt_grad(group, slot, param, grad)
-            if not self.sync_enabled:
-                self._unreduced = True
-                return
+    @torch.compiler.disable
+    def _on_grad(self, gb: GradBucket, slot, param: torch.Tensor) -> None:
+        self.epoch += 1
+        if not self.strategy.on_grad(gb, slot, param, self.sync_enabled):
+            return
         self._open_round()
-        if self.stage == 2 and self._direct:
-            start = ref.bucket.shard_offset + slot.offset - ref.bucket.offset
-            accumulate_into(group.grad_shard[start : start + slot.numel], grad)
-            param.grad = None
-        elif self.stage == 2:
-            entry = self._staging_of[ref.order]
-            if entry is None:
-                entry = self._staging_of[ref.order] = self._acquire(ref.order)
-                self._typed(entry.input, ref).zero_()
-            start = slot.offset - ref.bucket.offset
-            cast_scale_into(self._typed(entry.input, ref)[start : start + slot.numel], grad, self.prescale)
-            param.grad = None
-        self._arrived[ref.order] += 1
-        if self._arrived[ref.order] == len(ref.bucket.slots):
+        gb.arrived += 1
+        gb.status = BucketStatus.READY if gb.arrived >= len(gb.bucket.slots) else BucketStatus.FILLING
+        if gb.status is BucketStatus.READY:
+            if self.on_ready is not None:
+                self.on_ready(gb.group.index, gb.bucket.index)
             self._launch_ready()
 
     def _open_round(self) -> None:
-        if not self._round_open:
-            self._round_open = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._close_round)
-            if self.stage == 2 and self.stepped_since_zero_grad and not self._warned_no_zero_grad:
-                self._warned_no_zero_grad = True
-                warnings.warn(
-                    "zero_ext.ZeroAdamW(stage=2): backward after step() without opt.zero_grad(): this gradient is "
-                    "added to the previous step's, as torch accumulates .grad. If that is not meant, call "
-                    "opt.zero_grad(): model.zero_grad() cannot clear stage 2's sharded gradients.",
-                    stacklevel=2,
-                )
+        if self._round_open:
+            return
+        self._round_open = True
+        for gb in self.buckets:
+            gb.status, gb.arrived = BucketStatus.EMPTY, 0
+        self._next = 0
+        torch.autograd.Variable._execution_engine.queue_callback(self._close_round)
 
     def _launch_ready(self) -> None:
-        while self._next < len(self.refs) and self._arrived[self._next] == len(self.refs[self._next].bucket.slots):
-            self._launch(self.refs[self._next])
+        while self._next < len(self.buckets) and self.buckets[self._next].status is BucketStatus.READY:
+            self.start_grad_sync(self.buckets[self._next])
             self._next += 1
 
+    @torch.compiler.disable
     def _close_round(self) -> None:
         """End of a backward pass: launch every bucket not launched yet (missing gradients are zero)."""
-        while self._next < len(self.refs):
-            self._launch(self.refs[self._next])
-            self._next += 1
+        for gb in self.buckets[self._next :]:
+            gb.status = BucketStatus.READY
+        self._launch_ready()
         self._round_open = False
-        self._arrived = [0] * len(self.refs)
-        self._staging_of = [None] * len(self.refs)
-        self._next = 0
-        if self.stage == 1:
-            self._unreduced = False
-        if self._send_from_grad_buffer:
-            self._wait_inflight()
+        self.strategy.end_round()
+        if self.on_round_end is not None:
+            self.on_round_end()
+        if getattr(self.strategy, "waits_at_round_end", False):
+            self.wait_inflight()
 
-    def _launch(self, ref: _BucketRef) -> None:
-        group, bucket = ref.group, ref.bucket
-        grad_shard = group.shard_of(group.grad_shard, bucket)
-        if self.stage == 1 and self._arrived[ref.order] < len(bucket.slots):
-            self._settle_missing(group, bucket)
-        if self._direct:
-            if self.stage == 1:
-                grad_shard.copy_(group.bucket_view(self._grad_buffer_of[id(group)], bucket))
-            return
-        if self.stage == 1:
-            entry = self._acquire(ref.order)
-            grads = group.bucket_view(self._grad_buffer_of[id(group)], bucket)
-            if self._send_from_grad_buffer:
-                send = grads
+    def start_grad_sync(self, gb: GradBucket) -> None:
+        """Launch ``gb``'s reduce-scatter into its grad shard (the strategy says what goes on the wire)."""
+        send = self.strategy.send(gb)
+        if send is not None:
+            entry = gb.staging
+            placement = gb.group.state
+            target, direct = placement.grad_target(gb.bucket)  # the grad shard, or a landing buffer (offload)
+            pending = self.comm.start_reduce_scatter(
+                send,
+                target,
+                reduce_dtype=self.strategy.reduce_dtype,
+                accumulate=self.strategy.accumulate and direct,
+                workspace=None if entry is None else entry.workspace(),
+            )
+            if not direct:
+                placement.landed(gb.bucket, target, pending, self.strategy.accumulate)
+            if entry is None:
+                self._inflight.append(pending)
             else:
-                send = self._typed(entry.input, ref)
-                cast_scale_into(send, grads, self.prescale)
-            if entry.output is None:
-                out, then = grad_shard, None
-            else:
-                out = entry.output[: bucket.shard_numel]
-                then = functools.partial(grad_shard.copy_, out)
-        else:
-            entry = self._staging_of[ref.order]
-            if entry is None:  # no parameter of this bucket got a gradient this round
-                entry = self._acquire(ref.order)
-                self._typed(entry.input, ref).zero_()
-            send = self._typed(entry.input, ref)
-            if self._local_sum:
-                out = entry.input.view(torch.float32)[: bucket.shard_numel]
-            else:
-                out = entry.output[: bucket.shard_numel]
-            then = functools.partial(accumulate_into, grad_shard, out)
-        entry.pending = self.comm.reduce_scatter(
-            out,
-            send,
-            then=then,
-            scratch=self._typed(entry.scratch, ref),
-            divide_by=self._divide_by,
-        )
-        entry.holder = None
-        self._inflight.append(entry)
+                self.pool.launched(entry, pending)
+        gb.staging = None
+        gb.status = BucketStatus.SYNCING
 
-    def _adopt_grad(self, group: FlatGroup, slot: Slot, param: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
-        """Stage 1: make ``param``'s slot of the flat grad buffer hold ``grad`` and ``param.grad`` a view of it.
-        A slot holds the parameter's gradient only while ``param.grad`` is that view: after zero_grad() (or the
-        user's own set-to-None) autograd hands over a fresh tensor, meaning "the previous value was zero", so it
-        is copied over the slot; no gradient at all (None) is zero."""
-        view = self._grad_buffer_of[id(group)][slot.offset : slot.offset + slot.numel]
-        if grad is None:
-            view.zero_()
-        elif grad.data_ptr() != view.data_ptr():
-            view.copy_(grad.reshape(-1))
-            param.grad = view.view(param.shape)
-
-    def _settle_missing(self, group: FlatGroup, bucket: Bucket) -> None:
-        """Stage 1, a bucket launched before all its parameters got a gradient this round: the slots of those
-        parameters may hold old gradients; make each hold what its ``.grad`` says (None: zero)."""
-        for i in bucket.slots:
-            self._adopt_grad(group, group.layout.slots[i], group.params[i], group.params[i].grad)
-
-    # ---------------------------------------------------------------- step / zero_grad
-    def finish(self) -> None:
+    def finish_grad_sync(self) -> None:
         """Make every reduction of the gradients so far visible in the grad shards (the current stream waits)."""
         if self._round_open:
             self._close_round()
-        if self.stage == 1 and self._unreduced:
-            # Backward ran only under no_sync(): reduce the accumulated gradients now.
-            self._close_round()
-        self._wait_inflight()
+        if self.strategy.unreduced:  # backward ran only under no_sync(): reduce the accumulated gradients now
+            self._open_round_without_backward()
+        self.wait_inflight()
 
-    def _wait_inflight(self) -> None:
-        for entry in self._inflight:
-            entry.pending.wait()
-            entry.pending = None
+    def _open_round_without_backward(self) -> None:
+        for gb in self.buckets:
+            gb.status, gb.arrived = BucketStatus.READY, 0
+        self._next = 0
+        self._launch_ready()
+        self.strategy.end_round()
+
+    def wait_inflight(self) -> None:
+        self.pool.wait_all()
+        for pending in self._inflight:
+            pending.wait()
         self._inflight.clear()
+        for group in self.state.groups:
+            group.state.finish_landing()
+        for gb in self.buckets:
+            if gb.status is BucketStatus.SYNCING:
+                gb.status = BucketStatus.SYNCED
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.finish()
-        self.stepped_since_zero_grad = False
-        for g, buf in zip(self.groups, self.grad_buffers):
-            if buf is not None:
-                if set_to_none:
-                    # No pass over the buffer: the next gradient is copied into its slot (see _on_grad), and a
-                    # slot whose parameter still has no gradient at launch is zeroed then (_settle_missing).
-                    for p in g.params:
-                        p.grad = None
-                else:
-                    buf.zero_()
-            g.grad_shard.zero_()
+        self.finish_grad_sync()
+        self.strategy.zero_grad(set_to_none)
+        self.epoch += 1
+
+    def after_step(self) -> None:
+        self.strategy.after_step()
+        self.epoch += 1

@@ -1,128 +1,153 @@
 """A rank's shard as a torch.optim-style state dict.
 
-``state`` maps a parameter's index (its position across all param groups, as in torch.optim) to the part of
-its state this rank owns: ``exp_avg``, ``exp_avg_sq`` and, for bf16/fp16 params, the fp32 ``master``, each
-a 1-D tensor holding elements ``shard_range = (start, end)`` of the flattened parameter, plus ``step``.
-Parameters this rank owns no element of have no entry. ``param_groups`` are torch's (hyperparameters and
-parameter indices); ``zero`` records the layout so that loading into a different one fails clearly.
-Resharding to another world size is ``zero_ext.checkpoint``'s job.
+``state`` maps a parameter's index (its position across all param groups, as in torch.optim) to the part of its
+state this rank owns: ``exp_avg``, ``exp_avg_sq`` and, for bf16/fp16 params, the fp32 ``master``, each a 1-D tensor
+holding elements ``shard_range = (start, end)`` of the flattened parameter, plus ``step``. Parameters this rank
+owns no element of have no entry. ``param_groups`` are torch's (hyperparameters and parameter indices); ``zero``
+records the layout so that loading into a different one fails clearly. Resharding to another world size is
+``zero_ext.checkpoint``'s job.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Sequence
 
 import torch
 
-if TYPE_CHECKING:
-    from .optimizer import ZeroAdamW
+from .buffers import ShardedState
+from .hyperparams import check_hyperparameters
 
 _HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
+_WHERE = "zero_ext.ZeroAdamW.load_state_dict"
 
 
-def _layout_record(opt: "ZeroAdamW") -> dict[str, Any]:
+def _layout_record(state: ShardedState) -> dict[str, Any]:
     return {
-        "world_size": opt._comm.world_size,
-        "rank": opt._comm.rank,
-        "stage": opt.stage,
-        "bucket_size": opt.bucket_size,
-        "numels": [list(fg.layout.numels) for fg in opt._flat_groups],
+        "world_size": state.world_size,
+        "rank": state.rank,
+        "stage": state.stage,
+        "bucket_size": state.bucket_size,
+        "numels": [list(g.layout.numels) for g in state.groups],
     }
 
 
-def local_state_dict(opt: "ZeroAdamW") -> dict[str, Any]:
-    rank = opt._comm.rank
-    step = opt._step_count.detach().to("cpu", copy=True)
-    state: dict[int, dict[str, Any]] = {}
-    for fg, indices in zip(opt._flat_groups, opt._global_indices):
-        for piece in fg.layout.owned_pieces(rank):
-            run = slice(piece.shard_offset, piece.shard_offset + piece.end - piece.start)
-            entry = {
-                "step": step.clone(),
-                "exp_avg": fg.exp_avg[run].clone(),
-                "exp_avg_sq": fg.exp_avg_sq[run].clone(),
-                "shard_range": (piece.start, piece.end),
-            }
-            if not fg.master_is_param:
-                entry["master"] = fg.master[run].clone()
-            state[indices[piece.index]] = entry
+def _kinds(group) -> tuple[str, ...]:
+    return ("exp_avg", "exp_avg_sq") if group.master_is_param else ("exp_avg", "exp_avg_sq", "master")
+
+
+def local_state_dict(state: ShardedState, param_groups: Sequence[dict]) -> dict[str, Any]:
+    step = state.step_count.detach().to("cpu", copy=True)
+    steps = state.step_counts.values()  # each parameter's own count, as torch keeps it
+    out: dict[int, dict[str, Any]] = {}
+    for ref in state.pieces():
+        own_step = torch.tensor(steps[ref.param_index], dtype=torch.float32)
+        entry: dict[str, Any] = {"step": own_step, "shard_range": (ref.piece.start, ref.piece.end)}
+        for kind in _kinds(ref.group):
+            entry[kind] = ref.group.state.read(kind, ref.piece.shard_range).clone()
+        out[ref.param_index] = entry
     groups, base = [], 0
-    for g in opt.param_groups:
+    for g in param_groups:
         saved = {k: v for k, v in g.items() if k != "params"}
         saved["params"] = list(range(base, base + len(g["params"])))
         base += len(g["params"])
         groups.append(saved)
-    zero = _layout_record(opt)
+    zero = _layout_record(state)
     zero["step"] = step
-    zero["skipped_steps"] = opt._skipped.detach().to("cpu", copy=True)
-    return {"state": state, "param_groups": groups, "zero": zero}
+    zero["skipped_steps"] = state.skipped.detach().to("cpu", copy=True)
+    return {"state": out, "param_groups": groups, "zero": zero}
 
 
-def load_local_state_dict(opt: "ZeroAdamW", sd: dict[str, Any]) -> None:
-    where = "zero_ext.ZeroAdamW.load_state_dict"
+def _validate(state: ShardedState, param_groups: Sequence[dict], sd: Any) -> list:
+    """Every check a local state dict must pass; returns the (group, kind, range, values) writes to apply."""
+    if not isinstance(sd, dict):
+        raise ValueError(f"{_WHERE}: `state_dict` must be a dict, got {type(sd).__name__}")
     for key in ("state", "param_groups", "zero"):
         if key not in sd:
-            raise ValueError(f"{where}: `state_dict` has no {key!r} entry (not a ZeroAdamW state dict?)")
-    mine, theirs = _layout_record(opt), sd["zero"]
+            raise ValueError(f"{_WHERE}: `state_dict` has no {key!r} entry (not a ZeroAdamW state dict?)")
+    mine, theirs = _layout_record(state), sd["zero"]
     for key, value in mine.items():
         if theirs.get(key) != value:
             raise ValueError(
-                f"{where}: saved {key}={theirs.get(key)!r} but this optimizer has {key}={value!r}; a local state dict "
-                "only loads into the same rank of the same layout (use zero_ext.checkpoint to change world size)"
+                f"{_WHERE}: saved {key}={theirs.get(key)!r} but this optimizer has {key}={value!r}; a local state "
+                "dict only loads into the same rank of the same layout (use zero_ext.checkpoint to change world size)"
             )
-    if len(sd["param_groups"]) != len(opt.param_groups):
+    if len(sd["param_groups"]) != len(param_groups):
         raise ValueError(
-            f"{where}: saved {len(sd['param_groups'])} param groups, this optimizer has {len(opt.param_groups)}"
+            f"{_WHERE}: saved {len(sd['param_groups'])} param groups, this optimizer has {len(param_groups)}"
         )
-    rank = opt._comm.rank
-    writes = []  # (destination, source) pairs, validated before any is applied
-    expected = set()
-    for fg, indices in zip(opt._flat_groups, opt._global_indices):
-        for piece in fg.layout.owned_pieces(rank):
-            gidx = indices[piece.index]
-            expected.add(gidx)
-            entry = sd["state"].get(gidx)
-            if entry is None:
-                raise ValueError(f"{where}: no state for parameter {opt._names[gidx]!r} (index {gidx})")
-            if tuple(entry.get("shard_range", ())) != (piece.start, piece.end):
-                raise ValueError(
-                    f"{where}: parameter {opt._names[gidx]!r}: saved shard_range {entry.get('shard_range')} "
-                    f"!= expected {(piece.start, piece.end)}"
-                )
-            run = slice(piece.shard_offset, piece.shard_offset + piece.end - piece.start)
-            kinds = [("exp_avg", fg.exp_avg), ("exp_avg_sq", fg.exp_avg_sq)]
-            if not fg.master_is_param:
-                kinds.append(("master", fg.master))
-            for kind, buf in kinds:
-                src = entry.get(kind)
-                if not isinstance(src, torch.Tensor) or src.shape != (piece.end - piece.start,):
-                    raise ValueError(
-                        f"{where}: parameter {opt._names[gidx]!r}: {kind!r} must be a tensor of shape "
-                        f"{(piece.end - piece.start,)}, got {getattr(src, 'shape', type(src).__name__)}"
-                    )
-                writes.append((buf[run], src))
+    for gi, (group, saved) in enumerate(zip(param_groups, sd["param_groups"])):
+        merged = {**group, **{k: saved[k] for k in _HYPERPARAMETERS if k in saved}}
+        check_hyperparameters(f"{_WHERE}: saved param group {gi}", merged["lr"], merged["betas"], merged["eps"],
+                              merged["weight_decay"], device=state.device)  # fmt: skip
+    writes, expected = [], set()
+    for ref in state.pieces():
+        gidx, piece = ref.param_index, ref.piece
+        expected.add(gidx)
+        entry = sd["state"].get(gidx)
+        if entry is None:
+            raise ValueError(f"{_WHERE}: no state for parameter {ref.name!r} (index {gidx})")
+        if tuple(entry.get("shard_range", ())) != (piece.start, piece.end):
+            raise ValueError(f"{_WHERE}: parameter {ref.name!r}: saved shard_range {entry.get('shard_range')} != "
+                             f"expected {(piece.start, piece.end)}")  # fmt: skip
+        for kind in _kinds(ref.group):
+            src = entry.get(kind)
+            if not isinstance(src, torch.Tensor) or src.shape != (piece.numel,) or not src.is_floating_point():
+                got = getattr(src, "shape", type(src).__name__)
+                raise ValueError(f"{_WHERE}: parameter {ref.name!r}: {kind!r} must be a float tensor of shape "
+                                 f"{(piece.numel,)}, got {got}")  # fmt: skip
+            writes.append((ref.group, kind, piece.shard_range, src))
+        own = entry.get("step")
+        if own is not None and not _is_count(own):
+            raise ValueError(f"{_WHERE}: parameter {ref.name!r}: `step` must be a whole number >= 0, got {own!r}")
     extra = set(sd["state"]) - expected
     if extra:
-        raise ValueError(f"{where}: state for parameters {sorted(extra)} that this rank does not own")
-    step = theirs.get("step")
+        raise ValueError(f"{_WHERE}: state for parameters {sorted(extra)} that this rank does not own")
+    for key in ("step", "skipped_steps"):
+        value = theirs.get(key)
+        if value is not None and not _is_count(value):
+            raise ValueError(f"{_WHERE}: `zero.{key}` must be a whole number >= 0, got {value!r}")
+    return writes
 
+
+def _is_count(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            return False
+        value = value.item()
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 and value == int(value)
+
+
+def load_local_state_dict(state: ShardedState, param_groups: Sequence[dict], sd: Any) -> None:
+    """Collective: validate on every rank, agree, then write (a failure anywhere changes nothing anywhere)."""
+    error, writes = None, []
+    try:
+        writes = _validate(state, param_groups, sd)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        error = e if isinstance(e, ValueError) else ValueError(f"{_WHERE}: malformed state dict ({e!r})")
+    failed = [r for r, f in enumerate(state.comm.agree(int(error is not None))) if f]
+    if error is not None:
+        raise error
+    if failed:
+        raise ValueError(f"{_WHERE}: the state dict failed to load on rank(s) {failed} (see their errors); "
+                         "nothing was changed on any rank")  # fmt: skip
+    theirs = sd["zero"]
     with torch.no_grad():
-        for dst, src in writes:
-            dst.copy_(src)
-        for group, saved in zip(opt.param_groups, sd["param_groups"]):
+        for group, kind, shard_range, src in writes:
+            group.state.write(kind, shard_range, src)
+        for group, saved in zip(param_groups, sd["param_groups"]):
             for key in _HYPERPARAMETERS:
                 if key in saved:
                     group[key] = saved[key]
-        if step is not None:
-            opt._step_count.copy_(torch.as_tensor(step, dtype=torch.float32))
-        if "skipped_steps" in theirs:
-            opt._skipped.copy_(torch.as_tensor(theirs["skipped_steps"], dtype=torch.float32))
-        # Parameters follow the loaded master: round this rank's slices and gather everyone's.
-        pending = []
-        for fg in opt._flat_groups:
-            for bucket in fg.layout.buckets:
-                if not fg.master_is_param:
-                    fg.param_slice(bucket).copy_(fg.master_of(bucket))
-                pending.append(opt._comm.all_gather(fg.bucket_view(fg.param_buffer, bucket), fg.param_slice(bucket)))
-        for p in pending:
-            p.wait()
+        if theirs.get("step") is not None:
+            state.step_count.copy_(torch.as_tensor(theirs["step"], dtype=torch.float32).reshape(()))
+        # Each parameter's own count: from its entry where this rank owns some of it (a parameter this rank owns
+        # nothing of is never updated here, so its count does not matter on this rank), else the global step.
+        default = float(torch.as_tensor(theirs.get("step", 0)).reshape(()).item())
+        steps = dict.fromkeys(state.step_counts.indices, default)
+        for gidx, entry in sd["state"].items():
+            if entry.get("step") is not None:
+                steps[gidx] = float(torch.as_tensor(entry["step"]).reshape(()).item())
+        state.step_counts.load(steps)
+        if theirs.get("skipped_steps") is not None:
+            state.skipped.copy_(torch.as_tensor(theirs["skipped_steps"], dtype=torch.float32).reshape(()))
+    state.params_from_master()

@@ -1,10 +1,10 @@
-"""On-disk pieces of a ``zero_ext.checkpoint``: block-checksummed shard files, self-describing JSON metadata,
-durable writes (temporary name, fsync, rename) and a streaming safetensors writer.
+"""The on-disk format of a ``zero_ext.checkpoint`` and its write side: block-checksummed shard files,
+self-describing JSON metadata, durable writes (temporary name, fsync, rename).
 
 A checkpoint directory (format version ``FORMAT_VERSION``) holds::
 
     meta.json          rank 0: format, version, world size, stage, step, param groups (hyperparameters) and
-                       every trainable parameter by global index: name, shape, dtype, param group
+                       every trainable parameter by global index: name, shape, dtype, param group, its own step
     rank00000.bin      rank r's shards as raw little-endian arrays, one section per (flat group, kind):
                        kinds master / exp_avg / exp_avg_sq (fp32) and, for bf16/fp16 params, param (param dtype).
                        Each section is the rank's whole shard in shard order (padding included), so element s of
@@ -25,13 +25,16 @@ import os
 import sys
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
 FORMAT_NAME = "zero_ext.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Versions this code reads. 2 added each parameter's own step count ("step" in meta.json's params); a version 1
+# checkpoint gives every parameter the global step.
+READABLE_VERSIONS = (1, 2)
 BLOCK_SIZE = 1 << 20  # bytes per checksummed block of a shard file
 SECTION_ALIGN = 4096
 WRITE_CHUNK = 16 << 20  # bytes per write() call
@@ -39,7 +42,6 @@ MARKER = "COMPLETE"
 META = "meta.json"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 if sys.byteorder != "little":  # the raw shard files are little-endian
     raise ImportError("zero_ext.checkpoint supports little-endian hosts only")
@@ -124,8 +126,8 @@ def read_json(path: str, crc: Optional[int] = None) -> Any:
         raise CheckpointError(f"{path}: checksum mismatch (file corrupted or replaced after the save)")
     try:
         return json.loads(data)
-    except ValueError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
 
 
 class ShardWriter:
@@ -188,120 +190,3 @@ class ShardWriter:
     def abort(self) -> None:
         self._pool.shutdown()
         self._file.close()
-
-
-class ShardReader:
-    """Reads byte ranges of a shard file, verifying the crc32 of every block it touches (a few cached)."""
-
-    def __init__(self, path: str, nbytes: int, block_size: int, crcs: list[int], cache_blocks: int = 4):
-        self.path, self.nbytes, self.block_size, self.crcs = path, nbytes, block_size, crcs
-        if len(crcs) != -(-nbytes // block_size):
-            raise CheckpointError(f"{path}: metadata lists {len(crcs)} block checksums for {nbytes} bytes")
-        try:
-            self._fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise CheckpointError(f"missing file {path}") from None
-        size = os.fstat(self._fd).st_size
-        if size != nbytes:
-            os.close(self._fd)
-            kind = "truncated" if size < nbytes else "longer than recorded"
-            raise CheckpointError(f"{path}: {kind}: {size} bytes, the checkpoint recorded {nbytes}")
-        self._cache: dict[int, bytearray] = {}
-        self._cache_blocks = cache_blocks
-        self.bytes_read = 0
-
-    def _read_block_into(self, index: int, out: memoryview) -> None:
-        start = index * self.block_size
-        n = os.preadv(self._fd, [out], start)
-        self.bytes_read += n
-        if n != len(out):
-            raise CheckpointError(f"{self.path}: truncated: block {index} at byte {start} is short ({n} bytes)")
-        if zlib.crc32(out) != self.crcs[index]:
-            raise CheckpointError(
-                f"{self.path}: corrupted: checksum mismatch in block {index} (bytes {start}..{start + len(out)})"
-            )
-
-    def _block(self, index: int) -> bytearray:
-        buf = self._cache.pop(index, None)
-        if buf is None:
-            length = min(self.block_size, self.nbytes - index * self.block_size)
-            buf = bytearray(length)
-            if len(self._cache) >= self._cache_blocks:
-                self._cache.pop(next(iter(self._cache)))
-            self._read_block_into(index, memoryview(buf))
-        self._cache[index] = buf  # most recent last
-        return buf
-
-    def verify_blocks(self, ranges) -> None:
-        """Check the crc32 of every block the byte ranges ``[(offset, nbytes), ...]`` touch; writes nothing."""
-        bs = self.block_size
-        blocks = set()
-        for offset, nbytes in ranges:
-            if offset + nbytes > self.nbytes:
-                raise CheckpointError(f"{self.path}: range {offset}..{offset + nbytes} is past the end ({self.nbytes})")
-            if nbytes > 0:
-                blocks.update(range(offset // bs, (offset + nbytes - 1) // bs + 1))
-        scratch = memoryview(bytearray(bs))
-        for index in sorted(blocks):
-            self._read_block_into(index, scratch[: min(bs, self.nbytes - index * bs)])
-
-    def read_into(self, offset: int, out: np.ndarray) -> None:
-        """Fill ``out`` (uint8) with bytes [offset, offset + len(out)); whole blocks go straight into ``out``."""
-        end = offset + len(out)
-        if end > self.nbytes:
-            raise CheckpointError(f"{self.path}: range {offset}..{end} is past the end of the file ({self.nbytes})")
-        mv = memoryview(out).cast("B")
-        pos = offset
-        bs = self.block_size
-        while pos < end:
-            index, within = divmod(pos, bs)
-            block_end = min((index + 1) * bs, self.nbytes)
-            take = min(block_end, end) - pos
-            if within == 0 and take == block_end - pos and index not in self._cache:
-                self._read_block_into(index, mv[pos - offset : pos - offset + take])
-            else:
-                mv[pos - offset : pos - offset + take] = self._block(index)[within : within + take]
-            pos += take
-
-    def drop_cache(self) -> None:
-        self._cache.clear()
-
-    def close(self) -> None:
-        os.close(self._fd)
-
-
-# ---------------------------------------------------------------------------------------------- safetensors
-class SafetensorsWriter:
-    """Writes a .safetensors file tensor by tensor: the header (names, dtypes, shapes, offsets) is fixed up front
-    from ``entries`` [(name, dtype, shape)], then ``write(name, tensor)`` must follow the same order."""
-
-    def __init__(self, path: str, entries: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict):
-        header: dict[str, Any] = {"__metadata__": metadata}
-        self._order: list[tuple[str, int]] = []
-        pos = 0
-        for name, dtype, shape in entries:
-            n = int(np.prod(shape, dtype=np.int64)) * torch.tensor([], dtype=dtype).element_size()
-            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [pos, pos + n]}
-            self._order.append((name, n))
-            pos += n
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        blob += b" " * (-len(blob) % 8)
-        self.path = path
-        self._file = open(path + ".partial", "wb")
-        self._file.write(len(blob).to_bytes(8, "little") + blob)
-        self._next = 0
-
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        expected, n = self._order[self._next]
-        if name != expected or tensor.numel() * tensor.element_size() != n:
-            raise AssertionError(f"safetensors writer: got {name!r}, expected {expected!r} ({n} bytes)")
-        self._file.write(memoryview(as_bytes(tensor.contiguous())))
-        self._next += 1
-
-    def close(self) -> None:
-        if self._next != len(self._order):
-            raise AssertionError(f"safetensors writer: {len(self._order) - self._next} tensors never written")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        os.replace(self.path + ".partial", self.path)

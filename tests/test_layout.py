@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero_ext.buffers import BUCKET_ALIGN, PARAM_ALIGN, Layout
+from zero_ext.layout import BUCKET_ALIGN, PARAM_ALIGN, Layout
 
 
 @settings(max_examples=200, deadline=None)

@@ -1,0 +1,322 @@
+"""offload="cpu" and offload="nvme": bitwise the in-memory optimizer (same kernel, same order) on 1, 2 and 3 gloo
+ranks at stages 1, 2 and 3 with bf16 and fp32 params, through accumulation, param groups with a schedule, clipping,
+skip-on-inf, a frozen parameter and a branch used on some steps; torch.optim.AdamW with averaged gradients;
+checkpoints between offloaded and in-memory optimizers at other world sizes; the ledger; the state files' life
+(created, deleted on close, collection and exit, refused on a full disk on every rank); bad options."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from distributed import run_on_ranks
+from engine_reference import FusedReference, check_against_reference, mean_grads, rank_grads, reference
+from safetensors.torch import load_file
+from tiny_transformer import batch, build, loss_fn
+
+from zero_ext import ZeroAdamW, checkpoint
+from zero_ext.layout import Range
+
+HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+BUCKET = 1500
+STEPS = 5
+WINDOW = 3 * 14 * 1024 * 2  # the smallest windows: chunks of 2048 elements, several per shard
+
+
+def _offload_kw(offload, root, rank, tag):
+    if offload != "nvme":
+        return dict(offload=offload)
+    directory = os.path.join(root, f"{tag}-rank{rank}")
+    os.makedirs(directory, exist_ok=True)
+    return dict(offload="nvme", offload_dir=directory, offload_window=WINDOW)
+
+
+def _build(stage, dtype, offload, root, rank, tag, accum=None):
+    """The tiny GPT (tied head, a branch used on odd steps), one frozen LayerNorm, decay / no-decay groups."""
+    model = build(dtype, unused_branch=True)
+    model.blocks[0].ln1.requires_grad_(False)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [
+        {"params": [(n, p) for n, p in named if p.dim() > 1]},
+        {"params": [(n, p) for n, p in named if p.dim() <= 1], "weight_decay": 0.0, "lr": 1e-2},
+    ]
+    opt = ZeroAdamW(groups, **HYPER, stage=stage, bucket_size=BUCKET, module=model, grad_accum_dtype=accum,
+                    **_offload_kw(offload, root, rank, tag))  # fmt: skip
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    return model, opt, schedule
+
+
+def _train_step(model, opt, schedule, step, rank):
+    for micro in range(2):  # two micro-batches, the first without reduction (stage 1) / accumulated (2, 3)
+        with opt.no_sync() if micro == 0 else torch.enable_grad():
+            loss = loss_fn(model, batch(step, 10 * rank + micro), use_extra=step % 2 == 1)
+            if step == 3 and rank == 0 and micro == 1:
+                loss = loss * float("inf")  # a non-finite gradient: the step is skipped everywhere
+            loss.backward()
+    opt.clip_grad_norm_(0.5)
+    opt.step()
+    schedule.step()
+    opt.zero_grad()
+
+
+def _snapshot(model, opt):
+    """Full parameters (gathered at stage 3), and this rank's state by kind, all on the host."""
+    with opt.gathered_params():
+        params = [p.detach().clone() for p in model.parameters()]
+    state = []
+    for group in opt.sharded_state.groups:
+        whole = Range(0, group.layout.shard_numel)
+        state += [group.state.read(k, whole).cpu().clone() for k in ("master", "exp_avg", "exp_avg_sq")]
+    counts = opt.sharded_state.step_counts
+    return params, state, [s.clone() for s in counts.steps], opt.skipped_steps
+
+
+def _assert_same(a, b, what):
+    for name, x, y in zip(("params", "state"), a[:2], b[:2]):
+        for i, (u, v) in enumerate(zip(x, y)):
+            assert u.dtype == v.dtype and torch.equal(u, v), f"{what}: {name}[{i}] differs"
+    assert all(torch.equal(u, v) for u, v in zip(a[2], b[2])) and a[3] == b[3], f"{what}: step counts differ"
+
+
+def _same_as_in_memory(rank, world, offload, root):
+    for dtype in (torch.bfloat16, torch.float32):
+        for stage in (1, 2, 3):
+            runs = [_build(stage, dtype, off, root, rank, f"{stage}-{dtype}") for off in (None, offload)]
+            for step in range(STEPS):
+                for model, opt, schedule in runs:
+                    _train_step(model, opt, schedule, step, rank)
+                _assert_same(*(_snapshot(m, o) for m, o, _ in runs), f"stage {stage} {dtype} step {step}")
+            assert runs[1][1].skipped_steps == 1
+            for _, opt, _ in runs:
+                opt.close()
+    return sorted(os.listdir(root)) if offload == "nvme" and rank == 0 else None
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_bitwise_the_in_memory_optimizer(tmp_path, world, offload):
+    run_on_ranks(world, _same_as_in_memory, offload, str(tmp_path), timeout=300)
+    assert not [f for _, _, files in os.walk(tmp_path) for f in files], "state files left behind after close()"
+
+
+def _against_torch(rank, world, offload, root, dtype_name):
+    """Stage 2 against torch.optim.AdamW fed the mean of the ranks' gradients, and bitwise against the unsharded
+    fused kernel (the mean over gloo is exact)."""
+    dtype = getattr(torch, dtype_name)
+    model = build(dtype)
+    opt = ZeroAdamW(model.named_parameters(), **HYPER, stage=2, bucket_size=BUCKET,
+                    **_offload_kw(offload, root, rank, "torch"))  # fmt: skip
+    ref_params, ref_opt = reference(build(dtype), **HYPER)
+    fused = FusedReference(build(dtype), **HYPER)
+    for step in range(STEPS):
+        per_rank = rank_grads(model, list(model.parameters()), [batch(step, r) for r in range(world)], loss_fn)
+        means = mean_grads(per_rank, ref_params)
+        for p, g in zip(ref_params, means):
+            p.grad = g
+        ref_opt.step()
+        fused.step(means)
+        loss_fn(model, batch(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+        check_against_reference(opt, model, ref_params, rank)
+        fused.check(opt, model)
+    opt.close()
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+@pytest.mark.parametrize("world", [1, 3])
+def test_matches_torch_adamw(tmp_path, world, offload):
+    run_on_ranks(world, _against_torch, offload, str(tmp_path), "bfloat16")
+
+
+# ---------------------------------------------------------------- checkpoints across placements and world sizes
+def _save(rank, world, offload, root, path, stage):
+    model, opt, schedule = _build(stage, torch.bfloat16, offload, root, rank, "save")
+    for step in range(3):
+        _train_step(model, opt, schedule, step, rank)
+    checkpoint.save(path, opt)
+    opt.close()
+
+
+def _load_and_continue(rank, world, root, path, placements):
+    """Load ``path`` into one optimizer per (offload, stage); all must hold the same state, and train on
+    identically (bitwise) from it (stage 1 accumulating in fp32, as stages 2 and 3 do)."""
+    runs = []
+    for offload, stage in placements:
+        tag = f"load-{offload}-{stage}"
+        model, opt, schedule = _build(
+            stage, torch.bfloat16, offload, root, rank, tag, torch.float32 if stage == 1 else None
+        )
+        checkpoint.load(path, opt)
+        schedule.last_epoch = 3  # the schedule is the trainer's: resume it as a trainer would
+        runs.append((model, opt, schedule))
+    snaps = [_snapshot(m, o) for m, o, _ in runs]
+    for s in snaps[1:]:
+        _assert_same(snaps[0], s, f"loaded at world {world}")
+    for step in range(3, 5):
+        for model, opt, schedule in runs:
+            _train_step(model, opt, schedule, step, rank)
+    snaps = [_snapshot(m, o) for m, o, _ in runs]
+    for s in snaps[1:]:
+        _assert_same(snaps[0], s, f"continued at world {world}")
+    for _, opt, _ in runs:
+        opt.close()
+    return snaps[0][0]  # the parameters
+
+
+def test_checkpoints_between_offloaded_and_in_memory(tmp_path):
+    root = str(tmp_path / "state")
+    os.makedirs(root)
+    saved = {}
+    for offload in (None, "cpu", "nvme"):  # the same training, saved from each placement at 2 ranks, stage 2
+        saved[offload] = str(tmp_path / f"ckpt-{offload}")
+        run_on_ranks(2, _save, offload, root, saved[offload], 2)
+    for offload, path in saved.items():
+        checkpoint.consolidate(path, str(tmp_path / f"full-{offload}"))
+    files = {off: load_file(str(tmp_path / f"full-{off}" / "optimizer.safetensors")) for off in saved}
+    for off in ("cpu", "nvme"):
+        assert files[off].keys() == files[None].keys()
+        for key, value in files[None].items():
+            assert torch.equal(files[off][key], value), f"the checkpoint saved with offload={off!r} differs at {key}"
+    # Saved with nvme at 2 ranks: load at 1 and 3 ranks into in-memory, cpu and nvme optimizers, stages crossed.
+    # (Stage 1 reduces the sum of the micro-batches, stages 2 and 3 sum the micro-batches' means: bitwise equal
+    # continuations within each.)
+    for world in (1, 3):
+        run_on_ranks(world, _load_and_continue, root, saved["nvme"], [(None, 1), ("cpu", 1), ("nvme", 1)])
+    finals = run_on_ranks(3, _load_and_continue, root, saved["nvme"], [(None, 2), ("cpu", 2), ("nvme", 2), ("nvme", 3)])
+    # Saved in memory, loaded with offload: the same continuation as the nvme-saved one.
+    again = run_on_ranks(3, _load_and_continue, root, saved[None], [("nvme", 3), (None, 3)])
+    assert all(torch.equal(a, b) for a, b in zip(again[0], finals[0]))
+    assert not [f for _, _, fs in os.walk(root) for f in fs]
+
+
+# ---------------------------------------------------------------- the ledger
+def _ledger(rank, world, offload, root, stage):
+    model, opt, schedule = _build(stage, torch.bfloat16, offload, root, rank, f"ledger-{stage}")
+    _train_step(model, opt, schedule, 0, rank)
+    report = opt.memory_report()
+    disk = sum(report.on_disk.values())
+    assert report.total + disk == (
+        report.formula + report.padding + report.staging + report.grad_shard_fp32 + report.offload_buffers
+    ), str(report)
+    assert report.param_shard_not_kept == 0  # offloaded: the master is not on the device, the shard is kept
+    shard = sum(g.layout.shard_numel for g in opt.sharded_state.groups)
+    if offload == "nvme":
+        assert {report.where[k] for k in ("master", "exp_avg", "exp_avg_sq")} == {"disk"}
+        assert disk >= 12 * shard and disk - 12 * shard < 3 * 4096 * len(opt.sharded_state.groups)
+        assert "master" not in report.allocated or report.allocated["master"] == 0
+        assert report.offload_buffers <= WINDOW + 6 * 4 * 4 * BUCKET  # window, landing ring (4 slots), twins
+    else:
+        assert {report.where[k] for k in ("master", "exp_avg", "exp_avg_sq", "grad_shard")} == {"host"}
+        assert disk == 0
+    assert report.where["grad_shard"] == "host"
+    assert report.bytes_on("disk") == disk
+    assert report.bytes_on("host") + report.bytes_on("device") == report.total
+    text = str(report)
+    assert "(disk)" in text if offload == "nvme" else "(host)" in text
+    assert "offload buffers" in text
+    opt.close()
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_memory_report_says_where_every_byte_lives(tmp_path, world, offload):
+    for stage in (1, 2, 3):
+        run_on_ranks(world, _ledger, offload, str(tmp_path), stage)
+
+
+# ---------------------------------------------------------------- the state files' life
+def _files(root):
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs)
+
+
+def test_state_files_live_as_long_as_the_optimizer(tmp_path):
+    model = build(torch.bfloat16)
+    opt = ZeroAdamW(model.named_parameters(), stage=2, offload="nvme", offload_dir=str(tmp_path))
+    files = _files(tmp_path)
+    assert len(files) == 3 and all(f.endswith((".master.f32", ".exp_avg.f32", ".exp_avg_sq.f32")) for f in files)
+    opt.close()
+    opt.close()  # twice: nothing more to do
+    assert _files(tmp_path) == [] and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("ending", ["return", "exception"])
+def test_state_files_removed_at_exit_without_close(tmp_path, ending):
+    """A script that never calls close(), ending normally or with an uncaught exception: the interpreter's exit
+    removes the files (only a process killed outright, e.g. SIGKILL, leaves them)."""
+    script = textwrap.dedent(f"""
+        import os, sys, torch
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from tiny_transformer import batch, build, loss_fn
+        from zero_ext import ZeroAdamW
+        model = build(torch.bfloat16)
+        opt = ZeroAdamW(model.named_parameters(), offload="nvme", offload_dir={str(tmp_path)!r})
+        loss_fn(model, batch(0, 0)).backward()
+        opt.step()
+        assert sum(len(f) for _, _, f in os.walk({str(tmp_path)!r})) == 3
+        if {ending!r} == "exception":
+            raise RuntimeError("the training loop crashed")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == (0 if ending == "return" else 1), out.stderr
+    assert _files(tmp_path) == [] and os.listdir(tmp_path) == []
+
+
+def _full_disk(rank, world, root, failing_rank):
+    from zero_ext import offload as offload_module
+
+    model = build(torch.bfloat16)
+    before = [p.data_ptr() for p in model.parameters()]
+    real = offload_module.shutil.disk_usage
+    if rank == failing_rank:
+        offload_module.shutil.disk_usage = lambda path: real(path)._replace(free=1000)
+    try:
+        with pytest.raises(ValueError) as info:
+            ZeroAdamW(model.named_parameters(), offload="nvme", offload_dir=root)
+    finally:
+        offload_module.shutil.disk_usage = real
+    assert [p.data_ptr() for p in model.parameters()] == before, "a refused construction left the model re-pointed"
+    return str(info.value)
+
+
+def test_a_full_disk_is_refused_on_every_rank_before_anything_is_built(tmp_path):
+    errors = run_on_ranks(2, _full_disk, str(tmp_path), 1)
+    assert "offload='nvme' failed on rank(s) [1]" in errors[0], errors[0]
+    assert "needs" in errors[1] and "GiB free" in errors[1] and "12 bytes per parameter" in errors[1], errors[1]
+    assert _files(tmp_path) == [] and os.listdir(tmp_path) == []
+
+
+def test_bad_options_name_the_option(tmp_path):
+    model = build(torch.bfloat16)
+    named = list(model.named_parameters())
+    cases = [
+        (dict(offload="gpu"), "`offload` must be None, 'cpu' or 'nvme'"),
+        (dict(offload=True), "`offload` must be None, 'cpu' or 'nvme'"),
+        (dict(offload="nvme"), "offload='nvme' needs `offload_dir`"),
+        (dict(offload_dir=str(tmp_path)), "`offload_dir` is for offload='nvme'"),
+        (dict(offload="cpu", offload_window=2**26), "`offload_window` is for offload='nvme'"),
+        (dict(offload="nvme", offload_dir=str(tmp_path), offload_window=10), "`offload_window` must be an int >="),
+        (dict(offload="nvme", offload_dir=str(tmp_path / "missing")), "is not a directory"),
+    ]
+    for kwargs, needle in cases:
+        with pytest.raises(ValueError) as info:
+            ZeroAdamW(named, **kwargs)
+        assert needle in str(info.value), (kwargs, str(info.value))
+    assert os.listdir(tmp_path) == []
+
+
+def test_offload_warns_when_the_cpu_update_gets_one_thread(monkeypatch):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two cores")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.warns(UserWarning, match="OMP_NUM_THREADS"):
+            ZeroAdamW(build(torch.bfloat16).named_parameters(), offload="cpu")
+    finally:
+        torch.set_num_threads(threads)

@@ -1,0 +1,219 @@
+"""A trainer's habits: torchrun without init_process_group, a model wrapped in DDP, clipping, an optimizer built
+twice, a checkpoint of the whole model (frozen parameters, buffers, tied weights) with the scheduler beside it,
+resumed at another world size and consolidated into a state dict that loads strictly."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from distributed import run_on_ranks
+from engine_reference import check_against_reference, mean_grads, params_digest, rank_grads, reference
+from tiny_transformer import batch, build, loss_fn
+
+from zero_ext import ZeroAdamW, checkpoint
+
+HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+BUCKET = 1500
+WORLDS = [1, 2, 3]
+
+
+def test_torchrun_without_init_process_group_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"WORLD_SIZE=2 .*init_process_group\(\)"):
+        ZeroAdamW(build().parameters())
+
+
+def _ddp_is_refused(rank, world, stage):
+    model = build(torch.float32)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    with pytest.raises(ValueError, match="wrapped in DistributedDataParallel"):
+        ZeroAdamW(model.parameters(), module=ddp)
+    opt = ZeroAdamW(model.parameters(), module=model, stage=stage, bucket_size=BUCKET)
+    with pytest.raises(RuntimeError, match="running inside DistributedDataParallel"):
+        loss_fn(ddp, batch(0, rank))
+    opt.close()
+    # Without module=, stage 2 still notices DDP: it writes .grad, where stage 2 never keeps gradients.
+    if stage == 2:
+        opt = ZeroAdamW(model.parameters(), stage=2, bucket_size=BUCKET)
+        loss_fn(ddp, batch(0, rank)).backward()
+        with pytest.raises((RuntimeError, ValueError), match=r"has a \.grad at step\(\)|failed on 1 other"):
+            opt.step()
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_model_in_ddp_is_refused(stage):
+    assert all(run_on_ranks(2, _ddp_is_refused, stage))
+
+
+def _clip_like_torch(rank, world, stage):
+    """opt.clip_grad_norm_ returns torch's global norm (of the mean gradients) and the step applies the clip."""
+    model = build(torch.bfloat16)
+    opt = ZeroAdamW(model.named_parameters(), **HYPER, stage=stage, bucket_size=BUCKET)
+    ref_params, ref_opt = reference(build(torch.bfloat16), **HYPER)
+    for step in range(4):
+        per_rank = rank_grads(model, list(model.parameters()), [batch(step, r) for r in range(world)], loss_fn)
+        for p, g in zip(ref_params, mean_grads(per_rank, ref_params)):
+            p.grad = g
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref_params, 0.05)
+        ref_opt.step()
+        loss_fn(model, batch(step, rank)).backward()
+        norm = opt.clip_grad_norm_(0.05)
+        assert norm.dim() == 0
+        torch.testing.assert_close(norm, ref_norm)
+        assert opt.clip_grad_norm(0.05) is norm  # twice, or by the other name: the same norm
+        opt.step()
+        opt.zero_grad()
+        check_against_reference(opt, model, ref_params, rank)
+    return params_digest(model)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_clip_grad_norm_like_torch(world, stage):
+    assert len(set(run_on_ranks(world, _clip_like_torch, stage))) == 1
+
+
+def _built_twice(rank, world, stage):
+    """Re-running the cell that builds the optimizer: the first one is closed, the second trains correctly."""
+    model = build(torch.float32)
+    first = ZeroAdamW(model.named_parameters(), **HYPER, stage=stage, bucket_size=BUCKET)
+    loss_fn(model, batch(0, rank)).backward()
+    first.step()
+    first.zero_grad()
+    with pytest.warns(UserWarning, match="belonged to an earlier ZeroAdamW, which is now closed"):
+        opt = ZeroAdamW(model.named_parameters(), **HYPER, stage=stage, bucket_size=BUCKET)
+    with pytest.raises(RuntimeError, match="this optimizer was closed"):
+        first.step()
+    ref_params, ref_opt = reference(model, **HYPER)
+    for step in range(1, 4):
+        per_rank = rank_grads(model, list(model.parameters()), [batch(step, r) for r in range(world)], loss_fn)
+        for p, g in zip(ref_params, mean_grads(per_rank, ref_params)):
+            p.grad = g
+        ref_opt.step()
+        loss_fn(model, batch(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+        opt.zero_grad()  # twice: harmless
+        check_against_reference(opt, model, ref_params, rank)
+    return params_digest(model)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_building_the_optimizer_twice(world, stage):
+    assert len(set(run_on_ranks(world, _built_twice, stage))) == 1
+
+
+class WithBuffers(nn.Module):
+    """The tiny GPT (tied head) with a frozen parameter and a buffer, as a real model has."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = build(torch.float32)
+        self.gpt.pos.requires_grad_(False)
+        self.register_buffer("temperature", torch.tensor([1.5]))
+
+    def forward(self, tokens):
+        return self.gpt(tokens) / self.temperature
+
+
+def _whole_model(rank, world, path, out):
+    """Save with module= and the scheduler (every rank), at `world` ranks."""
+    torch.manual_seed(0)
+    model = WithBuffers()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and p.requires_grad]
+    rest = [p for n, p in model.named_parameters() if p.dim() < 2 and p.requires_grad]
+    opt = ZeroAdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-2, module=model, stage=2,
+                    bucket_size=BUCKET)  # fmt: skip
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    for step in range(3):
+        loss_fn(model, batch(step, rank)).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    model.temperature.fill_(2.0)  # a buffer changed by training
+    checkpoint.save(path, opt, extra={"scheduler": sched.state_dict(), "step": 3, "note": ("ok", 1)})
+    if rank == 0:
+        checkpoint.consolidate(path, out)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, opt.param_groups[0]["lr"]
+
+
+def _resume(rank, world, path):
+    torch.manual_seed(1)
+    model = WithBuffers()  # different weights and buffer: everything must come from the checkpoint
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and p.requires_grad]
+    rest = [p for n, p in model.named_parameters() if p.dim() < 2 and p.requires_grad]
+    opt = ZeroAdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-2, module=model, stage=1,
+                    bucket_size=BUCKET)  # fmt: skip
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    extra = checkpoint.load(path, opt)
+    sched.load_state_dict(extra["scheduler"])
+    assert extra["step"] == 3 and extra["note"] == ("ok", 1)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, opt.param_groups[0]["lr"], sched.last_epoch
+
+
+@pytest.mark.parametrize("resume_world", [1, 3])
+def test_a_checkpoint_of_the_whole_model_resumes_anywhere_and_loads_strictly(tmp_path, resume_world):
+    path, out = str(tmp_path / "ck"), str(tmp_path / "out")
+    saved, lr = run_on_ranks(2, _whole_model, path, out)[0]
+    for state, resumed_lr, epoch in run_on_ranks(resume_world, _resume, path):
+        assert state.keys() == saved.keys()
+        assert all(torch.equal(state[k], saved[k]) for k in saved), "the resumed model differs"
+        assert resumed_lr == lr and epoch == 3
+    from safetensors.torch import load_file
+
+    consolidated = load_file(f"{out}/model.safetensors")
+    model = WithBuffers()
+    model.load_state_dict(consolidated, strict=True)  # frozen, buffer, tied head: every key
+    assert set(consolidated) == set(saved) and "gpt.head.weight" in consolidated
+    assert all(torch.equal(model.state_dict()[k], saved[k]) for k in saved)
+
+
+def test_extra_state_must_be_plain_data(tmp_path):
+    model = build()
+    opt = ZeroAdamW(model.named_parameters())
+    loss_fn(model, batch(0, 0)).backward()
+    opt.step()
+    with pytest.raises(TypeError, match="`extra` holds a builtin_function_or_method"):
+        checkpoint.save(tmp_path / "ck", opt, extra={"fn": print})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        checkpoint.save(tmp_path / "ck", opt, extra={1: torch.arange(3), "t": (None, 2.5)})
+    extra = checkpoint.load(tmp_path / "ck", opt)
+    assert torch.equal(extra[1], torch.arange(3)) and extra["t"] == (None, 2.5)
+
+
+def _moved_after_construction(rank, world, stage, how):
+    """Moving or casting the model after the optimizer exists would leave the optimizer updating buffers the model
+    no longer reads: step() refuses, on every rank (the last rank alone moves its model)."""
+    model = build(torch.float32)
+    opt = ZeroAdamW(model.named_parameters(), **HYPER, stage=stage, bucket_size=BUCKET, module=model)
+    loss_fn(model, batch(0, rank)).backward()
+
+    def move():
+        if how == "cast":
+            model.double()
+        else:
+            with torch.no_grad():
+                model.blocks[0].fc.weight.data = model.blocks[0].fc.weight.detach().clone()
+
+    if stage == 3:  # the parameters are sharded: the move itself cannot read them, and nothing changes
+        if rank == world - 1:
+            with pytest.raises(RuntimeError, match="is sharded here"):
+                move()
+        opt.step()
+        return True
+    if rank == world - 1:
+        move()
+    match = "no longer lives in the optimizer's flat buffer" if rank == world - 1 else r"failed on 1 other rank"
+    with pytest.raises((RuntimeError, ValueError), match=match):
+        opt.step()
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("how", ["cast", "new_tensor"])
+def test_a_model_moved_after_construction_is_refused(stage, how):
+    assert all(run_on_ranks(2, _moved_after_construction, stage, how))

@@ -1,0 +1,20 @@
+"""Sharded checkpoints of a :class:`zero_ext.ZeroAdamW`: save in parallel, load at any world size and stage,
+consolidate offline.
+
+- :func:`save` / :func:`load` (``saving.py``, ``loading.py``): collective; every rank writes or reads only its own
+  byte ranges.
+- :class:`Checkpoint` (``reader.py``): a checkpoint's verified metadata and where any parameter's elements live.
+- :func:`consolidate` / ``python -m zero_ext.checkpoint consolidate PATH OUT`` (``consolidate.py``): no process
+  group, no GPU; streams parameter by parameter into ``OUT/optimizer.safetensors`` (fp32 ``param/<name>``,
+  ``exp_avg/<name>``, ``exp_avg_sq/<name>``, ``step/<name>``; param groups in the metadata) and
+  ``OUT/model.safetensors`` (weights in the param dtype, for ``model.load_state_dict``).
+- The file layout: :mod:`zero_ext.checkpoint.format`.
+"""
+
+from .consolidate import adamw_state_dict, consolidate
+from .format import FORMAT_VERSION, CheckpointError
+from .loading import load
+from .reader import Checkpoint
+from .saving import save
+
+__all__ = ["save", "load", "consolidate", "adamw_state_dict", "Checkpoint", "CheckpointError", "FORMAT_VERSION"]

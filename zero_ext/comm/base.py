@@ -1,0 +1,217 @@
+"""What every communicator is: the collectives the engine uses and the policy questions a backend answers, a
+:class:`Pending` for an operation in flight, and the counters of what was sent.
+
+[Note: streams]
+On CUDA each communicator owns two side streams, one per purpose::
+
+    compute     | backward ... grad hooks: cast into staging | ...        | step: adam(b0) adam(b1) ...
+    reduce_     |        wait(compute) RS(b0) +accumulate(b0) RS(b1) ... |
+      scatter   |                                                        |
+    all_gather  |                                           wait(compute) AG(b0)   AG(b1) ...
+    (the next forward, or the end of step(), waits on the AG events; step() on the RS events)
+
+Every collective is issued on its stream after that stream waited for what the compute stream queued so far
+(so it reads finished data); its epilogue (the local sum, the cast or accumulate into the grad shard) is queued
+behind it on the same stream, and an event recorded after the epilogue completes the :class:`Pending`.
+Waiting on it makes the *current stream* wait for that event: no host synchronisation. Staging buffers are
+reused only after their Pending was waited for (the next write then queues behind the event). On CPU there are
+no streams: gloo runs the transfer in its own threads and the epilogue runs inside the first ``wait()``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed the flat-tensor collectives (*_into_tensor / *_tensor -> *_single); older releases
+# (the GPU machines' torch 2.11) only have the old names. Same arguments, same semantics.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# The profiler range each collective is launched in (bench/profile_overlap.py finds the device work by them).
+PROFILER_LABELS = {kind: f"zero_ext::{kind}" for kind in ("reduce_scatter", "all_gather", "all_reduce")}
+
+
+class CollectiveTimeout(RuntimeError):
+    """Some rank did not reach a collective call within its timeout (it is not making the call at all)."""
+
+
+class Pending:
+    """One collective in flight with its epilogue, holding every tensor it reads or writes until it is waited
+    for (FSDP2's ``(result, event)`` pairs): nothing it touches can be freed or reused early."""
+
+    __slots__ = ("_work", "_event", "_device", "_epilogue", "_tensors", "_done")
+
+    def __init__(self, work=None, event=None, device=None, epilogue: Optional[Callable[[], None]] = None, tensors=()):
+        self._work, self._event, self._device = work, event, device
+        self._epilogue, self._tensors = epilogue, tensors
+        self._done = work is None and event is None and epilogue is None
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def wait(self) -> None:
+        """CUDA: the current stream waits for the collective and its epilogue. CPU: block until the transfer
+        finished, then run the epilogue. A second wait does nothing."""
+        if self._done:
+            return
+        if self._event is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._event)
+        else:
+            if self._work is not None:
+                self._work.wait()
+            if self._epilogue is not None:
+                self._epilogue()
+        self._done = True
+        self._work = self._epilogue = None
+        self._tensors = ()
+
+    def wait_on(self, stream) -> None:
+        """CUDA: ``stream`` waits for the collective, and the pending stays to be waited for by its owner (a
+        second consumer, such as offload's device-to-host copy stream). CPU: the same as :meth:`wait`."""
+        if self._event is not None:
+            stream.wait_event(self._event)
+        else:
+            self.wait()
+
+
+DONE = Pending()  # an operation that needed no communication
+
+
+class CommCounts:
+    """Elements and bytes passed to each kind of collective since construction (ZeRO-1/2 promise 2*Psi
+    elements per step; the benchmarks check it). Bytes depend on the dtype that travels."""
+
+    KINDS = ("reduce_scatter", "all_gather", "all_reduce")
+
+    def __init__(self):
+        self._elements = dict.fromkeys(self.KINDS, 0)
+        self._bytes = dict.fromkeys(self.KINDS, 0)
+
+    def add(self, kind: str, tensor: torch.Tensor) -> None:
+        self._elements[kind] += tensor.numel()
+        self._bytes[kind] += tensor.numel() * tensor.element_size()
+
+    def as_dict(self) -> dict[str, int]:
+        """``{kind}_elements`` and ``{kind}_bytes`` for every kind."""
+        out = {}
+        for kind in self.KINDS:
+            out[f"{kind}_elements"] = self._elements[kind]
+            out[f"{kind}_bytes"] = self._bytes[kind]
+        return out
+
+
+class Communicator:
+    """The collectives the engine uses, and the policy questions a backend answers for it."""
+
+    name = "base"
+    communicates = True  # False: one process; gradients go straight into the grad shard
+    buckets_per_model = 8  # default bucket count for a model whose size does not clamp the bucket size
+
+    def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device, world_size: int, rank: int):
+        self.group = group
+        self.device = torch.device(device)
+        self.world_size = world_size
+        self.rank = rank
+        self.counts = CommCounts()
+        # Two streams, one per purpose (see [Note: streams]); None on CPU.
+        cuda = self.device.type == "cuda" and self.communicates
+        # reduce_scatter: gradient reduction and its epilogue overlap backward on it.
+        self.reduce_scatter_stream = torch.cuda.Stream(device=self.device) if cuda else None
+        # all_gather: parameter gathers overlap the optimizer update and the next forward on it.
+        self.all_gather_stream = torch.cuda.Stream(device=self.device) if cuda else None
+
+    # ---------------------------------------------------------------- policy
+    def wire_dtype(self, grad_dtype: torch.dtype, reduce_dtype: torch.dtype) -> torch.dtype:
+        """The dtype a gradient of ``grad_dtype`` travels in, for a mean in ``reduce_dtype``."""
+        return reduce_dtype
+
+    def prescale(self, grad_dtype: torch.dtype, reduce_dtype: torch.dtype) -> float:
+        """What a gradient is multiplied by before it is sent (1/N where the collective sums)."""
+        return 1.0 / self.world_size
+
+    def workspace_bytes(self, bucket_numel: int, wire_dtype: torch.dtype, reduce_dtype, accumulate: bool) -> int:
+        """Bytes of caller-owned workspace :meth:`start_reduce_scatter` needs for a bucket of ``bucket_numel``."""
+        return 0
+
+    # ---------------------------------------------------------------- collectives
+    def start_reduce_scatter(
+        self,
+        send: torch.Tensor,
+        out: torch.Tensor,
+        *,
+        reduce_dtype: torch.dtype,
+        accumulate: bool,
+        workspace: Optional[torch.Tensor] = None,
+    ) -> Pending:
+        """Start turning every rank's ``send`` (a bucket in :meth:`wire_dtype`, pre-scaled by :meth:`prescale`)
+        into this rank's slice of their mean in ``out`` (the fp32 grad shard of the bucket): written, or added
+        with ``accumulate``. ``accumulate`` consumes ``send`` (it may be overwritten once transferred).
+        ``workspace`` (bytes, :meth:`workspace_bytes`) and ``send`` must stay untouched until waited for."""
+        raise NotImplementedError
+
+    def start_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
+        """Start gathering every rank's ``input`` into ``output`` (in place when ``input`` is this rank's slice
+        of ``output``)."""
+        raise NotImplementedError
+
+    def start_all_reduce(self, tensor: torch.Tensor) -> Pending:
+        """Start summing ``tensor`` over ranks, in place."""
+        raise NotImplementedError
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        """Collective, synchronous: every rank's ``tensor`` becomes rank ``src``'s (a rank of this group)."""
+        if self.world_size > 1:
+            src_global = dist.get_global_rank(self.group, src) if self.group is not None else src
+            dist.broadcast(tensor, src=src_global, group=self.group)
+
+    def reduce_step_stats(self, flags: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+        """Collective: sum ``flags`` (a small fp32 CPU vector the host reads: per-parameter "got a gradient", an
+        error flag) and ``stats`` (fp32 on the device: the norm's partial sums, reduced in place) over ranks;
+        returns the summed flags, on the host, without reading the device."""
+        raise NotImplementedError
+
+    def agree(self, value: int, timeout: Optional[float] = None) -> list[int]:
+        """Every rank's ``value`` (a small int64), synchronously: how ranks agree before acting, so that an error
+        on one rank fails every rank instead of leaving the others waiting in a collective. With ``timeout``
+        (seconds), a :class:`CollectiveTimeout` when some rank does not arrive in time (it is not calling)."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- helpers
+    def _on_stream(
+        self, stream, kind: str, collective: Callable[[], object], epilogue: Optional[Callable[[], None]], tensors
+    ) -> Pending:
+        # A named range per collective, so that a profiler trace shows which device work each one launched.
+        label = PROFILER_LABELS[kind]
+        if stream is None:
+            with torch.profiler.record_function(label):
+                return Pending(collective(), None, None, epilogue, tensors)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), torch.profiler.record_function(label):
+            work = collective()
+            work.wait()  # the side stream waits for the collective's own (NCCL) stream
+            if epilogue is not None:
+                epilogue()
+            event = torch.cuda.Event()
+            event.record(stream)
+        return Pending(None, event, self.device, None, tensors)
+
+    def _agree_on(self, device: torch.device, value: int, timeout: Optional[float], group=None) -> list[int]:
+        mine = torch.tensor([value], dtype=torch.int64, device=device)
+        out = torch.empty(self.world_size, dtype=torch.int64, device=device)
+        work = all_gather_flat(out, mine, group=self.group if group is None else group, async_op=True)
+        if timeout is not None:
+            deadline = time.monotonic() + timeout
+            while not work.is_completed():  # a query: no wait that could block past the deadline
+                if time.monotonic() > deadline:
+                    raise CollectiveTimeout(
+                        f"not every rank of the {self.world_size} reached this call within {timeout:g} s"
+                    )
+                time.sleep(0.001)
+        work.wait()
+        return out.tolist()

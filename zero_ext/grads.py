@@ -1,0 +1,348 @@
+"""How a gradient gets from autograd to the wire: the gradient half of a stage's strategy.
+
+- :class:`BufferedGrads` (stage 1): a persistent flat grad buffer per group; ``param.grad`` is a view into it,
+  so autograd accumulates in place. At launch a bucket's slice is sent as it is (when the communicator's wire
+  dtype is the gradient's and nothing is pre-scaled: gloo with an fp32 mean) or cast and pre-scaled into a
+  staging buffer; the mean overwrites the bucket's grad shard. Inside ``no_sync()`` nothing is reduced; the
+  next synchronised backward (or ``step()``) reduces the accumulated sum.
+- :class:`StagedGrads` (stages 2 and 3): no full-size buffer. Each gradient is cast and pre-scaled into its
+  bucket's staging buffer the moment autograd produces it, then freed (``param.grad = None``); the mean is
+  added to the grad shard in fp32, so several backward passes before ``step()`` accumulate. There is no buffer
+  to accumulate a full gradient in, so ``no_sync()`` still reduces every backward pass (as DeepSpeed's ZeRO-2).
+- :class:`ShardGrads` (stages 2 and 3 on one process): nothing to communicate, so each gradient is added
+  straight into its place in the grad shard.
+
+A strategy answers three things for :class:`zero_ext.reducer.GradSync`: what to do when a gradient arrives
+(:meth:`on_grad`), what to send when a bucket launches (:meth:`send`), and whether the result overwrites or is
+added to the grad shard (``accumulate``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from .buffers import FlatGroup, ShardedState
+from .kernels.dispatch import accumulate_into, cast_scale_into
+from .layout import Slot
+from .staging import StagingPool
+
+if TYPE_CHECKING:  # a type only: the reducer imports this module, not the other way round
+    from .reducer import GradBucket
+
+
+class GradStrategy:
+    accumulate = False  # the reduced bucket is added to the grad shard (True) or overwrites it
+
+    def __init__(self, state: ShardedState, reduce_dtype: torch.dtype):
+        self.state, self.comm, self.reduce_dtype = state, state.comm, reduce_dtype
+        self.pool: Optional[StagingPool] = None  # sized from send_bytes(), then set by GradSync
+
+    def wire_dtype(self, group: FlatGroup) -> torch.dtype:
+        return self.comm.wire_dtype(group.dtype, self.reduce_dtype)
+
+    def prescale(self, group: FlatGroup) -> float:
+        return self.comm.prescale(group.dtype, self.reduce_dtype)
+
+    def send_bytes(self, group: FlatGroup) -> int:
+        """Staging bytes per element of a bucket of ``group`` (0: sent without staging)."""
+        return self.wire_dtype(group).itemsize
+
+    def on_grad(self, gb: "GradBucket", slot: Slot, param: torch.Tensor, syncing: bool) -> bool:
+        """A gradient arrived in ``param.grad``; returns whether it counts towards launching its bucket now."""
+        raise NotImplementedError
+
+    def send(self, gb: "GradBucket") -> Optional[torch.Tensor]:
+        """The bucket's gradients as they go on the wire (``gb.staging`` holds the pool entry), or None when
+        there is nothing to send."""
+        raise NotImplementedError
+
+    @property
+    def unreduced(self) -> bool:
+        """Gradients accumulated under ``no_sync()`` and not reduced yet."""
+        return False
+
+    def got_grads(self) -> set[int]:
+        """Global indices of the parameters that have a gradient on this rank for the next ``step()`` (torch
+        updates exactly the parameters whose ``.grad`` is not None)."""
+        raise NotImplementedError
+
+    def check_no_foreign_grads(self) -> None:
+        """Raise if gradients arrived where this stage never puts them (another reducer is in the loop)."""
+
+    def end_round(self) -> None:
+        """A backward pass's reductions were all launched."""
+
+    def after_step(self) -> None:
+        """``step()`` has read the grad shards."""
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        for group in self.state.groups:
+            group.state.grad.zero_()
+
+
+class ShardedGradStrategy(GradStrategy):
+    """Stages 2 and 3: the gradients live only in the fp32 grad shard, so ``step()`` consumes them (zeroes the
+    shard: the next backward starts from zero, whatever ``model.zero_grad()`` did or did not do)."""
+
+    accumulate = True
+
+    def __init__(self, state: ShardedState, reduce_dtype: torch.dtype):
+        super().__init__(state, reduce_dtype)
+        self._clean = False  # the grad shards are zero and no gradient arrived since
+        self._got: set[int] = set()  # parameters whose gradient arrived since the last step() or zero_grad()
+        _drop_early_grads(state)
+
+    def check_no_foreign_grads(self) -> None:
+        for group in self.state.groups:
+            for name, p in zip(group.names, group.params):
+                if p.grad is not None:
+                    raise RuntimeError(
+                        f"zero_ext.ZeroAdamW: parameter {name!r} has a .grad at step(), but at stage {self.state.stage} "
+                        "gradients live only in the sharded grad shard (every .grad is freed as it is reduced). "
+                        "Something else writes .grad: a model wrapped in DistributedDataParallel (do not wrap it: "
+                        "ZeroAdamW reduces gradients itself) or code assigning .grad, which would be ignored."
+                    )
+
+    def arrived(self, group: FlatGroup, slot: Slot) -> None:
+        self._clean = False
+        self._got.add(group.param_indices[slot.index])
+
+    def got_grads(self) -> set[int]:
+        return set(self._got)
+
+    def after_step(self) -> None:
+        for group in self.state.groups:
+            group.state.grad.zero_()
+        self._clean = True
+        self._got.clear()
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        self._got.clear()
+        if not self._clean:  # after step() there is nothing to zero: no second pass over the shards
+            super().zero_grad(set_to_none)
+            self._clean = True
+
+
+def _dense(param: torch.Tensor, name: str) -> torch.Tensor:
+    grad = param.grad
+    if grad.layout != torch.strided:
+        raise RuntimeError(
+            f"zero_ext.ZeroAdamW: parameter {name!r} received a {grad.layout} gradient; only dense gradients are "
+            "supported (use nn.Embedding(sparse=False))"
+        )
+    return grad
+
+
+class BufferedGrads(GradStrategy):
+    """Stage 1: a persistent flat grad buffer; the reduced bucket overwrites its grad shard."""
+
+    def __init__(self, state: ShardedState, reduce_dtype: torch.dtype):
+        super().__init__(state, reduce_dtype)
+        self._unreduced = False
+        for group in state.groups:
+            group.grad_buffer = torch.zeros(group.layout.numel, dtype=self.buffer_dtype(group), device=group.device)
+            for slot, p in zip(group.layout.slots, group.params):
+                if p.grad is not None:  # a gradient from before construction is kept (not yet reduced)
+                    self._keep_early_grad(group, slot, p)
+                    self._unreduced = True
+                # else .grad stays None, as torch has it: the first gradient is copied into the slot (_adopt)
+        # Sending straight from the grad buffer needs it untouched until the transfer is done, so every backward
+        # pass then waits for its reductions before it returns (as DDP's backward does); step() would anyway.
+        self.waits_at_round_end = any(not self._staged(g) for g in state.groups) and self.comm.communicates
+
+    def buffer_dtype(self, group: FlatGroup) -> torch.dtype:
+        return group.dtype  # the buffer is .grad's storage
+
+    def _keep_early_grad(self, group: FlatGroup, slot: Slot, p: torch.Tensor) -> None:
+        view = slot.param_range.of(group.grad_buffer).view(p.shape)
+        view.copy_(p.grad)
+        p.grad = view
+
+    def wire_dtype(self, group: FlatGroup) -> torch.dtype:
+        return self.comm.wire_dtype(self.buffer_dtype(group), self.reduce_dtype)
+
+    def prescale(self, group: FlatGroup) -> float:
+        return self.comm.prescale(self.buffer_dtype(group), self.reduce_dtype)
+
+    def _staged(self, group: FlatGroup) -> bool:
+        return self.wire_dtype(group) != self.buffer_dtype(group) or self.prescale(group) != 1.0
+
+    def send_bytes(self, group: FlatGroup) -> int:
+        return self.wire_dtype(group).itemsize if self._staged(group) else 0
+
+    @property
+    def unreduced(self) -> bool:
+        return self._unreduced
+
+    def got_grads(self) -> set[int]:
+        # Stage 1 keeps torch's .grad: a parameter has a gradient while its .grad is not None (zero_grad with
+        # set_to_none=False keeps zeros, which torch's AdamW applies too: decay and moments move).
+        return {gidx for group in self.state.groups for gidx, p in zip(group.param_indices, group.params)
+                if p.grad is not None}  # fmt: skip
+
+    def on_grad(self, gb, slot, param, syncing) -> bool:
+        self._adopt(gb.group, slot, param, _dense(param, gb.group.names[slot.index]))
+        if not syncing:
+            self._unreduced = True
+        return syncing
+
+    def send(self, gb) -> torch.Tensor:
+        group, bucket = gb.group, gb.bucket
+        if gb.arrived < len(bucket.slots):
+            # Launched before all its parameters got a gradient this round: the slots of those parameters may hold
+            # old gradients; make each hold what its .grad says (None: zero).
+            for i in bucket.slots:
+                self._adopt(group, group.layout.slots[i], group.params[i], group.params[i].grad)
+        grads = bucket.bucket_range.of(group.grad_buffer)
+        if gb.staging is None:
+            gb.staging = self.pool.acquire(gb)  # for the communicator's workspace, and the send buffer if staged
+        if not self._staged(group):
+            return grads
+        send = gb.staging.send(self.wire_dtype(group), bucket.numel)
+        cast_scale_into(send, grads, self.prescale(group))
+        return send
+
+    def end_round(self) -> None:
+        self._unreduced = False
+
+    def _adopt(self, group: FlatGroup, slot: Slot, param: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
+        """Make ``param``'s slot of the flat grad buffer hold ``grad`` and ``param.grad`` a view of it. A slot
+        holds the parameter's gradient only while ``param.grad`` is that view: after zero_grad() (or the user's
+        own set-to-None) autograd hands over a fresh tensor, meaning "the previous value was zero", so it is copied
+        over the slot; no gradient at all (None) is zero."""
+        view = slot.param_range.of(group.grad_buffer)
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() != view.data_ptr():
+            view.copy_(grad.reshape(-1))
+            param.grad = view.view(param.shape)
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        super().zero_grad(set_to_none)
+        for group in self.state.groups:
+            if set_to_none:
+                # No pass over the buffer: the next gradient is copied into its slot (_adopt), and a slot whose
+                # parameter still has no gradient at launch is zeroed then.
+                for p in group.params:
+                    p.grad = None
+            else:
+                group.grad_buffer.zero_()
+
+
+class Fp32GradBuffer(BufferedGrads):
+    """Stage 1 with ``grad_accum_dtype=torch.float32``: an fp32 flat grad buffer (Megatron's fp32 ``main_grad``).
+    Each low-precision gradient is added to its slot in fp32 as it arrives and ``param.grad`` is freed, so
+    micro-batches accumulate in fp32 as stage 2's grad shard does, instead of in bf16 ``.grad``. The gradients
+    live until ``zero_grad()``, as at stage 1."""
+
+    def __init__(self, state: ShardedState, reduce_dtype: torch.dtype):
+        self._got: set[int] = set()
+        super().__init__(state, reduce_dtype)
+
+    def buffer_dtype(self, group: FlatGroup) -> torch.dtype:
+        return torch.float32
+
+    def _keep_early_grad(self, group: FlatGroup, slot: Slot, p: torch.Tensor) -> None:
+        accumulate_into(slot.param_range.of(group.grad_buffer), p.grad)
+        self._got.add(group.param_indices[slot.index])
+        p.grad = None
+
+    def got_grads(self) -> set[int]:
+        return set(self._got)
+
+    def check_no_foreign_grads(self) -> None:
+        ShardedGradStrategy.check_no_foreign_grads(self)
+
+    def on_grad(self, gb, slot, param, syncing) -> bool:
+        _dense(param, gb.group.names[slot.index])
+        self._keep_early_grad(gb.group, slot, param)
+        if not syncing:
+            self._unreduced = True
+        return syncing
+
+    def send(self, gb) -> torch.Tensor:
+        group, bucket = gb.group, gb.bucket
+        grads = bucket.bucket_range.of(group.grad_buffer)  # slots without a gradient hold what they accumulated
+        if gb.staging is None:
+            gb.staging = self.pool.acquire(gb)
+        if not self._staged(group):
+            return grads
+        send = gb.staging.send(self.wire_dtype(group), bucket.numel)
+        cast_scale_into(send, grads, self.prescale(group))
+        return send
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        GradStrategy.zero_grad(self, set_to_none)
+        self._got.clear()
+        for group in self.state.groups:
+            group.grad_buffer.zero_()
+
+
+class StagedGrads(ShardedGradStrategy):
+    """Stages 2 and 3: each gradient goes into its bucket's staging buffer as it arrives, then is freed."""
+
+    def _send_buffer(self, gb) -> torch.Tensor:
+        if gb.staging is None:
+            gb.staging = self.pool.acquire(gb)
+            gb.staging.send(self.wire_dtype(gb.group), gb.bucket.numel).zero_()
+        return gb.staging.send(self.wire_dtype(gb.group), gb.bucket.numel)
+
+    def on_grad(self, gb, slot, param, syncing) -> bool:
+        grad = _dense(param, gb.group.names[slot.index])
+        self.arrived(gb.group, slot)
+        send = self._send_buffer(gb)
+        cast_scale_into(gb.bucket.slot_range(slot).of(send), grad, self.prescale(gb.group))
+        param.grad = None
+        return True
+
+    def send(self, gb) -> torch.Tensor:
+        return self._send_buffer(gb)  # zeros for a bucket none of whose parameters got a gradient
+
+
+class ShardGrads(ShardedGradStrategy):
+    """Stages 2 and 3 on one process: each gradient is added straight into the grad shard (nothing to reduce)."""
+
+    def __init__(self, state: ShardedState, reduce_dtype: torch.dtype):
+        super().__init__(state, reduce_dtype)
+        self._targets: dict[tuple[int, int], torch.Tensor] = {}  # (group, slot) -> its view of the grad shard
+
+    def send_bytes(self, group: FlatGroup) -> int:
+        return 0
+
+    def on_grad(self, gb, slot, param, syncing) -> bool:
+        grad = _dense(param, gb.group.names[slot.index])
+        self.arrived(gb.group, slot)
+        key = (gb.group.index, slot.index)
+        target = self._targets.get(key)
+        if target is None:  # the parameter's run of the grad shard, computed once (the hot path of backward)
+            target = self._targets[key] = gb.group.layout.single_rank_shard_range(slot).of(gb.group.state.grad)
+        accumulate_into(target, grad)
+        param.grad = None
+        return True
+
+    def send(self, gb) -> None:
+        return None
+
+
+def _drop_early_grads(state: ShardedState) -> None:
+    stale = [group.names[i] for group in state.groups for i, p in enumerate(group.params) if p.grad is not None]
+    for group in state.groups:
+        for p in group.params:
+            p.grad = None
+    if stale:
+        warnings.warn(
+            f"zero_ext.ZeroAdamW: dropping the gradients of {len(stale)} parameters (e.g. {stale[0]!r}) computed "
+            f"before the optimizer existed: stage {state.stage} reduces gradients while backward runs",
+            stacklevel=4,
+        )
+
+
+def grads_for(state: ShardedState, reduce_dtype: torch.dtype, grad_accum_dtype=None) -> GradStrategy:
+    """The gradient strategy of ``state.stage`` on ``state.comm``."""
+    if state.stage == 1:
+        return (Fp32GradBuffer if grad_accum_dtype == torch.float32 else BufferedGrads)(state, reduce_dtype)
+    direct = not state.comm.communicates and all(g.state.resident for g in state.groups)
+    return ShardGrads(state, reduce_dtype) if direct else StagedGrads(state, reduce_dtype)

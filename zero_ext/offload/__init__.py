@@ -1,0 +1,126 @@
+"""Optimizer state off the device: ``ZeroAdamW(..., offload="cpu")`` keeps each rank's fp32 master, exp_avg,
+exp_avg_sq and reduced-gradient shard in host memory and updates them with the CPU fused AdamW kernel
+(:mod:`.host`, ZeRO-Offload); ``offload="nvme", offload_dir=...`` keeps master, exp_avg and exp_avg_sq in files
+and streams them through a window of ``offload_window`` bytes of host memory (:mod:`.disk`, ZeRO-Infinity).
+
+Both compute exactly what the in-memory optimizer computes on the CPU (the same kernel on the same values in the
+same order: bitwise the same parameters), and save and load the same checkpoints: a run may resume with or
+without offload, at any world size.
+
+This module checks the options, prepares the directory (agreed by every rank: a full disk or an unwritable
+directory fails construction on every rank before anything is allocated) and picks the placement per flat group.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+import warnings
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..comm import Communicator
+from ..layout import Layout, fingerprint
+from ..placement import STATE_KINDS, DeviceState
+from .disk import DiskState, min_window_bytes
+from .files import ALIGN
+from .host import HostState
+
+__all__ = ["OFFLOADS", "DEFAULT_WINDOW", "check_offload_options", "prepare_offload", "placement_factory"]
+
+OFFLOADS = (None, "cpu", "nvme")
+DEFAULT_WINDOW = 64 * 2**20  # bytes of host memory through which the state on disk streams (all flat groups)
+WHERE = "zero_ext.ZeroAdamW"
+
+
+def check_offload_options(offload, offload_dir, offload_window) -> None:
+    if offload not in OFFLOADS:
+        raise ValueError(f"{WHERE}: `offload` must be None, 'cpu' or 'nvme', got {offload!r}")
+    if offload == "nvme":
+        if not isinstance(offload_dir, (str, os.PathLike)) or not str(offload_dir):
+            raise ValueError(
+                f"{WHERE}: offload='nvme' needs `offload_dir`, a directory on the fast local disk to keep the optimizer "
+                f"state in (not a RAM-backed /tmp), got {offload_dir!r}"
+            )
+    elif offload_dir is not None:
+        raise ValueError(f"{WHERE}: `offload_dir` is for offload='nvme' (offload={offload!r})")
+    if offload_window is not None:
+        if offload != "nvme":
+            raise ValueError(f"{WHERE}: `offload_window` is for offload='nvme' (offload={offload!r})")
+        floor = min_window_bytes(torch.bfloat16)
+        if not (isinstance(offload_window, int) and not isinstance(offload_window, bool) and offload_window >= floor):
+            raise ValueError(f"{WHERE}: `offload_window` must be an int >= {floor} (bytes), got {offload_window!r}")
+
+
+def warn_if_one_thread(offload) -> None:
+    """The CPU update runs on torch's intra-op threads; torchrun sets OMP_NUM_THREADS=1, which leaves it one core
+    (DeepSpeed's users hit the same: CPU Adam several times slower than it could be)."""
+    if offload is None or torch.get_num_threads() > 1:
+        return
+    local = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    cores = len(os.sched_getaffinity(0)) // max(int(local) if local.isdigit() else 1, 1)
+    if cores > 1:
+        warnings.warn(
+            f"zero_ext.ZeroAdamW: offload={offload!r} updates the optimizer state on the CPU with torch's intra-op "
+            f"threads, and there is 1 (torchrun sets OMP_NUM_THREADS=1) while {cores} cores per rank are free: set "
+            f"OMP_NUM_THREADS={cores} (or torch.set_num_threads({cores})) for a step up to {cores}x faster",
+            stacklevel=3,
+        )
+
+
+def disk_bytes_needed(layouts: Sequence[Layout]) -> int:
+    """Bytes the state files of these flat groups take (three fp32 kinds per group, whole blocks)."""
+    return sum(len(STATE_KINDS) * max(ALIGN, -(-layout.shard_numel * 4 // ALIGN) * ALIGN) for layout in layouts)
+
+
+def prepare_offload(comm: Communicator, offload, offload_dir, layouts: Sequence[Layout]) -> Optional[str]:
+    """Collective for ``offload="nvme"``: create this rank's directory under ``offload_dir`` and check that the
+    disk has room for the state of every rank that shares it; raises on every rank if any rank failed. Returns the
+    directory (None without nvme offload)."""
+    if offload != "nvme":
+        return None
+    error, directory, key = None, None, 0
+    need = disk_bytes_needed(layouts)
+    try:
+        parent = os.path.abspath(os.fspath(offload_dir))
+        if not os.path.isdir(parent):
+            raise OSError(f"`offload_dir` {parent!r} is not a directory")
+        directory = tempfile.mkdtemp(prefix=f"zero_ext-rank{comm.rank}-", dir=parent)
+        key = fingerprint([socket.gethostname(), str(os.stat(parent).st_dev)])  # ranks sharing this disk
+    except OSError as e:
+        error = f"cannot use `offload_dir` {offload_dir!r}: {e}"
+    keys = comm.agree(key)
+    needs = comm.agree(need)
+    if error is None:
+        sharing = [r for r, k in enumerate(keys) if k == key]
+        together = sum(needs[r] for r in sharing)
+        free = shutil.disk_usage(directory).free
+        if together > free:
+            error = (
+                f"offload='nvme' needs {together / 2**30:.2f} GiB in {offload_dir!r} for the optimizer state of rank(s) "
+                f"{sharing} (12 bytes per parameter of each rank's shard), but the disk has {free / 2**30:.2f} GiB free"
+            )
+    failed = [r for r, f in enumerate(comm.agree(int(error is not None))) if f]
+    if error is not None or failed:
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
+        if error is not None:
+            raise ValueError(f"{WHERE}: {error}")
+        raise ValueError(f"{WHERE}: offload='nvme' failed on rank(s) {failed} (see their errors)")
+    return directory
+
+
+def placement_factory(offload, directory: Optional[str], window: Optional[int], rank: int, groups: int) -> Callable:
+    """``make(layout, flat_params, device, group_index)`` -> the flat group's optimizer-state placement. The nvme
+    window (``window`` bytes in all) is split evenly between the ``groups`` flat groups."""
+    if offload is None:
+        return lambda layout, params, device, index: DeviceState(layout, params, device)
+    if offload == "cpu":
+        return lambda layout, params, device, index: HostState(layout, params, device)
+    share = (window if window is not None else DEFAULT_WINDOW) // max(groups, 1)
+    return lambda layout, params, device, index: DiskState(
+        layout, params, device, directory, f"rank{rank}.group{index}", max(share, min_window_bytes(params.dtype))
+    )

@@ -1,0 +1,191 @@
+"""``offload="nvme"`` (ZeRO-Infinity): the fp32 master, exp_avg and exp_avg_sq in files, streamed through a bounded
+window of host memory; the reduced gradient shard stays in host memory (landed as ``offload="cpu"`` lands it).
+
+The step walks the rank's shard in *chunks* (whole 4 KiB blocks, sized so that ``slots`` chunks of the three
+kinds plus their new parameters fit the window): while the CPU kernel updates chunk ``i``, chunk ``i + 1`` is read
+ahead and chunk ``i - 1`` written behind, on I/O threads (:mod:`.files`). A chunk's units are its intersections
+with the buckets (the update's step counters and run boundaries are per bucket); a bucket's all-gather starts once
+the chunk holding its end is updated. After the last chunk, ``step_done`` waits for every write: when ``step()``
+returns, the files hold the new state.
+
+The files are this process's working memory, not a checkpoint: they are created when the optimizer is built,
+deleted when it is closed, collected or the interpreter exits (a process killed with SIGKILL leaves them behind,
+in a directory named after the rank). Save with :mod:`zero_ext.checkpoint` to keep the state.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from ..layout import Bucket, Layout, Range
+from ..placement import STATE_KINDS, BucketState, Unit
+from .files import ALIGN, ALIGN_ELEMENTS, StateFiles, aligned_buffer
+from .host import HostGradients, copy_runs_to_device
+
+SLOTS = 3  # chunks in the window: one updated, one read ahead, one written behind
+
+
+def chunk_numel(window_bytes: int, param_dtype: torch.dtype, shard_numel: int) -> int:
+    """Elements per chunk: ``SLOTS`` chunks of master, exp_avg, exp_avg_sq (fp32) and the new parameters (param
+    dtype; none for fp32 parameters, copied from the master) fit ``window_bytes``; whole blocks; no larger than
+    the shard needs."""
+    per_element = 12 + (param_dtype.itemsize if param_dtype != torch.float32 else 0)
+    numel = window_bytes // (SLOTS * per_element) // ALIGN_ELEMENTS * ALIGN_ELEMENTS
+    needed = -(-shard_numel // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+    return max(ALIGN_ELEMENTS, min(numel, needed))
+
+
+def min_window_bytes(param_dtype: torch.dtype) -> int:
+    return SLOTS * (12 + (param_dtype.itemsize if param_dtype != torch.float32 else 0)) * ALIGN_ELEMENTS
+
+
+class _Slot:
+    """One chunk's buffers in the window, with the I/O and the host-to-device copy that use them."""
+
+    def __init__(self, numel: int, param_dtype: torch.dtype, cuda: bool):
+        self.raw = {kind: _io_buffer(numel * 4, cuda) for kind in STATE_KINDS}
+        self.fp32 = {kind: buf.view(torch.float32) for kind, buf in self.raw.items()}
+        lowp = param_dtype != torch.float32
+        self.param_out = torch.empty(numel, dtype=param_dtype, pin_memory=cuda) if lowp else None
+        self.reads: list[Future] = []
+        self.writes: list[Future] = []
+        self.copied: Optional[torch.cuda.Event] = None
+
+    def wait_free(self) -> None:
+        """Its last chunk is written back and copied to the device (and no read into it is in flight, after a step
+        that stopped early): the buffers may be overwritten."""
+        _wait(self.reads)
+        _wait(self.writes)
+        if self.copied is not None:
+            self.copied.synchronize()
+            self.copied = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self.raw.values()) + ([self.param_out] if self.param_out is not None else [])
+
+
+def _io_buffer(nbytes: int, cuda: bool) -> torch.Tensor:
+    """A uint8 host buffer O_DIRECT accepts (page-aligned), pinned on CUDA so that copies from it are asynchronous."""
+    if cuda:
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        if buf.data_ptr() % ALIGN == 0:
+            return buf
+    return aligned_buffer(nbytes)
+
+
+def _wait(futures: list[Future]) -> None:
+    try:
+        for f in futures:
+            f.result()
+    finally:
+        futures.clear()
+
+
+class DiskState(HostGradients):
+    location = "disk"
+
+    def __init__(self, layout: Layout, params, device: torch.device, directory: str, stem: str, window: int):
+        self._init_gradients(layout, params, device)
+        n = layout.shard_numel
+        self.files = StateFiles(directory, stem, STATE_KINDS, n, threads=4)
+        try:
+            self.chunk = chunk_numel(window, params.dtype, n)
+            self.slots = [_Slot(self.chunk, params.dtype, self.cuda) for _ in range(SLOTS)]
+            self.chunks = [Range(s, min(s + self.chunk, n)) for s in range(0, n, self.chunk)]
+            self.reset_master()
+        except BaseException:
+            self.files.close()
+            raise
+
+    # ---------------------------------------------------------------- the update
+    def _start_read(self, i: int) -> None:
+        slot, chunk = self.slots[i % SLOTS], self.chunks[i]
+        slot.wait_free()
+        nbytes = _blocks(chunk.numel) * 4
+        slot.reads = [self.files.read_async(k, chunk.start, slot.raw[k][:nbytes]) for k in STATE_KINDS]
+
+    def _start_write(self, i: int) -> None:
+        slot, chunk = self.slots[i % SLOTS], self.chunks[i]
+        nbytes = _blocks(chunk.numel) * 4
+        slot.writes = [self.files.write_async(k, chunk.start, slot.raw[k][:nbytes]) for k in STATE_KINDS]
+
+    def units(self, buckets: Sequence[Bucket]) -> Iterator[Unit]:
+        wanted = {b.index for b in buckets}
+        ahead = SLOTS - 2  # reads ahead of the chunk being updated; one slot is left to the write behind
+        for i in range(min(ahead, len(self.chunks))):
+            self._start_read(i)
+        for i, chunk in enumerate(self.chunks):
+            if i + ahead < len(self.chunks):
+                self._start_read(i + ahead)
+            slot = self.slots[i % SLOTS]
+            _wait(slot.reads)
+            self._dirty = False
+            for bucket in self.layout.buckets:
+                part = bucket.shard_range.intersect(chunk)
+                if not part.numel or bucket.index not in wanted:
+                    continue
+                local = part.shifted(-chunk.start)  # in the slot's buffers
+                views = BucketState(
+                    local.of(slot.fp32["master"]), part.of(self.grad), local.of(slot.fp32["exp_avg"]),
+                    local.of(slot.fp32["exp_avg_sq"]), None if slot.param_out is None else local.of(slot.param_out),
+                )  # fmt: skip
+                self._slot = slot
+                yield Unit(bucket, part.shifted(-bucket.shard_offset), views, part.end == bucket.shard_range.end)
+            if self._dirty:  # some unit of the chunk updated: write it behind
+                self._start_write(i)
+
+    def unit_done(self, unit: Unit, updated: Sequence[Range]) -> None:
+        if not updated:
+            return
+        self._dirty = True
+        source = unit.views.param_out if unit.views.param_out is not None else unit.views.master
+        copy_runs_to_device(self.params, unit, source, updated)
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._slot.copied = event
+
+    def step_done(self) -> None:
+        """Every chunk is back in its files (a failed write raises here, naming the file)."""
+        for slot in self.slots:
+            slot.wait_free()
+
+    # ---------------------------------------------------------------- serialisers
+    def read(self, kind: str, shard_range: Range) -> torch.Tensor:
+        if kind == "grad":
+            return shard_range.of(self.grad)
+        return self.files.read_range(kind, shard_range.start, shard_range.numel)
+
+    def host_view(self, kind: str, shard_range: Range) -> Optional[torch.Tensor]:
+        return shard_range.of(self.grad) if kind == "grad" else None
+
+    def write(self, kind: str, shard_range: Range, values: torch.Tensor) -> None:
+        if kind == "grad":
+            shard_range.of(self.grad).copy_(values)
+            return
+        self.files.write_range(kind, shard_range.start, values.detach().to("cpu", torch.float32))
+
+    # ---------------------------------------------------------------- the ledger
+    def tensors(self) -> dict[str, object]:
+        return {**self._landing_tensors(), "window": [t for s in self.slots for t in s.tensors()]}
+
+    def where(self) -> dict[str, str]:
+        return {**dict.fromkeys(STATE_KINDS, "disk"), "window": "host", **self._landing_where()}
+
+    def disk_bytes(self) -> int:
+        return self.files.nbytes * len(STATE_KINDS)
+
+    def close(self) -> None:
+        try:
+            for slot in getattr(self, "slots", []):
+                slot.wait_free()
+        finally:
+            self.files.close()
+
+
+def _blocks(numel: int) -> int:
+    """``numel`` rounded up to whole blocks (elements)."""
+    return -(-numel // ALIGN_ELEMENTS) * ALIGN_ELEMENTS

@@ -1,0 +1,149 @@
+"""fp32 arrays in files, read and written by I/O threads: the NVMe placement's working memory.
+
+One file per (rank, flat group, kind) under a directory the placement creates. I/O is plain ``preadv``/``pwritev``
+on a thread pool (they release the GIL, so reads ahead and writes behind overlap the CPU AdamW kernel), with
+``O_DIRECT`` where the filesystem accepts it (no page cache: what is read comes from the disk, what is written
+leaves memory; tmpfs refuses it, and then the page cache is used). O_DIRECT needs the memory address, the file
+offset and the length aligned to the device's block: buffers come from ``aligned_buffer`` (page-aligned) and every
+transfer covers whole ``ALIGN``-byte blocks; files are sized up to a whole block.
+
+Why threads and not a library: liburing/libaio are not on PyPI for Python in a form that would not add a compiled
+dependency, and for the few, large, sequential transfers of a step (megabytes each) two threads keep a disk busy;
+the benchmark (bench/bench_offload.py) measures how close a step comes to the disk's own sequential bandwidth.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Sequence
+
+import torch
+
+ALIGN = 4096  # bytes: a page, and a multiple of every device's logical block size we expect
+ALIGN_ELEMENTS = ALIGN // 4  # fp32 elements per aligned block
+
+
+def aligned_buffer(nbytes: int) -> torch.Tensor:
+    """A page-aligned uint8 CPU tensor of ``nbytes`` (rounded up to a page), backed by an anonymous mapping."""
+    size = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    t = torch.frombuffer(region, dtype=torch.uint8)
+    t._zero_ext_mapping = region  # keep the mapping alive with the tensor
+    return t[:nbytes]
+
+
+class StateFiles:
+    """``kinds`` fp32 arrays of ``numel`` elements, one file each, in ``directory`` (created here; the files are
+    deleted, and the directory when empty, by :meth:`close`, when this object is collected, or at exit)."""
+
+    def __init__(self, directory: str, stem: str, kinds: Sequence[str], numel: int, threads: int = 2):
+        self.directory, self.numel = directory, numel
+        self.nbytes = max(ALIGN, -(-numel * 4 // ALIGN) * ALIGN)  # whole blocks
+        os.makedirs(directory, exist_ok=True)
+        self.paths = {k: os.path.join(directory, f"{stem}.{k}.f32") for k in kinds}
+        self.direct = True
+        self.fds: dict[str, int] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        # Runs once: close() calls it, else the garbage collector or the interpreter's exit does.
+        self._remove = weakref.finalize(self, _remove_files, self.fds, list(self.paths.values()), directory)
+        try:
+            for kind, path in self.paths.items():
+                self.fds[kind] = self._open(path)
+                # Reserve the blocks now: a full disk fails here, not in the middle of a step's write-behind.
+                # The reserved blocks read as zeros (exp_avg and exp_avg_sq start at zero).
+                os.posix_fallocate(self.fds[kind], 0, self.nbytes)
+        except OSError as e:
+            self.close()
+            raise OSError(e.errno, f"zero_ext offload: cannot create {self.nbytes} bytes in {directory}: {e.strerror}")
+        except BaseException:
+            self.close()
+            raise
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="zero_ext-nvme")
+        self._lock = threading.Lock()
+        self.bytes_read = self.bytes_written = 0
+
+    def _open(self, path: str) -> int:
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+        if self.direct and hasattr(os, "O_DIRECT"):
+            try:
+                return os.open(path, flags | os.O_DIRECT, 0o600)
+            except OSError:  # e.g. tmpfs: no O_DIRECT; buffered I/O through the page cache instead
+                self.direct = False
+        self.direct = False
+        return os.open(path, flags, 0o600)
+
+    @staticmethod
+    def _check(start: int, buf: torch.Tensor) -> None:
+        if start % ALIGN_ELEMENTS or buf.numel() % ALIGN or buf.data_ptr() % ALIGN:
+            raise ValueError("StateFiles: transfers must be whole aligned blocks (start, length and address)")
+
+    def _read(self, kind: str, start: int, buf: torch.Tensor) -> int:
+        mv, done, offset = memoryview(buf.numpy()), 0, start * 4
+        while done < len(mv):
+            n = os.preadv(self.fds[kind], [mv[done:]], offset + done)
+            if n <= 0:
+                raise OSError(f"short read of {self.paths[kind]} at byte {offset + done}")
+            done += n
+        with self._lock:
+            self.bytes_read += done
+        return done
+
+    def _write(self, kind: str, start: int, buf: torch.Tensor) -> int:
+        mv, done, offset = memoryview(buf.numpy()), 0, start * 4
+        while done < len(mv):
+            done += os.pwritev(self.fds[kind], [mv[done:]], offset + done)
+        with self._lock:
+            self.bytes_written += done
+        return done
+
+    def read_async(self, kind: str, start: int, buf: torch.Tensor) -> Future:
+        """Fill ``buf`` (aligned uint8) with the file's bytes from element ``start`` (aligned), on an I/O thread."""
+        self._check(start, buf)
+        return self._pool.submit(self._read, kind, start, buf)
+
+    def write_async(self, kind: str, start: int, buf: torch.Tensor) -> Future:
+        self._check(start, buf)
+        return self._pool.submit(self._write, kind, start, buf)
+
+    def read_range(self, kind: str, start: int, numel: int) -> torch.Tensor:
+        """Elements [start, start + numel) as a new fp32 tensor (any alignment; synchronous)."""
+        lo, hi = start // ALIGN_ELEMENTS * ALIGN_ELEMENTS, -(-(start + numel) // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+        buf = aligned_buffer((hi - lo) * 4)
+        self._read(kind, lo, buf)
+        return buf.view(torch.float32)[start - lo : start - lo + numel].clone()
+
+    def write_range(self, kind: str, start: int, values: torch.Tensor) -> None:
+        """Overwrite elements from ``start`` with ``values`` (any alignment; synchronous read-modify-write)."""
+        numel = values.numel()
+        lo, hi = start // ALIGN_ELEMENTS * ALIGN_ELEMENTS, -(-(start + numel) // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+        buf = aligned_buffer((hi - lo) * 4)
+        self._read(kind, lo, buf)
+        buf.view(torch.float32)[start - lo : start - lo + numel].copy_(values.reshape(-1))
+        self._write(kind, lo, buf)
+
+    def close(self) -> None:
+        """Finish the I/O in flight, close and delete the files (the state is working memory; checkpoints are the
+        durable copy). A second call does nothing."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._remove()
+
+
+def _remove_files(fds: dict[str, int], paths: list[str], directory: str) -> None:
+    for kind, fd in list(fds.items()):
+        os.close(fd)
+        del fds[kind]
+    for path in paths:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+    try:
+        os.rmdir(directory)  # only when empty: other flat groups' files may still be there
+    except OSError:
+        pass

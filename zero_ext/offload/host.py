@@ -1,0 +1,192 @@
+"""``offload="cpu"`` (ZeRO-Offload): the fp32 master, exp_avg, exp_avg_sq and grad shard in host memory, updated
+there by the CPU fused AdamW kernel (AVX-512/AVX2 + OpenMP).
+
+Backward: a bucket's reduce-scatter lands in a small ring of device buffers (:class:`LandingRing`); right after it
+is launched, a copy stream waits for it (no host wait) and copies the mean to pinned host memory, so the
+device-to-host copies overlap the rest of backward. Before the step reads the grad shard, each copy is waited for
+(the host must see the bytes) and added to (stages 2 and 3 accumulate over micro-batches) or written into the
+shard. A landing slot is reused only after its copy finished.
+
+Step: bucket by bucket, the CPU kernel updates the host state and writes the new low-precision parameters into a
+pinned staging buffer (:class:`ParamOutRing`); the runs it wrote are copied host-to-device (asynchronously: the next
+bucket's CPU update overlaps the copy) into the rank's slice of the parameters, before the bucket's all-gather.
+fp32 parameters keep a separate fp32 master on the host and are copied from it.
+
+Without a GPU the same path runs with the landing ring and the host state as separate CPU buffers: the same copies,
+synchronous, no streams.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from ..layout import Bucket, Layout, Range
+from ..placement import BucketState, DeviceState, Unit
+
+# Bucket shards in flight between their reduce-scatter and the host grad shard: on CUDA, the fifth launch waits for
+# the first one's copy (device memory; the pinned twins are host memory). Without a GPU the landing completes at
+# the collective's own wait, so two suffice.
+LANDING_SLOTS = {"cuda": 4, "cpu": 2}
+
+
+class LandingRing:
+    """``slots`` device buffers of ``numel`` fp32 each (a bucket's shard of the reduced gradient), with pinned host
+    twins on CUDA (the device-to-host copies' destinations)."""
+
+    def __init__(self, numel: int, device: torch.device):
+        slots = LANDING_SLOTS["cuda" if device.type == "cuda" else "cpu"]
+        self.free = list(range(slots))
+        self.device_buffers = [torch.empty(numel, dtype=torch.float32, device=device) for _ in range(slots)]
+        cuda = device.type == "cuda"
+        self.host_buffers = (
+            [torch.empty(numel, dtype=torch.float32, pin_memory=True) for _ in range(slots)] if cuda else []
+        )
+
+
+class ParamOutRing:
+    """Host buffers (pinned on CUDA) the kernel writes a unit's new low-precision parameters into, before they are
+    copied to the device; a slot is reused only once its copy finished (an event per slot)."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, slots: int = 2):
+        cuda = device.type == "cuda"
+        self.buffers = [torch.empty(numel, dtype=dtype, pin_memory=cuda) for _ in range(slots)]
+        self.events: list[Optional[torch.cuda.Event]] = [None] * slots
+        self._next = 0
+
+    def take(self, numel: int) -> tuple[int, torch.Tensor]:
+        slot = self._next
+        self._next = (slot + 1) % len(self.buffers)
+        if self.events[slot] is not None:
+            self.events[slot].synchronize()  # its previous host-to-device copy has read it
+            self.events[slot] = None
+        return slot, self.buffers[slot][:numel]
+
+    def copied(self, slot: int, device: torch.device) -> None:
+        if device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            self.events[slot] = event
+
+
+def copy_runs_to_device(params, unit: Unit, source: torch.Tensor, updated: Sequence[Range]) -> None:
+    """The ``updated`` runs of ``source`` (the unit's new parameters, on the host) into the rank's slice of the
+    parameters, asynchronously from pinned memory."""
+    with torch._C.DisableTorchFunctionSubclass():  # stage 3's shard is a ShardedParameter's storage
+        target = unit.rows.of(params.rank_slice(unit.bucket))
+        for r in updated:
+            r.of(target).copy_(r.of(source), non_blocking=True)
+
+
+class HostGradients(DeviceState):
+    """The reduced gradient shard in host memory, landed through :class:`LandingRing` (shared by both offloads)."""
+
+    resident = False  # the reduced gradient lands in the ring first
+
+    def _init_gradients(self, layout: Layout, params, device: torch.device) -> None:
+        self.layout, self.params, self.device = layout, params, torch.device(device)
+        self.update_device = torch.device("cpu")
+        self.master_is_param = False  # the master lives off the device even for fp32 parameters
+        self.cuda = self.device.type == "cuda"
+        self.grad = torch.zeros(layout.shard_numel, dtype=torch.float32, pin_memory=self.cuda)
+        largest = max((b.shard_numel for b in layout.buckets), default=0)
+        self.ring = LandingRing(largest, self.device)
+        # copy: the reduced gradients go device-to-host on it while backward goes on (one stream, one purpose).
+        self.copy_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self._landing: list[tuple] = []  # launched landings, oldest first
+
+    def reset_master(self) -> None:
+        for bucket in self.layout.buckets:
+            with torch._C.DisableTorchFunctionSubclass():
+                self.write("master", bucket.shard_range, self.params.rank_slice(bucket))
+
+    def grad_target(self, bucket: Bucket) -> tuple[torch.Tensor, bool]:
+        if not self.ring.free:
+            self._finish_one()
+        slot = self.ring.free.pop(0)
+        self._slot_of_target = slot
+        return self.ring.device_buffers[slot][: bucket.shard_numel], False
+
+    def landed(self, bucket: Bucket, target: torch.Tensor, pending, accumulate: bool) -> None:
+        slot = self._slot_of_target
+        if self.copy_stream is None:  # CPU: the collective completes at the wait in _finish_one
+            self._landing.append((bucket, slot, pending, None, target, accumulate))
+            return
+        host = self.ring.host_buffers[slot][: bucket.shard_numel]
+        with torch.cuda.stream(self.copy_stream):
+            pending.wait_on(self.copy_stream)  # the copy stream waits for the reduce-scatter (no host wait)
+            host.copy_(target, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+        self._landing.append((bucket, slot, None, done, host, accumulate))
+
+    def _finish_one(self) -> None:
+        bucket, slot, pending, done, values, accumulate = self._landing.pop(0)
+        if pending is not None:
+            pending.wait()
+        if done is not None:
+            done.synchronize()  # the host must see the bytes it is about to add
+            # the next reduce-scatter into this slot (launched after the current stream) comes after the copy
+            torch.cuda.current_stream(self.device).wait_event(done)
+        shard = bucket.shard_range.of(self.grad)
+        if accumulate:
+            shard.add_(values)
+        else:
+            shard.copy_(values)
+        self.ring.free.append(slot)
+
+    def finish_landing(self) -> None:
+        while self._landing:
+            self._finish_one()
+
+    def _landing_tensors(self) -> dict[str, object]:
+        return {"grad_shard": self.grad, "landing": self.ring.device_buffers, "landing_host": self.ring.host_buffers}
+
+    def _landing_where(self) -> dict[str, str]:
+        return {"grad_shard": "host", "landing": "device" if self.cuda else "host", "landing_host": "host"}
+
+
+class HostState(HostGradients):
+    location = "host"
+
+    def __init__(self, layout: Layout, params, device: torch.device):
+        self._init_gradients(layout, params, device)
+        n = layout.shard_numel
+        self.master = torch.zeros(n, dtype=torch.float32, pin_memory=self.cuda)
+        self.exp_avg = torch.zeros(n, dtype=torch.float32, pin_memory=self.cuda)
+        self.exp_avg_sq = torch.zeros(n, dtype=torch.float32, pin_memory=self.cuda)
+        largest = max((b.shard_numel for b in layout.buckets), default=0)
+        self.out = ParamOutRing(largest, params.dtype, self.device) if params.dtype != torch.float32 else None
+        self.reset_master()
+
+    # ---------------------------------------------------------------- the update
+    def units(self, buckets: Sequence[Bucket]) -> Iterator[Unit]:
+        for bucket in buckets:
+            r = bucket.shard_range
+            slot, out = self.out.take(bucket.shard_numel) if self.out is not None else (None, None)
+            views = BucketState(r.of(self.master), r.of(self.grad), r.of(self.exp_avg), r.of(self.exp_avg_sq), out)
+            self._out_slot = slot
+            yield Unit(bucket, Range(0, bucket.shard_numel), views, True)
+
+    def unit_done(self, unit: Unit, updated: Sequence[Range]) -> None:
+        """The runs the kernel wrote, host to device, into the rank's slice (fp32 params: from the master)."""
+        if not updated:
+            return
+        source = unit.views.param_out if unit.views.param_out is not None else unit.views.master
+        copy_runs_to_device(self.params, unit, source, updated)
+        if self.out is not None:
+            self.out.copied(self._out_slot, self.device)
+
+    # ---------------------------------------------------------------- serialisers and the ledger
+    def _views(self, kind: str, shard_range: Range) -> list[tuple[Range, torch.Tensor]]:
+        return [(shard_range, shard_range.of(self._buffer(kind)))]
+
+    def tensors(self) -> dict[str, object]:
+        return {
+            "master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, **self._landing_tensors(),
+            "param_out": self.out.buffers if self.out is not None else [],
+        }  # fmt: skip
+
+    def where(self) -> dict[str, str]:
+        return {**dict.fromkeys(("master", "exp_avg", "exp_avg_sq", "param_out"), "host"), **self._landing_where()}

@@ -1,0 +1,117 @@
+"""Parameter all-gathers: ``start_param_sync`` after a bucket's update, ``finish_param_sync`` before its
+parameters are read.
+
+By default ``step()`` finishes every gather before it returns. With ``defer_all_gather_to=model`` it returns at
+once and the waits move into the next forward: a forward pre-hook on each module waits for the buckets of the
+parameters it owns directly, just before it runs. A parameter can also be read by a module that does not own it
+(``F.embedding(x, self.wte.weight)`` in a parent, with ``wte`` never called): to cover that, the model's root
+waits, before anything runs, for every bucket that no module's pre-hook claimed in the previous forward (all of
+them in the first forward), and the root's forward post-hook waits for whatever is still in flight, so nothing
+is in flight when backward starts. Reading parameters outside forward after ``step()`` needs
+``opt.finish_sync()`` first: the gather may still be writing them.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+
+from .buffers import FlatGroup, ShardedState
+from .comm import Pending
+from .layout import Bucket
+
+Key = tuple[int, int]  # (flat group index, bucket index)
+
+
+class ParamSync:
+    def __init__(self, state: ShardedState):
+        self.state, self.comm = state, state.comm
+        self._pending: dict[Key, Pending] = {}
+        self._hooks = []
+        self.deferred = False
+        self._claimed: set[Key] = set()  # buckets some module's pre-hook waited for in the last forward
+        self._claiming: set[Key] = set()
+
+    def start_param_sync(self, group: FlatGroup, bucket: Bucket) -> None:
+        """Gather every rank's slice of ``bucket`` into the full param buffer (in place)."""
+        pending = self.comm.start_all_gather(group.flat_params.gathered(bucket), group.flat_params.rank_slice(bucket))
+        if not pending.done:
+            self._pending[(group.index, bucket.index)] = pending
+
+    def finish_param_sync(self, keys: Optional[Iterable[Key]] = None) -> None:
+        """The current stream waits for the gathers of ``keys`` (default: all in flight)."""
+        for key in list(self._pending) if keys is None else keys:
+            pending = self._pending.pop(key, None)
+            if pending is not None:
+                pending.wait()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    # ---------------------------------------------------------------- deferred waits
+    def defer_to(self, module: torch.nn.Module) -> None:
+        """Install the forward hooks that make ``step()``'s gathers finish in the next forward of ``module``."""
+        where = {}
+        for group in self.state.groups:
+            for slot, p in zip(group.layout.slots, group.params):
+                where[id(p)] = (group.index, slot.bucket)
+        for m in module.modules():
+            keys = sorted({where[id(p)] for p in m.parameters(recurse=False) if id(p) in where})
+            if keys and m is not module:
+                self._hooks.append(m.register_forward_pre_hook(self._pre_hook(keys)))
+        root_keys = sorted({where[id(p)] for p in module.parameters(recurse=False) if id(p) in where})
+        self._hooks.append(module.register_forward_pre_hook(self._root_pre_hook(root_keys)))
+        self._hooks.append(module.register_forward_hook(self._root_post_hook))
+        self.deferred = True
+
+    def _pre_hook(self, keys: list[Key]):
+        @torch.compiler.disable
+        def hook(_module, _args) -> None:
+            self._claiming.update(keys)
+            self.finish_param_sync(keys)
+
+        return hook
+
+    def _root_pre_hook(self, own_keys: list[Key]):
+        @torch.compiler.disable
+        def hook(_module, _args) -> None:
+            self._claiming = set()
+            self.finish_param_sync(own_keys)
+            self.finish_param_sync([k for k in list(self._pending) if k not in self._claimed])
+
+        return hook
+
+    @torch.compiler.disable
+    def _root_post_hook(self, _module, _args, _output) -> None:
+        self._claimed = self._claiming
+        self.finish_param_sync()
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.deferred = False
+
+
+@torch.no_grad()
+def write_back(state: ShardedState, modifier_rank: int) -> None:
+    """Collective: rank ``modifier_rank``'s full parameters become every rank's, and each rank's shard and fp32
+    master follow them (the master only where a value changed: unchanged elements keep their fp32 bits)."""
+    for group, bucket in state.buckets():
+        full = group.flat_params.gathered(bucket)
+        with torch._C.DisableTorchFunctionSubclass():
+            shard = group.flat_params.rank_slice(bucket)
+            # at stages 1 and 2 the shard is part of `full`, which the broadcast overwrites
+            before = group.flat_params.rank_values(bucket).clone()
+            state.comm.broadcast(full, modifier_rank)
+            mine = bucket.rank_range(state.rank).shifted(-bucket.offset).of(full)
+            if not group.master_is_param:
+                changed = mine != before
+                if bool(changed.any()):  # through the placement: the master may live on the host or on disk
+                    master = group.state.read("master", bucket.shard_range).clone()
+                    master[changed.to(master.device)] = mine[changed].float().to(master.device)
+                    group.state.write("master", bucket.shard_range, master)
+            if shard is not None and shard.data_ptr() != mine.data_ptr():  # None: cast from the master
+                shard.copy_(mine)

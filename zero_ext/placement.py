@@ -1,0 +1,154 @@
+"""Where a rank's optimizer state lives: the fp32 master, exp_avg, exp_avg_sq and grad shard of one flat group.
+
+:class:`DeviceState` keeps them in memory on the parameters' device (the default); ``zero_ext.offload`` has the
+host-memory and disk placements. Nobody else indexes these buffers: the reducer asks where a bucket's reduced
+gradient goes (:meth:`grad_target`, then :meth:`landed`), the step asks for update *units* in turn
+(:meth:`units`: a bucket here, a chunk of a disk-backed shard there) and reports each one done
+(:meth:`unit_done`), so a placement can move state in before an update and out after it, overlapping the next one.
+Serialisers read and write through :meth:`read` / :meth:`write` by shard range.
+
+Kinds: ``master`` (absent in memory for fp32 params kept with their parameters: the views then come from the
+param buffer), ``exp_avg``, ``exp_avg_sq``, ``grad`` (the reduced gradient shard).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, NamedTuple, Optional, Sequence
+
+import torch
+
+from .layout import Bucket, Layout, Range
+
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+class BucketState(NamedTuple):
+    """A run of a rank's optimizer state, as the AdamW kernel takes it."""
+
+    master: torch.Tensor
+    grad: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    param_out: Optional[torch.Tensor]  # the low-precision param slice to write, None for fp32 params
+
+
+class Unit(NamedTuple):
+    """One update of the step: ``rows`` (in ``bucket``'s shard coordinates) of ``bucket``, with ``views`` of
+    exactly those elements; ``last`` when the bucket is complete after it (its parameters can be gathered)."""
+
+    bucket: Bucket
+    rows: Range
+    views: BucketState
+    last: bool
+
+
+class DeviceState:
+    """Optimizer state in memory on the params' device."""
+
+    resident = True  # the reducer may add gradients straight into `grad`; the master is on the params' device
+    location = "device"
+
+    def __init__(self, layout: Layout, params, device: torch.device):
+        n = layout.shard_numel
+        self.layout, self.params = layout, params
+        self.update_device = torch.device(device)  # where the update runs and the step's scalars live
+        self.master_is_param = params.dtype == torch.float32
+        fp32 = dict(dtype=torch.float32, device=device)
+        self.exp_avg = torch.zeros(n, **fp32)
+        self.exp_avg_sq = torch.zeros(n, **fp32)
+        self.grad = torch.zeros(n, **fp32)
+        self.master = None if self.master_is_param else torch.zeros(n, **fp32)
+        self.reset_master()
+
+    def reset_master(self) -> None:
+        """The fp32 master := the (already adopted or initialised) parameters' values."""
+        if self.master is not None:
+            for bucket in self.layout.buckets:
+                bucket.shard_range.of(self.master).copy_(self.params.rank_slice(bucket))
+
+    # ---------------------------------------------------------------- gradients
+    def grad_target(self, bucket: Bucket) -> tuple[torch.Tensor, bool]:
+        """Where ``bucket``'s reduce-scatter writes, on the params' device, and whether that is the grad shard
+        itself (else :meth:`landed` moves it there)."""
+        return bucket.shard_range.of(self.grad), True
+
+    def landed(self, bucket: Bucket, target: torch.Tensor, pending, accumulate: bool) -> None:
+        """The reduce-scatter into ``target`` was launched (``pending``): move the mean to the grad shard."""
+
+    def finish_landing(self) -> None:
+        """Every launched reduction is in the grad shard (after the reducer waited for its collectives)."""
+
+    # ---------------------------------------------------------------- the update
+    def bucket_state(self, bucket: Bucket) -> BucketState:
+        r = bucket.shard_range
+        if self.master is None:
+            master, param_out = self.params.rank_slice(bucket), None
+        else:  # param_out None: stage 3 without a kept shard casts the master when it gathers
+            master, param_out = r.of(self.master), self.params.rank_slice(bucket)
+        return BucketState(master, r.of(self.grad), r.of(self.exp_avg), r.of(self.exp_avg_sq), param_out)
+
+    def units(self, buckets: Sequence[Bucket]) -> Iterator[Unit]:
+        """The step's updates in order: here one per bucket, on the buffers themselves."""
+        for bucket in buckets:
+            yield Unit(bucket, Range(0, bucket.shard_numel), self.bucket_state(bucket), True)
+
+    def unit_done(self, unit: Unit, updated: Sequence[Range]) -> None:
+        """The update of ``unit`` is queued (``updated``: the runs the kernel wrote, in the unit's coordinates;
+        empty when nothing in it updates): its results may be moved where they belong."""
+
+    def step_done(self) -> None:
+        """Every unit of the step was updated."""
+
+    # ---------------------------------------------------------------- serialisers
+    def _buffer(self, kind: str) -> torch.Tensor:
+        return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "grad": self.grad}[kind]
+
+    def _views(self, kind: str, shard_range: Range) -> list[tuple[Range, torch.Tensor]]:
+        """``shard_range`` of ``kind`` as (sub-range, tensor view) runs: one run for a shard buffer; for fp32
+        params' master, one run per bucket slice of the param buffer the range crosses."""
+        if kind != "master" or self.master is not None:
+            return [(shard_range, shard_range.of(self._buffer(kind)))]
+        runs = []
+        for bucket in self.layout.buckets:
+            part = bucket.shard_range.intersect(shard_range)
+            if part.numel:
+                local = part.shifted(-bucket.shard_offset)
+                runs.append((part, local.of(self.params.rank_slice(bucket))))
+        return runs
+
+    def read(self, kind: str, shard_range: Range) -> torch.Tensor:
+        """``shard_range`` of ``kind`` (fp32, on the state's device): a view where the range is one run of memory,
+        else a copy. Do not modify it: :meth:`write` changes the state."""
+        runs = self._views(kind, shard_range)
+        return runs[0][1] if len(runs) == 1 else torch.cat([v for _, v in runs])
+
+    def host_view(self, kind: str, shard_range: Range) -> Optional[torch.Tensor]:
+        """A writable view of ``shard_range`` of ``kind`` when it is one run of fp32 host memory (a loader can
+        read straight into it), else None."""
+        runs = self._views(kind, shard_range)
+        if len(runs) == 1 and runs[0][1].device.type == "cpu" and runs[0][1].dtype == torch.float32:
+            return runs[0][1]
+        return None
+
+    def write(self, kind: str, shard_range: Range, values: torch.Tensor) -> None:
+        """Overwrite ``shard_range`` of ``kind`` with ``values`` (any device; cast to fp32)."""
+        for part, view in self._views(kind, shard_range):
+            view.copy_(part.shifted(-shard_range.start).of(values))
+
+    # ---------------------------------------------------------------- the ledger
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor this placement allocated in memory, by kind (the memory ledger's input)."""
+        out = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "grad_shard": self.grad}
+        if self.master is not None:
+            out["master"] = self.master
+        return out
+
+    def where(self) -> dict[str, str]:
+        """Each kind's medium: "device" (the params' device), "host" (host memory) or "disk"."""
+        return dict.fromkeys(("master", "exp_avg", "exp_avg_sq", "grad_shard"), self.location)
+
+    def disk_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        """Release what outlives the process otherwise (files)."""

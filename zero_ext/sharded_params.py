@@ -1,0 +1,192 @@
+"""Stage 3's parameter storage: each rank keeps only its shard of every bucket; a bucket's full parameters exist
+only while it is gathered.
+
+At rest a parameter's ``.data`` is a poison view: a single NaN expanded to the parameter's shape, so its shape,
+dtype and device stay right for any code that inspects them, it costs no memory, and nothing can read stale or
+freed memory through it. Gathered, ``.data`` is a view into the bucket's gathered buffer, as at stages 1 and 2.
+
+Every data access through a parameter whose bucket is not gathered is checked: the parameter's class becomes a
+subclass of its own class whose ``__torch_function__`` (which torch calls for every op on the parameter) first
+makes sure the bucket is gathered: inside forward and backward it gathers it on demand (a module reading a weight
+it does not own, ``F.linear(x, self.wte.weight)``), outside them it raises a clear error instead of a collective
+one rank might make alone. Metadata (shape, dtype, device, ``.grad``, ``.data`` assignment) never triggers
+anything. Once its bucket's gather is complete a parameter gets its own class back (param_gather.py), so the ops of
+forward pay nothing for the checks; ``close()`` restores the class for good.
+
+On the CPU a released bucket's buffer is kept for the next gather of a bucket of its size (a fresh allocation
+would be page-faulted in by every gather), unless something (a view autograd saved) still holds it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from .layout import Bucket, Layout
+
+# Properties that read no data: their getters (and .data/.grad/.requires_grad setters) pass straight through.
+_METADATA = frozenset(
+    "shape dtype device requires_grad grad data is_leaf ndim layout is_cuda is_cpu is_meta is_sparse is_quantized "
+    "is_mkldnn is_nested names _version grad_fn output_nr _backward_hooks _post_accumulate_grad_hooks name "
+    "_base is_complex itemsize nbytes".split()
+)
+_METADATA_METHODS = frozenset(
+    "size dim numel nelement element_size is_floating_point is_contiguous stride storage_offset __len__ "
+    "register_hook register_post_accumulate_grad_hook requires_grad_ _is_view __hash__ __eq__ get_device "
+    "is_complex untyped_storage data_ptr".split()
+)
+
+
+def _reads_data(func) -> bool:
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__", "__delete__"):
+        owner = getattr(getattr(func, "__self__", None), "__name__", "")
+        return owner not in _METADATA
+    return name not in _METADATA_METHODS
+
+
+class ShardedParameter(torch.nn.Parameter):
+    """Mixed into a stage-3 parameter's own class (see :func:`shard_class`)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _reads_data(func):
+            for a in tree_flatten((args, kwargs))[0]:
+                gather = getattr(a, "_zero_ext_gather", None) if isinstance(a, ShardedParameter) else None
+                if gather is not None:
+                    gather.ensure(a, func)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def _storage_uses(t: torch.Tensor) -> int:
+    """How many tensors share ``t``'s storage (views included)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def shard_class(cls: type) -> type:
+    """``cls`` (nn.Parameter or a subclass of it) with :class:`ShardedParameter`'s checks (one class per ``cls``)."""
+    if issubclass(cls, ShardedParameter):
+        return cls
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedParameter, cls), {"_zero_ext_original": cls})
+    return _CLASSES[cls]
+
+
+class ShardedParams:
+    """Stage 3: this rank's slices of every bucket, contiguous (its shard), persist; a bucket's full buffer exists
+    only while the bucket is gathered.
+
+    With bf16/fp16 parameters whose fp32 master is on the same device (no offload), the shard in the param dtype is
+    not kept after construction (:meth:`cast_from`): each gather rounds this rank's slice of the master straight
+    into its place in the gathered buffer, as FSDP2 casts its fp32 shard when it gathers. That is the value the
+    AdamW kernel would have written (both round to nearest even), and it saves 2 bytes per parameter / N."""
+
+    gathers_after_update = False  # the next use gathers the updated shard
+
+    def __init__(self, layout: Layout, rank: int, dtype: torch.dtype, device: torch.device):
+        self.layout, self.rank, self.dtype, self.device = layout, rank, dtype, device
+        self.shard: Optional[torch.Tensor] = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+        self.source: Optional[Callable[[Bucket], torch.Tensor]] = None  # bucket -> its fp32 master slice
+        self._spare: dict[int, list[torch.Tensor]] = {}  # numel -> released buffers to reuse (CPU)
+        self._sole_use = _storage_uses(torch.empty(1))  # the count of a storage held by one tensor only
+        self.buffers: dict[int, torch.Tensor] = {}  # bucket index -> its gathered buffer
+        self.params: Sequence[torch.Tensor] = ()
+        self.poison = torch.full((1,), float("nan"), dtype=dtype, device=device)
+
+    def adopt(self, params: Sequence[torch.Tensor]) -> None:
+        """Copy this rank's pieces of every parameter into the shard, then free them (poison views)."""
+        self.params = list(params)
+        for p in self.params:
+            if p.is_meta:  # built on meta (meta_init.py initialises it later): become a tensor on our device
+                torch.utils.swap_tensors(p, type(p)(self.poison.expand(p.shape), requires_grad=p.requires_grad))
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            for piece in self.layout.owned_pieces(self.rank):
+                flat = self.params[piece.index].detach().reshape(-1)
+                piece.shard_range.of(self.shard).copy_(piece.param_range.of(flat))
+        for bucket in self.layout.buckets:
+            self.release(bucket)
+
+    def fill_shard(self, bucket: Bucket, full: torch.Tensor) -> None:
+        """This rank's slice of ``full`` (the whole bucket) into the shard (before :meth:`cast_from`)."""
+        bucket.shard_range.of(self.shard).copy_(bucket.rank_range(self.rank).shifted(-bucket.offset).of(full))
+
+    def cast_from(self, source: Callable[[Bucket], torch.Tensor]) -> None:
+        """Stop keeping the shard: from now on a gather rounds ``source(bucket)`` (this rank's fp32 master slice of
+        the bucket) into the gathered buffer."""
+        self.source, self.shard = source, None
+
+    def rank_slice(self, bucket: Bucket) -> Optional[torch.Tensor]:
+        """This rank's slice of ``bucket``: where the AdamW kernel writes, and the all-gather's input; None when
+        the shard is not kept (:meth:`cast_from`)."""
+        return None if self.shard is None else bucket.shard_range.of(self.shard)
+
+    def rank_values(self, bucket: Bucket) -> torch.Tensor:
+        """This rank's slice of ``bucket`` in the param dtype (a copy when it is cast from the master)."""
+        if self.shard is None:
+            return self.source(bucket).to(self.dtype)
+        return self.rank_slice(bucket)
+
+    def gather_input(self, bucket: Bucket, full: torch.Tensor) -> torch.Tensor:
+        """The all-gather's input for ``bucket`` into ``full``: the kept slice, or this rank's place in ``full``
+        filled with the master slice rounded to the param dtype (an in-place all-gather)."""
+        if self.shard is not None:
+            return self.rank_slice(bucket)
+        with torch._C.DisableTorchFunctionSubclass():
+            mine = bucket.rank_range(self.rank).shifted(-bucket.offset).of(full)
+            mine.copy_(self.source(bucket))
+        return mine
+
+    def allocate(self, bucket: Bucket) -> torch.Tensor:
+        """A buffer for ``bucket`` (the all-gather's output), with the bucket's parameters viewing into it."""
+        spare = self._spare.get(bucket.numel)
+        buf = spare.pop() if spare else torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
+        self.buffers[bucket.index] = buf
+        with torch._C.DisableTorchFunctionSubclass():  # metadata only: no need for the checks' dispatch
+            for i in bucket.slots:
+                p = self.params[i]
+                p.data = bucket.slot_range(self.layout.slots[i]).of(buf).view(p.shape)
+        return buf
+
+    def gathered(self, bucket: Bucket) -> Optional[torch.Tensor]:
+        return self.buffers.get(bucket.index)
+
+    def release(self, bucket: Bucket) -> None:
+        """Free ``bucket``'s buffer; its parameters go back to poison views."""
+        buf = self.buffers.pop(bucket.index, None)
+        with torch._C.DisableTorchFunctionSubclass():
+            for i in bucket.slots:
+                p = self.params[i]
+                p.data = self.poison.expand(p.shape)
+        # On the CPU, keep the buffer for the next gather of a bucket of its size (at most the window's peak of
+        # them), as CUDA's caching allocator does: a fresh one is page-faulted in by every gather (~2.5 ms a
+        # step on the benchmark GPT at N=2). Only when nothing else holds a view of it (autograd may have saved
+        # a slice of a parameter): else it is left to be freed with that view.
+        if buf is not None and self.device.type == "cpu" and _storage_uses(buf) == self._sole_use:
+            self._spare.setdefault(buf.numel(), []).append(buf)
+
+    def misplaced(self, params: Sequence[torch.Tensor]) -> Optional[int]:
+        """The index of a parameter whose ``.data`` is neither its poison view nor its view of a gathered buffer
+        (the model was moved, cast or given new tensors after the optimizer was built), else None."""
+        with torch._C.DisableTorchFunctionSubclass():
+            for slot, p in zip(self.layout.slots, params):
+                buf = self.buffers.get(slot.bucket)
+                allowed = {self.poison.untyped_storage().data_ptr()}
+                if buf is not None:
+                    allowed.add(buf.untyped_storage().data_ptr())
+                if (
+                    p.device != self.device
+                    or p.dtype != self.dtype
+                    or (slot.numel and p.untyped_storage().data_ptr() not in allowed)
+                ):
+                    return slot.index
+        return None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {} if self.shard is None else {"params": self.shard}
