@@ -9,6 +9,7 @@ they measure the checkpoint code, not the disk. Times are the slowest rank's (a 
 
     python bench/bench_checkpoint.py                 # 1, 2, 3 ranks, 3 repetitions, ~2 GB of disk
     python bench/bench_checkpoint.py --worlds 2 --reps 1 --params 20e6
+    python bench/bench_checkpoint.py --worlds 1 2 --reps 1 --dim 256 --params 2e5 --out-dir /tmp/ckpt   # seconds
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS, markdown_table, meta, text_table, write_results  # noqa: E402
-from launch import launch  # noqa: E402
+from harness import RESULTS, launch, markdown_table, meta, text_table, write_results  # noqa: E402
 
 
 def _copy(src: str, dst: str) -> None:
@@ -45,22 +46,22 @@ def _timed_collective(fn) -> float:
     return time.perf_counter() - t
 
 
-def _run(rank, world, device, num_params, reps, root):
+def _run(rank, world, device, num_params, dim, reps, root):
     import zero_ext
     from zero_ext import checkpoint
+    from zero_ext.layout import Range
 
     torch.manual_seed(0)
-    dim = 4096
     layers = max(1, round(num_params / (dim * dim)))
     params = [
         (f"layers.{i}.weight", torch.nn.Parameter(torch.randn(dim, dim, dtype=torch.bfloat16))) for i in range(layers)
     ]
     opt = zero_ext.ZeroAdamW(params, lr=1e-3, stage=2)
-    with torch.no_grad():  # realistic, incompressible state
-        for fg in opt._flat_groups:
-            fg.master.normal_()
-            fg.exp_avg.normal_()
-            fg.exp_avg_sq.uniform_()
+    with torch.no_grad():  # realistic, incompressible state, written through the sharded state's seam
+        for group in opt.sharded_state.groups:
+            everything = Range(0, group.layout.shard_numel)
+            for kind, fill in (("master", torch.randn), ("exp_avg", torch.randn), ("exp_avg_sq", torch.rand)):
+                group.state.write(kind, everything, fill(everything.numel))
     path = os.path.join(root, f"ckpt-w{world}")
     mine = os.path.join(path, f"rank{rank:05d}.bin")
     rows = []
@@ -80,18 +81,22 @@ def _run(rank, world, device, num_params, reps, root):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--params", type=float, default=100e6, help="model size (rounded to 4096x4096 layers)")
+    ap.add_argument("--params", type=float, default=100e6, help="model size (rounded to whole --dim x --dim layers)")
+    ap.add_argument("--dim", type=int, default=4096, help="layer width (default 4096)")
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
-    ap.add_argument("--out", default="checkpoint", help="result name under bench/results")
+    ap.add_argument("--out", default="checkpoint", help="result file stem (default: checkpoint)")
+    ap.add_argument(
+        "--out-dir", default=str(RESULTS), help="where to write <out>.{json,md,csv} (default: bench/results)"
+    )
     args = ap.parse_args()
     m = meta(torch.device("cpu"))
     table, csv_rows = [], []
     for world in args.worlds:
         root = tempfile.mkdtemp(prefix="zero_ext_ckpt_bench_", dir=args.dir)
         try:
-            res = launch(_run, world, "cpu", int(args.params), args.reps, root)
+            res = launch(_run, world, "cpu", int(args.params), args.dim, args.reps, root)
         finally:
             shutil.rmtree(root, ignore_errors=True)
         rows = res["rows"]
@@ -120,8 +125,8 @@ def main() -> None:
         f"interleaved with the saves; `load` reads from the page cache. Median of {args.reps} repetitions.\n\n"
         + markdown_table(headers, table)
     )
-    paths = write_results(args.out, m, {"rows": csv_rows}, body)
-    csv_path = RESULTS / f"{args.out}.csv"
+    paths = write_results(args.out, m, {"rows": csv_rows}, body, args.out_dir)
+    csv_path = Path(args.out_dir) / f"{args.out}.csv"
     with open(csv_path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(csv_rows[0]))
         w.writeheader()

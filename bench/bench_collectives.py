@@ -20,16 +20,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import common  # noqa: E402
+import harness  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from launch import launch as run_on  # noqa: E402
 
 DEFAULT_NUMEL = 3_323_392  # the main job's GPT (bench/gpt_model.py defaults): every bucket padding is zero at N = 2
 
@@ -87,22 +84,16 @@ def _contenders(rank: int, world: int, numel: int, buckets: int) -> dict:
 
 def _bench(rank: int, world: int, device, numel: int, bucket_counts: list, reps: int, warmup: int) -> dict:
     torch.manual_seed(rank)
-    runs = {}
+    fns = {}
     for buckets in bucket_counts:
         for name, fn in _contenders(rank, world, numel, buckets).items():
-            runs[(name, buckets)] = (fn, [])
-    for rep in range(warmup + reps):
-        for fn, times in runs.values():  # interleaved: a load swing hits every contender alike
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            if rep >= warmup:
-                times.append(time.perf_counter() - t0)
+            fns[f"{name}|{buckets}"] = lambda fn=fn: harness.timed(fn)
+    times = harness.round_robin(fns, warmup, reps, before=dist.barrier)
     out = {}
-    for (name, buckets), (_, times) in runs.items():
-        t = torch.tensor(times, dtype=torch.float64)
+    for key, t in times.items():
+        t = torch.tensor(t, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank, repetition by repetition
-        out[f"{name}|{buckets}"] = t.tolist()
+        out[key] = t.tolist()
     return out
 
 
@@ -113,36 +104,35 @@ def main(argv=None) -> int:
     p.add_argument("--buckets", default="1,4,8", help="bucket counts to cut the buffer into")
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--out-dir", default=str(common.RESULTS))
+    p.add_argument("--out-dir", default=str(harness.RESULTS))
     p.add_argument("--name", default="collectives_cpu")
     args = p.parse_args(argv)
     bucket_counts = [int(b) for b in args.buckets.split(",")]
     granule = args.world_size * max(bucket_counts) * 64
     numel = -(-args.numel // granule) * granule  # every bucket splits evenly over the ranks
-    meta = common.meta(torch.device("cpu"))
-    res = run_on(_bench, args.world_size, "cpu", numel, bucket_counts, args.reps, args.warmup)
+    meta = harness.meta(torch.device("cpu"))
+    res = harness.launch(_bench, args.world_size, "cpu", numel, bucket_counts, args.reps, args.warmup)
 
-    base = {b: statistics.median(res[f"all_reduce (fp32)|{b}"]) for b in bucket_counts}
+    stats = {key: harness.summary(times) for key, times in res.items()}
     rows, payload = [], {}
     for key, times in res.items():
         name, buckets = key.rsplit("|", 1)
-        med = statistics.median(times)
-        q = statistics.quantiles(times, n=4)
-        rows.append([name, buckets, f"{med * 1e3:.2f}", f"{q[0] * 1e3:.2f}-{q[2] * 1e3:.2f}",
-                     f"{med / base[int(buckets)]:.2f}x"])  # fmt: skip
-        payload[key] = {"times_s": times, "median_s": med}
+        s, base = stats[key], stats[f"all_reduce (fp32)|{buckets}"]
+        rows.append([name, buckets, f"{s['median_s'] * 1e3:.2f}", f"{s['q1_s'] * 1e3:.2f}-{s['q3_s'] * 1e3:.2f}",
+                     f"{s['median_s'] / base['median_s']:.2f}x"])  # fmt: skip
+        payload[key] = {"times_s": times, "median_s": s["median_s"]}
     headers = ["collective", "buckets", "median ms", "IQR ms", "vs all_reduce (same buckets)"]
     body = (
         f"{args.world_size} gloo ranks, 1 thread each; {numel:,} fp32 elements per rank ({numel * 4 / 2**20:.2f} MiB), "
         f"cut into {args.buckets} buckets; {args.reps} repetitions after {args.warmup} warm-up, interleaved; "
         "times are the slowest rank's.\n\n"
-        + common.markdown_table(headers, rows)
+        + harness.markdown_table(headers, rows)
         + "\n\n- all_to_all + sum sends the (N-1)/N of the buffer a ring reduce-scatter sends and sums locally in"
         " rank order (zero_ext.comm); with bf16 input it sends half the bytes and sums in fp32.\n"
     )
-    print(common.text_table(headers, rows))
+    print(harness.text_table(headers, rows))
     cfg = {"world_size": args.world_size, "numel": numel, "buckets": bucket_counts, "reps": args.reps}
-    paths = common.write_results(args.name, meta, {"config": cfg, "runs": payload}, body, args.out_dir)
+    paths = harness.write_results(args.name, meta, {"config": cfg, "runs": payload}, body, args.out_dir)
     print("wrote " + ", ".join(str(x) for x in paths))
     return 0
 

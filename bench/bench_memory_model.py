@@ -1,13 +1,15 @@
 """The ZeRO memory model: zero_ext.memory.estimate against the paper, and against what the engine allocated.
 
-    python bench/bench_memory_model.py [--main-job bench/results/main_job.json]
+    python bench/bench_memory_model.py                                  # the committed main job result
+    python bench/bench_memory_model.py --main-job bench/out/main_job.json   # your own `make run`
 
 1. Reproduces Table 1 of the ZeRO paper (Rajbhandari et al., 2019): per-device model-state memory of a
    7.5B-parameter model under mixed-precision Adam (K = 12) for DP degrees 1..1024, in GB (1e9 bytes);
    the 64-rank row (120 / 31.4 / 16.6 / 1.9 GB) is the one usually quoted. Prints PASS/FAIL per cell.
 2. Reads the main job's result file and sets each run's measured per-rank model state beside the formula,
    splitting the gap into padding, staging buffers and the fp32 gradient shard (ZeroAdamW's own ledger),
-   and the step's peak beyond the model state (activations, temporaries, runtime).
+   and the step's peak beyond the model state (activations, temporaries, runtime). Stage 3 also declares its window
+   of gathered parameters (window_bound, and the peak it reached): transient, shown beside the persistent state.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import common  # noqa: E402
+import harness  # noqa: E402
 import torch  # noqa: E402
 
 from zero_ext.memory import estimate  # noqa: E402
@@ -60,14 +62,23 @@ def measured_vs_formula(path: str) -> tuple[list[list], list[str], bool]:
         psi, n = run["num_params"], run["world_size"]
         total, est = run["model_state_total"], run["estimate"]
         if "formula_this_rank" in run:
-            parts = run["formula_this_rank"] + run["padding"] + run["staging"] + run["grad_shard_fp32"]
-            identity = parts == total
+            identity = harness.ledger_ok({**run, "formula": run["formula_this_rank"], "total": total})
             ok &= identity
             gap = (
                 f"padding {run['padding'] / MIB:.3f} + staging {run['staging'] / MIB:.3f} + fp32 grad shard "
-                f"{run['grad_shard_fp32'] / MIB:.3f} + rank share {(run['formula_this_rank'] - est) / MIB:+.3f}"
+                f"{run['grad_shard_fp32'] / MIB:.3f} - param shard not kept {run.get('param_shard_not_kept', 0) / MIB:.3f}"
+                f" + rank share {(run['formula_this_rank'] - est) / MIB:+.3f}"
             )
-            check = f"{'PASS' if identity else 'FAIL'} total == formula + padding + staging + fp32 grad shard"
+            check = (f"{'PASS' if identity else 'FAIL'} total == formula + padding + staging + fp32 grad shard"
+                     + (" - param shard not kept" if run.get("param_shard_not_kept") else ""))  # fmt: skip
+            if "window_bound" in run:
+                within = 0 < run["window_peak"] <= run["window_bound"]
+                ok &= within
+                check += (
+                    f"; {'PASS' if within else 'FAIL'} gathered window peak {run['window_peak'] / MIB:.3f} <= declared"
+                    f" bound {run['window_bound'] / MIB:.3f} MiB (transient; total + bound = "
+                    f"{(total + run['window_bound']) / MIB:.3f} MiB)"
+                )
         else:
             extra = {
                 k: v for k, v in run["model_state"].items() if k not in ("params", "grads", "exp_avg", "exp_avg_sq")
@@ -78,6 +89,7 @@ def measured_vs_formula(path: str) -> tuple[list[list], list[str], bool]:
             ok &= identity
             check = f"{'PASS' if identity else 'FAIL'} params + grads + exp_avg + exp_avg_sq == 16 Psi"
         beyond = run["peak_memory_bytes"] - total
+        window = f"{run['window_bound'] / MIB:.3f} ({run['window_peak'] / MIB:.3f})" if "window_bound" in run else "-"
         rows.append(
             [
                 name,
@@ -87,6 +99,7 @@ def measured_vs_formula(path: str) -> tuple[list[list], list[str], bool]:
                 f"{est / MIB:.3f}",
                 f"{(total - est) / MIB:+.3f} ({(total - est) / est:+.1%})",
                 gap,
+                window,
                 f"{run['peak_memory_bytes'] / MIB:.1f}",
                 f"{beyond / MIB:+.1f}",
             ]
@@ -99,8 +112,9 @@ def measured_vs_formula(path: str) -> tuple[list[list], list[str], bool]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--main-job", default=str(common.RESULTS / "main_job.json"), help="main job result file")
-    p.add_argument("--out-dir", default=str(common.RESULTS))
+    p.add_argument("--main-job", default=str(harness.RESULTS / "main_job.json"),
+                   help="main job result file (default: the committed bench/results/main_job.json)")  # fmt: skip
+    p.add_argument("--out-dir", default=str(harness.RESULTS))
     args = p.parse_args(argv)
 
     rows, paper_ok = paper_table()
@@ -109,7 +123,7 @@ def main(argv=None) -> int:
     quoted = [120, 31.4, 16.6, 1.9]
     ok64 = all(abs(round(a, 1) - b) < 1e-9 for a, b in zip(row64, quoted))
     print("ZeRO paper Table 1, 7.5B params, GB per device (ours vs paper):")
-    print(common.text_table(headers, rows))
+    print(harness.text_table(headers, rows))
     line64 = " / ".join(f"{v:.1f}" for v in row64)
     print(f"{'PASS' if ok64 else 'FAIL'} 7.5B params, 64 ranks: {line64} GB (paper: 120 / 31.4 / 16.6 / 1.9)")
     print(f"{'PASS' if paper_ok else 'FAIL'} every cell of the 7.5B column of Table 1")
@@ -117,7 +131,7 @@ def main(argv=None) -> int:
     body = [
         "## ZeRO paper, Table 1 (7.5B params, K = 12, GB = 1e9 bytes per device)",
         "",
-        common.markdown_table(headers, rows),
+        harness.markdown_table(headers, rows),
         "",
         f"- {'PASS' if ok64 else 'FAIL'} 64 ranks: {line64} GB (paper: 120 / 31.4 / 16.6 / 1.9)",
         f"- {'PASS' if paper_ok else 'FAIL'} every cell of the column",
@@ -134,17 +148,18 @@ def main(argv=None) -> int:
             "estimate MiB/rank",
             "gap",
             "gap explained by (MiB)",
+            "gathered window MiB: bound (peak)",
             "peak MiB/rank",
             "peak - model state (activations, temporaries, runtime)",
         ]
         print("\nmeasured (main job) vs zero_ext.memory.estimate, per rank:")
-        print(common.text_table(mh, mrows))
+        print(harness.text_table(mh, mrows))
         print("\n".join(notes))
         body += [
             "",
             "## Measured (main job) vs formula, per rank",
             "",
-            common.markdown_table(mh, mrows),
+            harness.markdown_table(mh, mrows),
             "",
             *[f"- {n}" for n in notes],
             "- rank share: the formula's Psi/N is the average over ranks; rank 0 owns slightly more or fewer real "
@@ -154,7 +169,7 @@ def main(argv=None) -> int:
         payload["measured_vs_formula"] = {"rows": mrows, "notes": notes, "ok": measured_ok}
     else:
         print(f"\n(no {args.main_job}: run `python bench/main_job.py` first for the measured comparison)")
-    common.write_results("memory_model", common.meta(torch.device("cpu")), payload, "\n".join(body), args.out_dir)
+    harness.write_results("memory_model", harness.meta(torch.device("cpu")), payload, "\n".join(body), args.out_dir)
     return 0 if (ok64 and paper_ok and measured_ok) else 1
 
 

@@ -1,7 +1,10 @@
-"""A small GPT built in code, and synthetic but learnable data for it: nothing is downloaded.
+"""The one GPT of this repository, built in code, and synthetic but learnable data for it: nothing is downloaded.
 
-The model is the usual decoder-only transformer: token embedding + learned positions, pre-LayerNorm blocks
-(causal self-attention, GELU MLP), a final LayerNorm and an LM head tied to the token embedding.
+The model is the usual decoder-only transformer: token embedding (``embed``) + learned positions (``pos``, a
+parameter on the root), pre-LayerNorm blocks (causal self-attention, GELU MLP), a final LayerNorm (``ln_f``) and an
+LM head (``head``) whose weight is the token embedding's. The benchmarks train it at the main job's size
+(``GPTConfig()``: ~3.3M params); the engine tests use it at odd sizes (tests/tiny_transformer.py), with an optional
+``extra`` branch that only ``forward(..., use_extra=True)`` uses (its params get no gradient otherwise).
 
 The data is a fixed random Markov chain over the vocabulary, generated from a seed: every token has a few
 successors with random probabilities, so the best achievable loss is the chain's entropy rate (printed by
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -25,6 +29,8 @@ class GPTConfig:
     d_model: int = 256
     n_layers: int = 4
     n_heads: int = 4
+    mlp_hidden: Optional[int] = None  # default 4 * d_model
+    extra_branch: bool = False  # an ``extra`` Linear used only by forward(..., use_extra=True)
 
 
 def add_model_args(parser) -> None:
@@ -44,13 +50,14 @@ def model_config(args) -> GPTConfig:
 class Block(nn.Module):
     def __init__(self, c: GPTConfig):
         super().__init__()
+        hidden = c.mlp_hidden or 4 * c.d_model
         self.n_heads = c.n_heads
         self.ln1 = nn.LayerNorm(c.d_model)
         self.qkv = nn.Linear(c.d_model, 3 * c.d_model)
         self.proj = nn.Linear(c.d_model, c.d_model)
         self.ln2 = nn.LayerNorm(c.d_model)
-        self.fc = nn.Linear(c.d_model, 4 * c.d_model)
-        self.out = nn.Linear(4 * c.d_model, c.d_model)
+        self.fc = nn.Linear(c.d_model, hidden)
+        self.out = nn.Linear(hidden, c.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -64,10 +71,14 @@ class GPT(nn.Module):
     def __init__(self, c: GPTConfig):
         super().__init__()
         self.config = c
-        self.tok = nn.Embedding(c.vocab, c.d_model)
-        self.pos = nn.Embedding(c.seq_len, c.d_model)
+        self.embed = nn.Embedding(c.vocab, c.d_model)
+        self.pos = nn.Parameter(torch.empty(c.seq_len, c.d_model))
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layers))
         self.ln_f = nn.LayerNorm(c.d_model)
+        self.head = nn.Linear(c.d_model, c.vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied: one parameter, counted once
+        self.extra = nn.Linear(c.d_model, c.d_model) if c.extra_branch else None
+        nn.init.normal_(self.pos, std=0.02)
         self.apply(self._init)
         for b in self.blocks:  # GPT-2: scale the residual projections by 1/sqrt(2 * layers)
             nn.init.normal_(b.proj.weight, std=0.02 / math.sqrt(2 * c.n_layers))
@@ -77,16 +88,21 @@ class GPT(nn.Module):
     def _init(m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
-        if isinstance(m, nn.Linear):
+        if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy, computed in fp32."""
-        t = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+    def forward(
+        self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, use_extra: bool = False
+    ) -> torch.Tensor:
+        """Logits, or with ``targets`` the mean next-token cross-entropy (computed in fp32)."""
+        x = self.embed(idx) + self.pos[: idx.shape[1]]
         for b in self.blocks:
             x = b(x)
-        logits = F.linear(self.ln_f(x), self.tok.weight)  # LM head tied to the token embedding
+        if use_extra and self.extra is not None:
+            x = x + self.extra(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 

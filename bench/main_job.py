@@ -1,38 +1,47 @@
-"""The main job: train a small GPT with today's standard recipe, then with ZeroAdamW stage 1 and stage 2.
+"""The main job: train a small GPT with today's standard recipe, then with ZeroAdamW stages 1, 2 and 3.
 
-    python bench/main_job.py                  # 2 gloo processes on CPU, or every visible GPU with NCCL
+    python bench/main_job.py                           # 2 gloo processes on CPU, or every visible GPU with NCCL
+    python bench/main_job.py --out-dir bench/results   # refresh the committed results on purpose
+    python bench/main_job.py --offload nvme --offload-window 131072 --name main_job_nvme   # state on disk
 
-Recipes (same data, same seed, same starting weights, gradient norm clipped at 1.0):
+Recipes (same data, same seed, same starting weights, gradient norm clipped at 1.0), each in fresh processes:
   DDP + torch.optim.AdamW(fused=True), fp32 params, bf16 autocast   (16 bytes of model state per param)
-  ZeroAdamW stage 1 / stage 2, bf16 params (fp32 master inside), bf16 autocast
+  ZeroAdamW stage 1 / stage 2 / stage 3, bf16 params (fp32 master inside), bf16 autocast (stage 3: module=model,
+  parameters gathered bucket by bucket around their use)
 
-Prints a table (per-rank model-state memory measured and from zero_ext.memory.estimate, peak memory, step
-time, tokens/s, final loss), checks that the losses agree (stage 1 and stage 2 bitwise), and writes
-bench/results/main_job.{md,json,png}.
+Prints a table (per-rank model-state memory measured and from zero_ext.memory.estimate, stage 3's window of gathered
+parameters, peak memory, step time, tokens/s, final loss), checks that the losses agree (stages 1, 2, 3 bitwise,
+ZeRO within --loss-tol of DDP), and writes main_job.{json,md,png} to --out-dir (default bench/out/, which git
+ignores).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
+import hashlib
+import math
 import os
 import sys
+import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import common  # noqa: E402
-from gpt_model import MarkovData, add_model_args, model_config  # noqa: E402
-from launch import default_world, launch, resolve_device  # noqa: E402
-from main_job_report import agreement, render, save_chart  # noqa: E402
-from train_run import RunConfig, train  # noqa: E402
+import harness
+import torch
+import torch.distributed as dist
+from gpt_model import GPT, MarkovData, add_model_args, model_config, num_params
+from harness import LABELS, MIB, OUT, RunConfig, build, forward_backward, launch, model_state
+from main_job_chart import save_chart
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: cuda if visible")
     p.add_argument("--world-size", type=int, default=None, help="processes (default: 2 on CPU, every GPU on CUDA)")
-    p.add_argument("--stages", default="1,2", help="ZeroAdamW stages to run, comma-separated (default: 1,2)")
+    p.add_argument("--stages", default="1,2,3", help="ZeroAdamW stages to run, comma-separated (default: 1,2,3)")
     p.add_argument("--no-baseline", action="store_true", help="skip the DDP + torch AdamW run")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch", type=int, default=16, help="global batch in sequences (split over the ranks)")
@@ -43,68 +52,415 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--bucket-size",
         type=int,
         default=0,
-        help="ZeroAdamW bucket size in elements (default 0 = the engine's default: an eighth of the parameters on NCCL,\n"
-        "a quarter on gloo, clamped to [N * 2**16, max(2**22, N * 2**18)], so reduction overlaps backward)",
+        help="ZeroAdamW bucket size in elements (default 0: the engine's default, the model in 4 buckets on gloo\n"
+        "and 8 on NCCL, clamped to [N * 2**16, max(2**22, N * 2**18)] elements)",
     )
     p.add_argument(
         "--loss-tol",
         type=float,
         default=0.02,
-        help="max |loss(ZeRO) - loss(DDP)| allowed at any step, in nats (default 0.02, see README)",
+        help="max |loss(ZeRO) - loss(DDP)| allowed at any step, in nats (default 0.02, see bench/README.md)",
     )
-    p.add_argument("--out-dir", default=str(common.RESULTS), help="where to write the results")
+    p.add_argument(
+        "--out-dir",
+        default=str(OUT),
+        help="where to write main_job.{json,md,png} (default: bench/out/, which git ignores);\n"
+        "--out-dir bench/results refreshes the committed results on purpose",
+    )
+    p.add_argument(
+        "--offload",
+        default=None,
+        choices=["cpu", "nvme"],
+        help="ZeroAdamW's optimizer state in host memory (cpu) or in files (nvme); DDP is unchanged",
+    )
+    p.add_argument(
+        "--offload-dir",
+        default=str(OUT / "offload_state"),
+        help="--offload nvme: where the state files go (default: bench/out/offload_state, on this disk)",
+    )
+    p.add_argument(
+        "--offload-window",
+        type=int,
+        default=None,
+        help="--offload nvme: bytes of host window the state streams through (default: the engine's, 64 MiB);\n"
+        "the report checks that the state on disk is at least 100x the window when it is given",
+    )
     p.add_argument("--name", default="main_job", help="result file stem (default: main_job)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--no-chart", action="store_true")
     args = p.parse_args(argv)
-    args.device = resolve_device(args.device)
-    args.world_size = args.world_size or default_world(args.device)
+    args.device = harness.resolve_device(args.device)
+    args.world_size = args.world_size or harness.default_world(args.device)
     if args.batch % args.world_size:
         p.error(f"--batch {args.batch} must be a multiple of --world-size {args.world_size}")
     args.stages = [int(s) for s in args.stages.split(",") if s]
-    if not set(args.stages) <= {1, 2}:
-        p.error("--stages takes 1 and/or 2")
+    if not set(args.stages) <= {1, 2, 3}:
+        p.error("--stages takes some of 1, 2, 3")
+    if args.offload != "nvme" and args.offload_window is not None:
+        p.error("--offload-window is for --offload nvme")
     return args
+
+
+# ------------------------------------------------------------------------------------------------ one rank's run
+def _anon_rss() -> int:
+    """Resident anonymous memory (heap and anonymous mmaps; no shared-library pages), from /proc/self/statm."""
+    with open("/proc/self/statm") as f:
+        _, resident, shared = f.read().split()[:3]
+    return (int(resident) - int(shared)) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakMemory:
+    """Peak memory of this rank from now on, over what it holds now (just before the model is built). CUDA:
+    ``torch.cuda.max_memory_allocated``. CPU (Linux): the peak resident *anonymous* memory, sampled every
+    ``interval`` s by a thread: model state, activations, temporaries, allocator caching and gloo buffers, not the
+    shared-library code the first steps page in (a peak shorter than the interval can be missed)."""
+
+    def __init__(self, device: torch.device, interval: float = 0.002):
+        self.device, self._stop = device, threading.Event()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            self.base = torch.cuda.memory_allocated(device)
+            self.label = "torch.cuda.max_memory_allocated - allocated before the model"
+            return
+        self.label = f"peak resident anonymous memory (sampled every {interval * 1e3:g} ms) - same before the model"
+        self.base = self._max = _anon_rss()
+        self._thread = threading.Thread(target=self._sample, args=(interval,), daemon=True)
+        self._thread.start()
+
+    def _sample(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self._max = max(self._max, _anon_rss())
+
+    def stop(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) - self.base
+        self._stop.set()
+        self._thread.join()
+        return max(self._max, _anon_rss()) - self.base
+
+
+def warm_up(cfg: RunConfig, device: torch.device) -> None:
+    """One step of the recipe on a tiny model, so that one-time costs (lazy imports, kernel and thread-pool set-up:
+    ~70 MiB of heap for torch's fused AdamW on CPU) land before the memory baseline; then hand the freed heap back
+    to the OS (glibc ``malloc_trim``) so that the baseline is what is in use."""
+    tiny = model_config(argparse.Namespace(vocab=64, seq_len=16, d_model=32, layers=1, heads=2))
+    model, net, opt = build(cfg, tiny, device)
+    x = torch.randint(tiny.vocab, (2, tiny.seq_len), device=device)
+    forward_backward(cfg, model, net, x, x, device)
+    opt.step()
+    del model, net, opt
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def train(rank: int, world: int, device: torch.device, cfg: RunConfig) -> dict:
+    """Train for ``cfg.steps`` steps; rank 0's view of the run: losses (means over ranks), step times (the slowest
+    rank's), model state (rank 0's, after the first step), peak memory (the largest rank's)."""
+    c = cfg.model
+    data = MarkovData(c.vocab, c.seq_len, seed=cfg.seed)
+    batches = [tuple(t.to(device) for t in data.batch(s, cfg.global_batch, rank, world)) for s in range(cfg.steps)]
+    warm_up(cfg, device)
+    dist.barrier()
+    peak = PeakMemory(device)
+    model, net, opt = build(cfg, c, device)
+    is_zero = net is model
+    comm0 = opt.comm_stats() if is_zero else None
+    bar = None
+    if rank == 0 and cfg.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, desc=cfg.progress, unit="step", dynamic_ncols=True)
+    losses, times, ledger, comm_steps = [], [], None, []
+    for x, y in batches:
+        t0 = time.perf_counter()
+        loss = forward_backward(cfg, model, net, x, y, device)
+        opt.step()
+        if ledger is None:  # model state as it stands after the first step (grads still allocated)
+            ledger = model_state(model, net, opt)
+        if is_zero:  # elements and bytes per collective in this step (reading counters: no communication)
+            now = opt.comm_stats()
+            comm_steps.append({k: v - comm0[k] for k, v in now.items()})
+            comm0 = now
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.detach().float())
+        if bar is not None:
+            bar.set_postfix(loss=f"{losses[-1].item():.4f}", refresh=False)
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    peak_t = torch.tensor([peak.stop()], dtype=torch.float64, device=device)
+    dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
+    loss_t = torch.stack(losses).to(device)
+    dist.all_reduce(loss_t)
+    loss_t /= world
+    time_t = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(time_t, op=dist.ReduceOp.MAX)
+    digest = hashlib.sha256()
+    # Stage 3 keeps 1/N of every parameter between steps: read the full ones inside gathered_params() (collective).
+    with opt.gathered_params() if cfg.recipe == "zero3" else contextlib.nullcontext():
+        for p in model.parameters():
+            digest.update(p.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    out = {
+        "recipe": cfg.recipe,
+        "label": LABELS[cfg.recipe] + (f", offload={cfg.offload!r}" if cfg.offload else ""),
+        "world_size": world,
+        "num_params": num_params(model),
+        "losses": [float(v) for v in loss_t.cpu()],
+        "step_times_s": [float(v) for v in time_t.cpu()],
+        "peak_memory_bytes": int(peak_t[0]),
+        "peak_memory_measure": peak.label,
+        "param_digest": digest.hexdigest()[:16],
+        "config": {**asdict(cfg), "model": asdict(c)},
+        "model_state": ledger["allocated"],
+        "model_state_total": ledger["total"],
+        "estimate": ledger["estimate"],
+    }
+    if is_zero:
+        out.update({k: ledger[k] for k in ("padding", "staging", "grad_shard_fp32", "owned_numel",
+                                           "param_shard_not_kept")})  # fmt: skip
+        out["formula_this_rank"] = ledger["formula"]
+        out["comm_first_step"] = comm_steps[0]  # elements and bytes per collective (comm_stats())
+        out["comm_by_step"] = comm_steps
+        out["comm_total"] = {k: sum(c[k] for c in comm_steps) for k in comm_steps[0]}
+        # Every parameter plus bucket padding: the padded Psi (the flat buffer at stages 1 and 2; stage 3 keeps
+        # 1/N of it as its fp32 master).
+        out["padded_numel"] = sum(g.layout.numel for g in opt.sharded_state.groups)
+        if cfg.recipe == "zero3":  # bytes of gathered buckets: the declared bound, the most held (not persistent)
+            out["window_bound"] = ledger["window_bound"]
+            out["window_peak"] = opt.memory_report().window_peak  # over the whole run
+        out["skipped_steps"] = opt.skipped_steps
+        if cfg.offload is not None:  # which bytes live where (memory_report().where), on disk and in host buffers
+            out["offload"] = cfg.offload
+            out["where"] = ledger["where"]
+            out["on_disk"] = ledger["on_disk"]
+            out["offload_buffers"] = ledger["offload_buffers"]
+    by_rank = [None] * world  # every rank's total: the ranks differ only by who owns the padding
+    dist.all_gather_object(by_rank, ledger["total"])
+    out["model_state_total_by_rank"] = by_rank
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ checks and report
+def agreement(runs: dict, tol: float) -> dict:
+    """Every ZeroAdamW stage must be bitwise equal to the lowest one run (losses and final params); ZeRO vs DDP within
+    ``tol`` nats."""
+    checks = {}
+    zero = [r for r in ("zero1", "zero2", "zero3") if r in runs]
+    for other in zero[1:]:
+        a, b = runs[zero[0]], runs[other]
+        same_loss, same_params = a["losses"] == b["losses"], a["param_digest"] == b["param_digest"]
+        checks[f"{zero[0]}_vs_{other}_bitwise"] = {
+            "ok": same_loss and same_params,
+            "losses_bitwise_equal": same_loss,
+            "final_params_bitwise_equal": same_params,
+            "max_abs_loss_diff": max(abs(x - y) for x, y in zip(a["losses"], b["losses"])),
+        }
+    for r in zero:
+        run = runs[r]
+        if run.get("offload") == "nvme" and run["config"]["offload_window"] is not None:
+            # A model whose optimizer state does not fit the memory it may use: the state lives on disk and
+            # streams through the window, which is what bounds the memory the optimizer state takes.
+            window = run["config"]["offload_window"]
+            checks[f"{r}_state_on_disk"] = {
+                "ok": run["on_disk"] >= 100 * window,
+                "on_disk_bytes": run["on_disk"],
+                "window_bytes": window,
+                "offload_buffers_bytes": run["offload_buffers"],
+                "ratio": run["on_disk"] / window,
+            }
+        if "ddp" in runs:
+            d = [abs(x - y) for x, y in zip(runs[r]["losses"], runs["ddp"]["losses"])]
+            checks[f"{r}_vs_ddp"] = {
+                "ok": max(d) <= tol,
+                "tolerance_nats": tol,
+                "max_abs_loss_diff": max(d),
+                "final_abs_loss_diff": d[-1],
+                "mean_abs_loss_diff": sum(d) / len(d),
+            }
+    return checks
+
+
+HEADERS = [
+    "recipe",
+    "model state MiB/rank (measured)",
+    "estimate MiB/rank",
+    "bytes/param",
+    "gathered window MiB/rank: bound (peak)",
+    "peak MiB/rank",
+    "step ms median (min-max)",
+    "tokens/s",
+    "final loss",
+]
+
+
+def render(runs: dict, checks: dict, meta_: dict, entropy: float, args) -> tuple[str, str]:
+    """The console text and the markdown body of the report."""
+    rows, breakdown, verdicts = [], [], []
+    for name, run in runs.items():
+        s = harness.step_stats(run)
+        rows.append(
+            [
+                run["label"],
+                f"{run['model_state_total'] / MIB:.2f}",
+                f"{run['estimate'] / MIB:.2f}",
+                f"{run['model_state_total'] / run['num_params']:.2f}",
+                f"{run['window_bound'] / MIB:.2f} ({run['window_peak'] / MIB:.2f})" if "window_bound" in run else "-",
+                f"{run['peak_memory_bytes'] / MIB:.1f}",
+                f"{s['median_s'] * 1e3:.0f} ({s['min_s'] * 1e3:.0f}-{s['max_s'] * 1e3:.0f})",
+                f"{s['tokens_per_s']:.0f}",
+                f"{run['losses'][-1]:.4f}",
+            ]
+        )
+        line = f"{name}: " + ", ".join(f"{k} {v / MIB:.2f}" for k, v in run["model_state"].items()) + " MiB"
+        if "formula_this_rank" in run:
+            line += (
+                f"; = formula {run['formula_this_rank'] / MIB:.2f} + padding {run['padding'] / MIB:.2f}"
+                f" + staging {run['staging'] / MIB:.2f} + fp32 grad shard {run['grad_shard_fp32'] / MIB:.2f}"
+            )
+            if run.get("param_shard_not_kept"):
+                line += f" - bf16 param shard not kept {run['param_shard_not_kept'] / MIB:.2f}"
+            if "offload" in run:
+                line += (
+                    f" + offload buffers {run['offload_buffers'] / MIB:.2f} - on disk {run['on_disk'] / MIB:.2f}"
+                    f" (offload={run['offload']!r}: "
+                    + ", ".join(f"{k} {w}" for k, w in run["where"].items() if w != "device")
+                    + ")"
+                )
+        if "window_bound" in run:
+            line += (
+                f"; gathered window (not persistent, not in the total): bound {run['window_bound'] / MIB:.2f}, "
+                f"peak {run['window_peak'] / MIB:.2f}"
+            )
+        breakdown.append(line)
+    for name, c in checks.items():
+        v = "PASS" if c["ok"] else "FAIL"
+        if name.endswith("state_on_disk"):
+            verdicts.append(
+                f"{v} {name.split('_')[0]} optimizer state on disk {c['on_disk_bytes'] / MIB:.2f} MiB/rank = "
+                f"{c['ratio']:.0f}x the {c['window_bytes'] / 2**10:.0f} KiB host window (>= 100x); host buffers "
+                f"in all (window + gradient landing + parameter staging) {c['offload_buffers_bytes'] / MIB:.2f} MiB"
+            )
+        elif name.endswith("bitwise"):
+            a, b = name.removesuffix("_bitwise").split("_vs_")
+            verdicts.append(
+                f"{v} stage {a[-1]} vs stage {b[-1]} bitwise: losses equal={c['losses_bitwise_equal']}, "
+                f"final params equal={c['final_params_bitwise_equal']}"
+            )
+        else:
+            verdicts.append(
+                f"{v} {name.split('_')[0]} vs DDP: max |dloss| {c['max_abs_loss_diff']:.4f} nats (final "
+                f"{c['final_abs_loss_diff']:.4f}, mean {c['mean_abs_loss_diff']:.4f}) <= tolerance "
+                f"{c['tolerance_nats']}"
+            )
+    first = next(iter(runs.values()))
+    head = (
+        f"{first['num_params']:,} params (Psi), {first['world_size']} ranks, {args.steps} steps, global batch "
+        f"{args.batch} x {args.seq_len} tokens; step time = slowest rank, median after "
+        f"{first['config']['warmup'] if args.steps > first['config']['warmup'] else 0} warm-up steps"
+    )
+    notes = [
+        "model state = persistent params + grads + optimizer state per rank, measured after the first step "
+        "(DDP: param/grad/AdamW-state tensors plus DDP's gradient buckets; ZeroAdamW: memory_report()).",
+        "gathered window (stage 3): bytes of gathered bf16 buckets held at once, the bound memory_report() declares "
+        "and the most held during the run (peak); transient, not part of the persistent model state.",
+        "estimate = zero_ext.memory.estimate(Psi, N, stage): DDP row with fp32 widths (4+4+8 bytes), "
+        "ZeRO rows with bf16 params/grads + 12 bytes fp32 master/exp_avg/exp_avg_sq.",
+        f"peak = {first['peak_memory_measure']} (max over ranks): at this model size mostly activations, "
+        "temporaries and runtime buffers, not model state.",
+        f"loss: mean over ranks of the global batch; best possible {entropy:.3f} nats (Markov chain entropy rate), "
+        f"ln(vocab) = {math.log(args.vocab):.3f}.",
+    ]
+    text = "\n".join([head, "", harness.text_table(HEADERS, rows), "", *breakdown, "", *verdicts, "", *notes])
+    md = "\n".join(
+        [
+            head,
+            "",
+            harness.markdown_table(HEADERS, rows),
+            "",
+            "Model state by kind (MiB per rank, rank 0):",
+            "",
+            *[f"- {b}" for b in breakdown],
+            "",
+            "Checks:",
+            "",
+            *[f"- {v}" for v in verdicts],
+            "",
+            *[f"- {n}" for n in notes],
+            f"- wall time of the whole job: {meta_.get('wall_time_s', '?')} s",
+        ]
+    )
+    return text, md
+
+
+def offload_options(args) -> dict:
+    if args.offload is None:
+        return {}
+    if args.offload == "cpu":
+        return {"offload": "cpu"}
+    Path(args.offload_dir).mkdir(parents=True, exist_ok=True)
+    return {"offload": "nvme", "offload_dir": args.offload_dir, "offload_window": args.offload_window}
+
+
+def _shown(path: Path) -> str:
+    rel = os.path.relpath(path)
+    return str(path) if rel.startswith("..") else rel
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    meta = common.meta(__import__("torch").device(args.device))  # at the start: the commit that ran
-    model = model_config(args)
+    meta_ = harness.meta(torch.device(args.device))  # at the start: the commit that ran
     recipes = ([] if args.no_baseline else ["ddp"]) + [f"zero{s}" for s in args.stages]
-    world = args.world_size
+    world, out = args.world_size, Path(args.out_dir)
+    with torch.device("meta"):
+        psi = num_params(GPT(model_config(args)))
+    print(
+        f"main job: {len(recipes)} recipes x {args.steps} steps of a {psi:,}-param GPT on {world} "
+        f"{'GPUs (NCCL)' if args.device == 'cuda' else 'CPU processes (gloo)'}, each recipe in fresh processes "
+        f"(default size: 20-90 s on 2 CPU cores); results go to {_shown(out)}/",
+        flush=True,
+    )
     entropy = MarkovData(args.vocab, args.seq_len, seed=args.seed).entropy_rate()
     print(
         f"GPT d={args.d_model} layers={args.layers} heads={args.heads} vocab={args.vocab} seq={args.seq_len}; "
-        f"global batch {args.batch} x {args.seq_len} tokens; {args.steps} steps; {world} x {args.device}; "
-        f"data: Markov chain, best possible loss {entropy:.3f} nats"
+        f"global batch {args.batch} x {args.seq_len} tokens; data: Markov chain, best possible loss "
+        f"{entropy:.3f} nats",
+        flush=True,
     )
     runs = {}
-    for recipe in recipes:
+    for i, recipe in enumerate(recipes, 1):
+        tag = f"[{i}/{len(recipes)}] {recipe}"
+        off = f", offload={args.offload!r}" if args.offload and recipe != "ddp" else ""
+        print(f"{tag}: {LABELS[recipe]}{off}: starting {world} processes", flush=True)
         cfg = RunConfig(
             recipe=recipe,
-            model=model,
+            model=model_config(args),
             steps=args.steps,
             global_batch=args.batch,
             lr=args.lr,
             seed=args.seed,
             bucket_size=args.bucket_size or None,
-            progress=not args.no_progress,
+            progress="" if args.no_progress else tag,
+            **(offload_options(args) if recipe != "ddp" else {}),
         )
         runs[recipe] = launch(train, world, args.device, cfg)
     checks = agreement(runs, args.loss_tol)
-    meta["wall_time_s"] = round(time.perf_counter() - t_start, 1)
-    text, markdown = render(runs, checks, meta, entropy, args)
+    meta_["wall_time_s"] = round(time.perf_counter() - t_start, 1)
+    text, markdown = render(runs, checks, meta_, entropy, args)
     print(text)
-
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     payload = {"entropy_rate": entropy, "checks": checks, "runs": runs}
-    written = common.write_results(args.name, meta, payload, markdown, out)
+    written = harness.write_results(args.name, meta_, payload, markdown, out)
     if not args.no_chart:
-        written.append(save_chart(runs, out / f"{args.name}.png", meta))
-    print("wrote " + ", ".join(str(p) for p in written))
+        written.append(save_chart(runs, checks, entropy, meta_, out / f"{args.name}.png"))
+    print("wrote " + ", ".join(_shown(p) for p in written))
     print(f"total wall time {time.perf_counter() - t_start:.1f} s")
     return 0 if all(c["ok"] for c in checks.values()) else 1
 

@@ -1,0 +1,268 @@
+"""Offload: a training iteration with the optimizer state in memory, in host memory (``offload="cpu"``) and on disk
+(``offload="nvme"``), against what the added work costs by itself, measured in the same run:
+
+- nvme: the state's I/O (12 B/param read, 12 B/param written per step) against the disk's own sequential read and
+  write bandwidth, measured by a plain O_DIRECT Python streaming loop on the same directory with the same block
+  size, interleaved with the steps. Target: the step's I/O throughput >= 80 % of the disk's.
+- cpu: the extra time over the in-memory iteration against the copies offload adds (the reduced gradient from its
+  landing buffer into the grad shard, 4 B/param; the new bf16 parameters from their staging into the parameters,
+  2 B/param), timed alone as plain ``copy_`` calls of those sizes. On a CPU-only machine those copies are all it
+  adds; on a GPU they become the D2H / H2D transfers (see profile_overlap.py).
+
+Every contender runs in one process, one rank, round robin (machine noise hits them alike), on a stack of square
+bf16 linear layers (parameter count set exactly by the size), one model copy per contender.
+
+    python bench/bench_offload.py [--sizes 4,16,64,128] [--dir bench/out/offload] [--out-dir bench/results]
+
+Writes offload_cpu.json / .md and offload_cpu.png (step time vs model size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import mmap
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from harness import MIB, OUT, RESULTS, cores, markdown_table, meta, round_robin, summary, write_results
+
+from zero_ext import ZeroAdamW
+from zero_ext.offload.disk import chunk_numel
+from zero_ext.offload.files import ALIGN
+
+MODES = ("memory", "cpu", "nvme")
+LAYERS = 8
+
+
+def build_model(params_m: float, seed: int = 0) -> torch.nn.Module:
+    dim = int(math.sqrt(params_m * 1e6 / LAYERS))
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*[torch.nn.Linear(dim, dim, bias=False, dtype=torch.bfloat16) for _ in range(LAYERS)])
+
+
+class Contender:
+    """One model with its optimizer; ``iteration()`` returns (total seconds, seconds inside step())."""
+
+    def __init__(self, mode: str, params_m: float, directory: str, window: int):
+        self.model = build_model(params_m)
+        dim = self.model[0].in_features
+        self.x = torch.randn(8, dim, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+        kw = {"memory": {}, "cpu": dict(offload="cpu")}.get(mode, dict(offload="nvme", offload_dir=directory,
+                                                                       offload_window=window))  # fmt: skip
+        self.opt = ZeroAdamW(self.model.parameters(), lr=1e-4, stage=2, **kw)
+
+    def iteration(self) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        self.model(self.x).float().pow(2).mean().backward()
+        t1 = time.perf_counter()
+        self.opt.step()
+        t2 = time.perf_counter()
+        self.opt.zero_grad()
+        return time.perf_counter() - t0, t2 - t1
+
+    def params(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.model.parameters()]
+
+
+class DiskStream:
+    """The disk's own sequential bandwidth: ``nbytes`` written, and ``nbytes`` read, with O_DIRECT in ``block``
+    transfers from one aligned buffer, the plain loop a user would write (what the optimizer's I/O threads are
+    measured against).
+
+    Two files, written and read alternately: each read is of a file written one round before, with the other's
+    write in between, as the step reads state written one step before. (Reading back what was just written
+    measures a cache: this VM's disk reads its last writes about 1.5x faster.)"""
+
+    def __init__(self, directory: str, nbytes: int, block: int):
+        self.block = max(ALIGN, block // ALIGN * ALIGN)
+        self.nbytes = max(self.block, nbytes // self.block * self.block)
+        self.buf = mmap.mmap(-1, self.block)
+        self.buf.write(os.urandom(self.block))
+        self.paths = [os.path.join(directory, f"bandwidth.probe{i}") for i in range(2)]
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0)
+        self.fds = [os.open(p, flags, 0o600) for p in self.paths]
+        for fd in self.fds:
+            os.posix_fallocate(fd, 0, self.nbytes)
+            self._write(fd)
+        self.turn = 0
+
+    def _write(self, fd: int) -> None:
+        for off in range(0, self.nbytes, self.block):
+            os.pwritev(fd, [self.buf], off)
+        os.fsync(fd)
+
+    def write(self) -> float:
+        t0 = time.perf_counter()
+        self._write(self.fds[self.turn])
+        return time.perf_counter() - t0
+
+    def read(self) -> float:
+        fd = self.fds[1 - self.turn]  # written a round ago
+        self.turn = 1 - self.turn
+        t0 = time.perf_counter()
+        for off in range(0, self.nbytes, self.block):
+            os.preadv(fd, [self.buf], off)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        for fd, path in zip(self.fds, self.paths):
+            os.close(fd)
+            os.remove(path)
+
+
+class AddedCopies:
+    """What offload="cpu" adds on a CPU-only machine, as plain copies between buffers allocated once: fp32 landing
+    -> grad shard, bf16 staging -> parameters (``numel`` each)."""
+
+    def __init__(self, numel: int):
+        self.src32, self.dst32 = torch.ones(numel), torch.zeros(numel)
+        self.src16, self.dst16 = torch.ones(numel, dtype=torch.bfloat16), torch.zeros(numel, dtype=torch.bfloat16)
+
+    def __call__(self) -> float:
+        t0 = time.perf_counter()
+        self.dst32.copy_(self.src32)
+        self.dst16.copy_(self.src16)
+        return time.perf_counter() - t0
+
+
+def run_size(params_m: float, directory: str, window: int, warmup: int, reps: int) -> dict:
+    contenders = {mode: Contender(mode, params_m, directory, window) for mode in MODES}
+    psi = sum(p.numel() for p in contenders["memory"].model.parameters())
+    state_bytes = 12 * psi  # master, exp_avg, exp_avg_sq on disk, each read and written once per step
+    chunk = chunk_numel(window, torch.bfloat16, psi) * 4  # the optimizer's transfer size (bytes per kind)
+    disk = DiskStream(directory, state_bytes, chunk)
+    fns = {mode: c.iteration for mode, c in contenders.items()}
+    fns["disk_write"] = disk.write
+    fns["disk_read"] = disk.read
+    fns["copies"] = AddedCopies(psi)
+    try:
+        raw = round_robin(fns, warmup, reps)
+    finally:
+        disk.close()
+    # the same training: offload must not change a bit
+    reference = contenders["memory"].params()
+    bitwise = {m: all(torch.equal(a, b) for a, b in zip(reference, contenders[m].params())) for m in ("cpu", "nvme")}
+    report = contenders["nvme"].opt.memory_report()
+    for c in contenders.values():
+        c.opt.close()
+    out = {"params": psi, "state_bytes_on_disk": sum(report.on_disk.values()), "bitwise_equal": bitwise,
+           "host_window_bytes": report.offload_buffers}  # fmt: skip
+    for mode in MODES:
+        out[mode] = {"iteration": summary([t for t, _ in raw[mode]]), "step": summary([s for _, s in raw[mode]])}
+    for name in ("disk_write", "disk_read", "copies"):
+        out[name] = summary(raw[name])
+    w, r = out["disk_write"]["median_s"], out["disk_read"]["median_s"]
+    disk_bw = 2 * disk.nbytes / (w + r)  # sequential read + write, one after the other
+    step_io = 2 * state_bytes / out["nvme"]["step"]["median_s"]
+    out["disk"] = {"write_GBps": disk.nbytes / w / 1e9, "read_GBps": disk.nbytes / r / 1e9,
+                   "read_write_GBps": disk_bw / 1e9, "probe_bytes": disk.nbytes, "block_bytes": disk.block}  # fmt: skip
+    out["nvme_step_io_GBps"] = step_io / 1e9
+    out["nvme_vs_disk"] = step_io / disk_bw
+    extra = out["cpu"]["iteration"]["median_s"] - out["memory"]["iteration"]["median_s"]
+    out["cpu_extra_s"] = extra
+    out["cpu_extra_vs_copies"] = extra / out["copies"]["median_s"]
+    return out
+
+
+def chart(results: list[dict], path: Path, info: dict) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax_ratio) = plt.subplots(1, 2, figsize=(12, 4.6), layout="constrained")
+    x = [r["params"] / 1e6 for r in results]
+    styles = {"memory": dict(color="tab:blue", marker="o"), "cpu": dict(color="tab:orange", marker="s"),
+              "nvme": dict(color="tab:green", marker="^")}  # fmt: skip
+    labels = {"memory": "state in memory", "cpu": 'offload="cpu" (host memory)', "nvme": 'offload="nvme" (disk)'}
+    for mode in MODES:
+        med = [r[mode]["iteration"]["median_s"] for r in results]
+        lo = [r[mode]["iteration"]["median_s"] - r[mode]["iteration"]["q1_s"] for r in results]
+        hi = [r[mode]["iteration"]["q3_s"] - r[mode]["iteration"]["median_s"] for r in results]
+        ax.errorbar(x, med, yerr=[lo, hi], label=labels[mode], capsize=3, **styles[mode])
+    io_floor = [24 * r["params"] / (r["disk"]["read_write_GBps"] * 1e9) for r in results]
+    ax.plot(x, io_floor, ls=":", color="tab:green", alpha=0.7, label="disk time for 24 B/param at the probe's rate")
+    ax.set(xscale="log", yscale="log", xlabel="parameters (millions)", ylabel="training iteration (s, median, IQR)",
+           title="Iteration time vs model size (one rank, stage 2, bf16)")  # fmt: skip
+    ax.set_xticks(x, [f"{v:.0f}" for v in x])
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    ratios = [r["nvme_vs_disk"] * 100 for r in results]
+    bars = ax_ratio.bar([f"{v:.0f}M" for v in x], ratios, color="tab:green", alpha=0.8)
+    ax_ratio.bar_label(bars, [f"{v:.0f} %" for v in ratios])
+    ax_ratio.axhline(80, color="k", ls="--", lw=1, label="target 80 %")
+    ax_ratio.set(ylabel="nvme step I/O / disk sequential read+write (%)", ylim=(0, max(110, max(ratios) * 1.15)),
+                 title='offload="nvme": step I/O throughput vs the disk')  # fmt: skip
+    ax_ratio.legend(fontsize=8, loc="lower right")
+    fig.suptitle(f"{info['device']} · {info['date']} · commit {info['commit']}", fontsize=8)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="4,16,64,128", help="model sizes, millions of parameters")
+    ap.add_argument("--dir", default=str(OUT / "offload"), help="where the nvme state and the disk probe go")
+    ap.add_argument("--window", type=int, default=64 * MIB, help="offload_window (bytes)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--out-dir", default=str(RESULTS))
+    ap.add_argument("--name", default="offload_cpu")
+    args = ap.parse_args()
+    torch.set_num_threads(cores())
+    os.makedirs(args.dir, exist_ok=True)
+    info = meta(torch.device("cpu"))
+    info["disk"] = _filesystem(args.dir)
+    sizes = [float(s) for s in args.sizes.split(",")]
+    results = []
+    for size in sizes:
+        results.append(run_size(size, args.dir, args.window, args.warmup, args.reps))
+        r = results[-1]
+        print(f"{r['params'] / 1e6:.1f}M: memory {r['memory']['iteration']['median_s']:.3f}s cpu "
+              f"{r['cpu']['iteration']['median_s']:.3f}s nvme {r['nvme']['iteration']['median_s']:.3f}s; nvme I/O "
+              f"{r['nvme_step_io_GBps']:.2f} GB/s = {100 * r['nvme_vs_disk']:.0f}% of the disk's "
+              f"{r['disk']['read_write_GBps']:.2f}; cpu extra {r['cpu_extra_s'] * 1e3:.1f} ms vs copies "
+              f"{r['copies']['median_s'] * 1e3:.1f} ms", flush=True)  # fmt: skip
+    shutil.rmtree(args.dir, ignore_errors=True)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    png = chart(results, out_dir / f"{args.name}.png", info)
+    rows = [[f"{r['params'] / 1e6:.1f}M", *(f"{r[m]['iteration']['median_s'] * 1e3:.0f}" for m in MODES),
+             f"{r['nvme']['step']['median_s'] * 1e3:.0f}", f"{r['disk']['write_GBps']:.2f} / {r['disk']['read_GBps']:.2f}",
+             f"{r['nvme_step_io_GBps']:.2f}", f"{100 * r['nvme_vs_disk']:.0f} %",
+             f"{r['cpu_extra_s'] * 1e3:.1f} / {r['copies']['median_s'] * 1e3:.1f}",
+             "yes" if all(r["bitwise_equal"].values()) else "NO"] for r in results]  # fmt: skip
+    body = markdown_table(
+        ["params", "memory (ms)", "cpu (ms)", "nvme (ms)", "nvme step() (ms)", "disk write / read (GB/s)",
+         "nvme step I/O (GB/s)", "nvme / disk", "cpu extra / its copies (ms)", "bitwise equal"],
+        rows,
+    )  # fmt: skip
+    body += (
+        f"\n\nIteration = forward + backward + step() + zero_grad() of {LAYERS} square bf16 linear layers, batch 8, "
+        f"stage 2, one rank, {cores()} threads; median of {args.reps} round-robin rounds. nvme window "
+        f"{args.window // MIB} MiB. The disk probe writes then reads the state's size sequentially with O_DIRECT in "
+        f"the optimizer's transfer size, in the same directory ({info['disk']}); 'nvme / disk' is the step's "
+        "24 B/param of I/O per second of step() over the probe's read+write rate. 'cpu extra' is the cpu-offload "
+        "iteration minus the in-memory one, against the plain copies offload adds (4 + 2 B/param).\n\n"
+        f"![step time vs model size]({png.name})\n"
+    )
+    write_results(args.name, info, {"window": args.window, "sizes": results}, body, out_dir)
+    print(f"wrote {out_dir / args.name}.json, .md, .png")
+
+
+def _filesystem(directory: str) -> str:
+    try:
+        st = os.statvfs(directory)
+        dev = os.stat(directory).st_dev
+        return f"{directory} (device {os.major(dev)}:{os.minor(dev)}, {st.f_bsize} B blocks)"
+    except OSError:
+        return directory
+
+
+if __name__ == "__main__":
+    main()

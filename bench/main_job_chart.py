@@ -1,0 +1,143 @@
+"""The main job's chart (main_job.png), drawn from what the runs measured (bench/main_job.py).
+
+Four panels: the loss curves of every recipe (the main check), the per-step gap of each ZeRO run to DDP against the
+tolerance, persistent model state per rank by kind with the formula and value labels (stage 3's window of gathered
+parameters drawn hatched on top: transient, not persistent), and step time. Peak memory
+is left out on purpose: at this model size it is activations, temporaries and runtime buffers, not model state
+(it stays in the table of main_job.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from harness import step_stats
+
+MIB = 2**20
+COLORS = {"ddp": "tab:blue", "zero1": "tab:orange", "zero2": "tab:green", "zero3": "tab:purple"}
+SHORT = {
+    "ddp": "DDP + AdamW\nfp32 params",
+    "zero1": "ZeroAdamW stage 1\nbf16 params",
+    "zero2": "ZeroAdamW stage 2\nbf16 params",
+    "zero3": "ZeroAdamW stage 3\nbf16 params",
+}
+# Loss curves lie on top of each other: DDP wide underneath, the stages thinner and differently dashed over it.
+STYLES = {"ddp": dict(lw=5, alpha=0.45), "zero1": dict(lw=2.2), "zero2": dict(lw=1.6, ls="--"),
+          "zero3": dict(lw=1.2, ls=":")}  # fmt: skip
+GAP_STYLES = {"zero1": dict(ls="-", marker="o", ms=3), "zero2": dict(ls="--"), "zero3": dict(ls=":", marker="x", ms=4)}
+# Stacking order and colour of each kind of model state (kinds a run does not have are skipped).
+KINDS = {
+    "params": "#4e79a7",
+    "grads": "#a0cbe8",
+    "master": "#f28e2b",
+    "exp_avg": "#59a14f",
+    "exp_avg_sq": "#8cd17d",
+    "grad_shard": "#b6992d",
+    "staging": "#bab0ac",
+    "ddp_buckets": "#e15759",
+    "step": "#79706e",
+}
+
+
+def _num(v: float) -> str:
+    return f"{v:.1f}" if v >= 1 else f"{v:.3g}"
+
+
+def save_chart(runs: dict, checks: dict, entropy: float, meta: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    names = list(runs)
+    fig, ((ax_loss, ax_gap), (ax_mem, ax_time)) = plt.subplots(2, 2, figsize=(13, 9), layout="constrained")
+    # "zero2 (= stage 1, bitwise)": each stage equal bit for bit to the lowest stage run
+    same = {k.removesuffix("_bitwise").split("_vs_")[1]: k.split("_vs_")[0] for k, c in checks.items()
+            if k.endswith("_bitwise") and c["ok"]}  # fmt: skip
+
+    for name in names:
+        losses = runs[name]["losses"]
+        label = runs[name]["label"] + (f" (= stage {same[name][-1]}, bitwise)" if name in same else "")
+        ax_loss.plot(range(1, len(losses) + 1), losses, color=COLORS[name], label=label, **STYLES[name])
+    ax_loss.axhline(entropy, color="gray", ls=":", lw=1)
+    ax_loss.annotate(f"best possible {entropy:.3f}", (1, entropy), xytext=(2, 3), textcoords="offset points",
+                     fontsize=8, color="gray", va="bottom")  # fmt: skip
+    ax_loss.set(title="training loss (mean over ranks)", xlabel="step", ylabel="cross-entropy, nats")
+    gaps = [c["max_abs_loss_diff"] for k, c in checks.items() if k.endswith("_vs_ddp")]
+    title = f"max |ZeRO - DDP| = {max(gaps):.4f} nats: the curves overlap (gap at the right)" if gaps else None
+    ax_loss.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), fontsize=8, frameon=False, title=title,
+                   title_fontsize=8)  # fmt: skip
+
+    # The gap to DDP, step by step, against the tolerance band.
+    tol = next((c["tolerance_nats"] for k, c in checks.items() if k.endswith("_vs_ddp")), None)
+    if "ddp" in runs and tol is not None:
+        ref = runs["ddp"]["losses"]
+        for name in (n for n in names if n != "ddp"):
+            gap = [a - b for a, b in zip(runs[name]["losses"], ref)]
+            worst = checks[f"{name}_vs_ddp"]["max_abs_loss_diff"]
+            ax_gap.plot(
+                range(1, len(gap) + 1),
+                gap,
+                color=COLORS[name],
+                label=f"{name}: max |gap| {worst:.4f}",
+                **GAP_STYLES[name],
+            )
+        ax_gap.axhspan(-tol, tol, color="tab:green", alpha=0.08, label=f"tolerance ±{tol} nats")
+        for y in (-tol, tol):
+            ax_gap.axhline(y, color="tab:red", ls=":", lw=1)
+        ax_gap.axhline(0, color="black", lw=0.6)
+        ax_gap.set_ylim(-max(1.6 * tol, 1.1 * max(gaps)), max(1.6 * tol, 1.1 * max(gaps)))
+        ax_gap.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, fontsize=8, frameon=False)
+    else:
+        ax_gap.text(0.5, 0.5, "no DDP baseline in this run", ha="center", va="center", transform=ax_gap.transAxes)
+    ax_gap.set(title="loss(ZeRO) − loss(DDP) per step", xlabel="step", ylabel="nats")
+    for ax in (ax_loss, ax_gap):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+    # Model state per rank: stacked by kind, total and bytes/param on top, the formula as a black tick.
+    x = list(range(len(names)))
+    bottom = [0.0] * len(names)
+    tallest = max(runs[n]["model_state_total"] for n in names) / MIB
+    for kind, color in KINDS.items():  # kinds too small to see (AdamW's step counters) are left out
+        vals = [runs[n]["model_state"].get(kind, 0) / MIB for n in names]
+        if max(vals) > 1e-3 * tallest:
+            ax_mem.bar(x, vals, 0.6, bottom=bottom, color=color, label=kind, edgecolor="white", lw=0.5)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    window = [runs[n].get("window_bound", 0) / MIB for n in names]
+    hatched = [i for i in x if window[i]]  # stage 3: the declared bound of gathered buckets, transient, on top
+    if hatched:  # (only those bars: a zero-height bar would still draw its edge)
+        ax_mem.bar(hatched, [window[i] for i in hatched], 0.6, bottom=[bottom[i] for i in hatched], color="white",
+                   edgecolor="tab:purple", hatch="///", lw=0.8, label="gathered window\n(stage 3 bound;\ntransient)")  # fmt: skip
+    est = [runs[n]["estimate"] / MIB for n in names]
+    ax_mem.hlines(est, [i - 0.36 for i in x], [i + 0.36 for i in x], color="black", lw=2, label="formula (estimate)")
+    for i, n in enumerate(names):
+        total = runs[n]["model_state_total"]
+        text = f"{_num(total / MIB)} MiB\n{total / runs[n]['num_params']:.1f} B/param"
+        if window[i]:
+            text += f"\n+ window {_num(window[i])}"
+        ax_mem.text(i, (bottom[i] + window[i]) * 1.01, text, ha="center", va="bottom", fontsize=8)
+        ax_mem.text(i + 0.37, est[i], _num(est[i]), va="center", fontsize=7)
+    ax_mem.set_xticks(x, [SHORT.get(n, n) for n in names], fontsize=8)
+    ax_mem.set_ylim(0, max(b + w for b, w in zip(bottom, window)) * 1.28)
+    ax_mem.set_xlim(-0.5, len(names) - 0.2)  # room for the formula labels right of the last bar
+    ax_mem.set(title=f"persistent model state per rank (N = {runs[names[0]]['world_size']})", ylabel="MiB per rank")
+    ax_mem.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
+
+    # Step time: median with min-max whiskers, value labels.
+    stats = [step_stats(runs[n]) for n in names]
+    med = [s["median_s"] * 1e3 for s in stats]
+    err = [[m - s["min_s"] * 1e3 for m, s in zip(med, stats)], [s["max_s"] * 1e3 - m for m, s in zip(med, stats)]]
+    ax_time.bar(x, med, 0.6, yerr=err, capsize=4, color=[COLORS[n] for n in names], alpha=0.8)
+    ax_time.set_xticks(x, [f"{SHORT.get(n, n)}\nmedian {m:.0f} ms" for n, m in zip(names, med)], fontsize=8)
+    warm = runs[names[0]]["config"]["warmup"]
+    ax_time.set(title="step time of the slowest rank: median, min-max", ylabel="ms")
+    ax_time.set_xlabel(
+        f"(the first {warm} steps are warm-up, left out)" if len(runs[names[0]]["losses"]) > warm else ""
+    )
+
+    psi = runs[names[0]]["num_params"]
+    fig.suptitle(f"zero_ext main job: {psi:,}-param GPT, {meta['device']}, commit {meta['commit']}", fontsize=10)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
