@@ -8,16 +8,35 @@ BUILD ?= build/cmake
 SCRIPTS := $(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_path('scripts'))")
 CLANG_FORMAT ?= $(SCRIPTS)/clang-format
 
-.PHONY: install run test test-cuda ctest lint format cuda-link
+.PHONY: install reinstall run test test-cuda ctest lint format cuda-link
+
+# The install is skipped when nothing it depends on changed since the last one for this interpreter: the stamp
+# records the interpreter's prefix and is older than no build input.
+STAMP := build/.install-stamp
+PREFIX := $(shell $(PYTHON) -c "import sys; print(sys.prefix)")
+INPUTS := setup.py pyproject.toml csrc
 
 install:
-	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q --no-build-isolation -e ".[dev]"
+	@if [ -f $(STAMP) ] && [ "$$(cat $(STAMP))" = "$(PREFIX)" ] \
+		&& [ -z "$$(find $(INPUTS) -newer $(STAMP) -print -quit)" ] && $(PYTHON) -c "import zero_ext" 2>/dev/null; then \
+		echo "== zero_ext is installed and up to date for $(PYTHON) (make reinstall forces a rebuild)"; \
+	else \
+		$(PYTHON) -c "import torch" 2>/dev/null || { echo "== torch is not importable: installing $(TORCH_SPEC)"; \
+			$(PIP) install -q "$(TORCH_SPEC)" || exit 1; }; \
+		echo "== installing zero_ext (editable, with the dev extra): compiles the C++ kernels, about a minute the first time"; \
+		$(PIP) install -q --no-build-isolation -e ".[dev]" || exit 1; \
+		mkdir -p $(dir $(STAMP)) && echo "$(PREFIX)" > $(STAMP); \
+	fi
+
+reinstall:
+	rm -f $(STAMP)
+	$(MAKE) install
 
 run: install
 	$(PYTHON) bench/main_job.py
 
 test: install
+	@echo "== pytest: the CPU suite; tests marked cuda are deselected here (make test-cuda runs them on a GPU machine)"
 	$(PYTHON) -m pytest -q
 
 test-cuda: install

@@ -8,7 +8,7 @@ compile jobs (default: by free memory, about 2 GiB per nvcc job).
 import glob
 import os
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -45,6 +45,7 @@ def _extensions():
     if use_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
         sources += rel("csrc/torch/cuda_*.cpp") + rel("csrc/cuda/*.cu")
+        # Read by csrc/torch/registration.cpp: torch.ops.zero_ext._built_with_cuda() (zero_ext.ops.built_with_cuda).
         define_macros.append(("ZERO_EXT_WITH_CUDA", "1"))
         ext = cpp_extension.CUDAExtension(
             "zero_ext._C",
@@ -63,21 +64,31 @@ def _extensions():
 
 
 ext_modules, build_ext = _extensions()
+BENCH_REQUIRES = ["matplotlib>=3.7", "tqdm>=4.60"]
+HF_REQUIRES = ["transformers>=5.0", "accelerate>=1.1"]
 
 setup(
     name="zero_ext",
     version="0.1.0",
-    description="ZeRO stage 1/2 sharded AdamW for PyTorch: fused kernels, flat buffers, overlapped comms",
+    description="ZeRO stage 1/2/3 sharded AdamW for PyTorch: fused kernels, flat buffers, overlapped comms",
     python_requires=">=3.10",
-    packages=["zero_ext", "zero_ext.kernels"],
+    # Every subpackage of zero_ext (checkpoint, comm, integrations, ...): a wheel must hold them all.
+    packages=sorted(set(find_packages(include=["zero_ext", "zero_ext.*"])) | {"zero_ext.kernels"}),
     # kernels/ lives at the top of the repository (DESIGN.md) and installs as zero_ext.kernels;
     # zero_ext/kernels is a symlink to it so an in-tree import sees the same package.
     package_dir={"zero_ext": "zero_ext", "zero_ext.kernels": "kernels"},
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},
-    install_requires=["torch>=2.4", "numpy>=1.24", "safetensors>=0.4", "tqdm>=4.60"],
+    install_requires=["torch>=2.4", "numpy>=1.24", "safetensors>=0.4"],
+    # bench: the benchmarks' plots and progress bar (tqdm). hf: zero_ext.integrations.transformers (ZeroTrainer;
+    # transformers 5.x, whose Trainer needs accelerate; neither pulls another torch). dev includes both: `make test`
+    # installs .[dev], tests/test_bench_smoke.py runs the benchmarks and tests/test_integration_transformers.py the
+    # Trainer (about 20 s of installing and 20 s of tests).
     extras_require={
-        "dev": ["pytest>=7", "hypothesis>=6", "triton>=3.0", "ruff>=0.5", "clang-format>=18", "matplotlib>=3.7"],
-        "bench": ["matplotlib>=3.7"],
+        "dev": ["pytest>=7", "hypothesis>=6", "triton>=3.0", "ruff>=0.5", "clang-format>=18"]
+        + BENCH_REQUIRES
+        + HF_REQUIRES,
+        "bench": BENCH_REQUIRES,
+        "hf": HF_REQUIRES,
     },
 )

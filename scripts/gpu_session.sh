@@ -4,7 +4,9 @@
 # under $OUT (default ./gpu_out) and a one-line-per-step summary to $OUT/summary.txt:
 #   build      pip install --no-build-isolation --no-deps -e .  (native arch only: faster build)
 #   test       pytest -m cuda                                    (slow > 2^31-element tests included)
+#   suite      pytest (the default CPU suite on the GPU machine; the Triton CPU tests run in a subprocess)
 #   memcheck   CUDA op tests under compute-sanitizer memcheck    (caching allocator off: exact OOB)
+#   memcheck_engine  the CUDA engine tests under memcheck        (NCCL, side streams, Triton staging)
 #   racecheck  the shared-memory reductions under racecheck
 #   bench      python bench/bench_fused_adamw.py --device cuda   (results also copied to $OUT)
 #   overlap    python bench/profile_overlap.py: profiler check that the gradient reduce-scatter
@@ -13,8 +15,8 @@
 #   ctest      the torch-free launcher test (cmake/cuda_compile_check.cmake) on the GPU
 # Usage: scripts/gpu_session.sh [STEP...]   (default: all, in that order; `test` and `overlap` build
 # first when zero_ext._C lacks the CUDA kernels, and a rebuild is incremental). A device call may run
-# at most ten minutes, so on a fresh machine run it as e.g. `... build test memcheck` then `...
-# racecheck bench overlap ncu ctest`; each step has its own timeout (STEP_TIMEOUT_<STEP> seconds) so
+# at most ten minutes, so on a fresh machine run it as e.g. `... build test` then `... suite memcheck
+# memcheck_engine` then `... racecheck bench overlap ncu ctest`; each step has its own timeout (STEP_TIMEOUT_<STEP> seconds) so
 # one hang cannot eat the budget. Exit status: nonzero if any step failed.
 set -uo pipefail
 
@@ -25,7 +27,7 @@ mkdir -p "${OUT}"
 SUMMARY="${OUT}/summary.txt"
 PY="${PYTHON:-python}"
 STEPS=("$@")
-[[ ${#STEPS[@]} -gt 0 ]] || STEPS=(build test memcheck racecheck bench overlap ncu ctest)
+[[ ${#STEPS[@]} -gt 0 ]] || STEPS=(build test suite memcheck memcheck_engine racecheck bench overlap ncu ctest)
 FAILED=0
 # The op tests of the CUDA kernels: this file and the shared cpu/cuda op tests that exist.
 OP_TESTS=$(ls tests/test_cuda_ops.py tests/test_fused_adamw*.py tests/test_flatten*.py \
@@ -114,6 +116,16 @@ for s in "${STEPS[@]}"; do
     test)
       has_cuda_build || step build 480 run_build || exit 1
       step test 480 "${PY}" -m pytest -m cuda -q -ra --junitxml="${OUT}/pytest_cuda.xml" ;;
+    suite)
+      has_cuda_build || step build 480 run_build || exit 1
+      step suite 600 "${PY}" -m pytest -q -ra --junitxml="${OUT}/pytest_suite.xml" ;;
+    memcheck_engine)
+      # The engine on one GPU through NCCL (side streams, events, staging, accumulate) under memcheck; the
+      # caching allocator stays on here (NCCL and the engine allocate per step), so this finds out-of-bounds
+      # accesses past whole allocations and use of freed memory the allocator returned to the driver.
+      step memcheck_engine 480 compute-sanitizer --tool memcheck --error-exitcode 1 --print-limit 50 \
+        --target-processes all "${PY}" -m pytest -q -x -m "cuda and not slow" \
+        tests/test_engine_cuda.py tests/test_engine_cuda_paths.py -k "not three_ways and not two_gpus" ;;
     memcheck)
       # No caching allocator: every tensor is its own cudaMalloc, so an out-of-bounds access hits
       # unallocated memory instead of a neighbour in the same pool block.
@@ -134,7 +146,7 @@ for s in "${STEPS[@]}"; do
       mkdir -p "${OUT}/bench_results" && cp -r bench/results/. "${OUT}/bench_results/" ;;
     ncu) step ncu 240 run_ncu ;;
     ctest) step ctest 240 run_ctest ;;
-    *) echo "unknown step '${s}' (build test memcheck racecheck bench overlap ncu ctest)"; FAILED=1 ;;
+    *) echo "unknown step '${s}' (build test suite memcheck memcheck_engine racecheck bench overlap ncu ctest)"; FAILED=1 ;;
   esac
 done
 echo "---- summary (${SUMMARY})"
