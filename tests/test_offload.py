@@ -320,3 +320,26 @@ def test_offload_warns_when_the_cpu_update_gets_one_thread(monkeypatch):
             ZeroAdamW(build(torch.bfloat16).named_parameters(), offload="cpu")
     finally:
         torch.set_num_threads(threads)
+
+
+def _no_thread_warning_when_ranks_take_the_cores(rank, world):
+    import warnings
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the ranks already use every core: nothing to advise
+            ZeroAdamW(build(torch.bfloat16).named_parameters(), offload="cpu").close()
+    finally:
+        torch.set_num_threads(threads)
+    return True
+
+
+def test_no_thread_warning_when_the_ranks_already_use_every_core(monkeypatch):
+    """Launched without torchrun (no LOCAL_WORLD_SIZE), ranks sharing the host's cores get no advice to take more."""
+    world = len(os.sched_getaffinity(0))
+    if world > 3:
+        pytest.skip("the gloo pool runs at most 3 ranks")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert all(run_on_ranks(world, _no_thread_warning_when_ranks_take_the_cores))

@@ -21,6 +21,7 @@ import warnings
 from typing import Callable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from ..comm import Communicator
 from ..layout import Layout, fingerprint
@@ -55,13 +56,23 @@ def check_offload_options(offload, offload_dir, offload_window) -> None:
             raise ValueError(f"{WHERE}: `offload_window` must be an int >= {floor} (bytes), got {offload_window!r}")
 
 
+def _processes_on_this_host() -> int:
+    """torchrun's LOCAL_WORLD_SIZE; without it (mp.spawn, a launcher of one's own) the process group's size, as if
+    every rank shared this host: the warning then never promises cores that other ranks are using."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if local.isdigit() and int(local) > 0:
+        return int(local)
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
 def warn_if_one_thread(offload) -> None:
     """The CPU update runs on torch's intra-op threads; torchrun sets OMP_NUM_THREADS=1, which leaves it one core
     (DeepSpeed's users hit the same: CPU Adam several times slower than it could be)."""
     if offload is None or torch.get_num_threads() > 1:
         return
-    local = os.environ.get("LOCAL_WORLD_SIZE", "1")
-    cores = len(os.sched_getaffinity(0)) // max(int(local) if local.isdigit() else 1, 1)
+    cores = len(os.sched_getaffinity(0)) // _processes_on_this_host()
     if cores > 1:
         warnings.warn(
             f"zero_ext.ZeroAdamW: offload={offload!r} updates the optimizer state on the CPU with torch's intra-op "
