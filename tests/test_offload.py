@@ -343,3 +343,44 @@ def test_no_thread_warning_when_the_ranks_already_use_every_core(monkeypatch):
         pytest.skip("the gloo pool runs at most 3 ranks")
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert all(run_on_ranks(world, _no_thread_warning_when_ranks_take_the_cores))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_dropped_optimizer_lets_go_of_its_state_files_and_the_model(tmp_path, stage):
+    """`del opt` without close() while the model lives on (a notebook cell re-run, a sweep): the model's hooks held
+    the optimizer weakly, so it is collected, its state files are deleted, and the model's backward is torch's."""
+    import gc
+    import weakref
+
+    model = build(torch.bfloat16)
+    opt = ZeroAdamW(model.named_parameters(), stage=stage, offload="nvme", offload_dir=str(tmp_path))
+    loss_fn(model, batch(0, 0)).backward()
+    opt.step()
+    opt.zero_grad()
+    gone = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert gone() is None, "something still holds the optimizer"
+    assert _files(tmp_path) == [] and os.listdir(tmp_path) == []
+    loss_fn(model, batch(1, 0)).backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def _spawned_child_without_close(rank, directory):
+    model = build(torch.bfloat16)
+    opt = ZeroAdamW(model.named_parameters(), offload="nvme", offload_dir=directory)
+    loss_fn(model, batch(0, 0)).backward()
+    opt.step()
+    assert _files(directory), "no state files while training"
+    _keep_alive.append(opt)  # alive until the process exits, which multiprocessing does through os._exit
+
+
+_keep_alive = []
+
+
+def test_state_files_removed_when_a_spawned_process_exits_without_close(tmp_path):
+    """torch.multiprocessing.spawn children end with os._exit (no atexit): the files go anyway."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_spawned_child_without_close, args=(str(tmp_path),), nprocs=1, join=True)
+    assert _files(tmp_path) == [] and os.listdir(tmp_path) == []

@@ -14,6 +14,8 @@ from typing import Iterable, Optional
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from .weak_hooks import remove_all, remove_with, weak_call
+
 _DDP_HINT = (
     "ZeroAdamW reduces the gradients itself: pass the unwrapped model (model.module) and do not wrap it in "
     "DistributedDataParallel (with HF Trainer, use zero_ext.integrations.transformers)"
@@ -38,7 +40,8 @@ class ModelState:
 
     def install(self) -> None:
         """Hook the model (after the optimizer was built: a failed construction leaves the model untouched)."""
-        self._hooks.append(self.module.register_forward_pre_hook(self._refuse_ddp))
+        self._hooks.append(self.module.register_forward_pre_hook(weak_call(self._refuse_ddp)))
+        remove_with(self, self._hooks)
 
     def name_of(self, tensor: torch.Tensor) -> Optional[str]:
         keys = self.keys_of.get(id(tensor))
@@ -66,6 +69,4 @@ class ModelState:
             raise RuntimeError(f"zero_ext.ZeroAdamW: the model is running inside DistributedDataParallel. {_DDP_HINT}.")
 
     def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+        remove_all(self._hooks)

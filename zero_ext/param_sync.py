@@ -20,6 +20,7 @@ import torch
 from .buffers import FlatGroup, ShardedState
 from .comm import Pending
 from .layout import Bucket
+from .weak_hooks import remove_with, weak_call
 
 Key = tuple[int, int]  # (flat group index, bucket index)
 
@@ -60,28 +61,23 @@ class ParamSync:
         for m in module.modules():
             keys = sorted({where[id(p)] for p in m.parameters(recurse=False) if id(p) in where})
             if keys and m is not module:
-                self._hooks.append(m.register_forward_pre_hook(self._pre_hook(keys)))
+                self._hooks.append(m.register_forward_pre_hook(weak_call(self._pre_hook, keys)))
         root_keys = sorted({where[id(p)] for p in module.parameters(recurse=False) if id(p) in where})
-        self._hooks.append(module.register_forward_pre_hook(self._root_pre_hook(root_keys)))
-        self._hooks.append(module.register_forward_hook(self._root_post_hook))
+        self._hooks.append(module.register_forward_pre_hook(weak_call(self._root_pre_hook, root_keys)))
+        self._hooks.append(module.register_forward_hook(weak_call(self._root_post_hook)))
+        remove_with(self, self._hooks)
         self.deferred = True
 
-    def _pre_hook(self, keys: list[Key]):
-        @torch.compiler.disable
-        def hook(_module, _args) -> None:
-            self._claiming.update(keys)
-            self.finish_param_sync(keys)
+    @torch.compiler.disable
+    def _pre_hook(self, keys: list[Key], _module, _args) -> None:
+        self._claiming.update(keys)
+        self.finish_param_sync(keys)
 
-        return hook
-
-    def _root_pre_hook(self, own_keys: list[Key]):
-        @torch.compiler.disable
-        def hook(_module, _args) -> None:
-            self._claiming = set()
-            self.finish_param_sync(own_keys)
-            self.finish_param_sync([k for k in list(self._pending) if k not in self._claimed])
-
-        return hook
+    @torch.compiler.disable
+    def _root_pre_hook(self, own_keys: list[Key], _module, _args) -> None:
+        self._claiming = set()
+        self.finish_param_sync(own_keys)
+        self.finish_param_sync([k for k in list(self._pending) if k not in self._claimed])
 
     @torch.compiler.disable
     def _root_post_hook(self, _module, _args, _output) -> None:

@@ -18,7 +18,6 @@ Collectives of an earlier round still in flight when a new round starts are trac
 from __future__ import annotations
 
 import enum
-import functools
 from typing import Optional
 
 import torch
@@ -28,6 +27,7 @@ from .comm import Pending
 from .grads import GradStrategy
 from .layout import Bucket
 from .staging import StagingEntry, StagingPool
+from .weak_hooks import remove_all, remove_with, weak_call
 
 
 class BucketStatus(enum.Enum):
@@ -79,12 +79,11 @@ class GradSync:
         for group in state.groups:
             for slot, p in zip(group.layout.slots, group.params):
                 gb = by_key[(group.index, slot.bucket)]
-                self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, gb, slot)))
+                self._hooks.append(p.register_post_accumulate_grad_hook(weak_call(self._on_grad, gb, slot)))
+        remove_with(self, self._hooks)  # dropped without close(): the model's hooks go with it
 
     def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+        remove_all(self._hooks)
 
     # ---------------------------------------------------------------- backward
     @torch.compiler.disable

@@ -15,6 +15,7 @@ the benchmark (bench/bench_offload.py) measures how close a step comes to the di
 from __future__ import annotations
 
 import mmap
+import multiprocessing.util
 import os
 import threading
 import weakref
@@ -50,6 +51,9 @@ class StateFiles:
         self._pool: ThreadPoolExecutor | None = None
         # Runs once: close() calls it, else the garbage collector or the interpreter's exit does.
         self._remove = weakref.finalize(self, _remove_files, self.fds, list(self.paths.values()), directory)
+        # A multiprocessing child (mp.spawn, torch.multiprocessing) leaves through os._exit: no atexit, so the
+        # finalizer above would not run at its exit; multiprocessing runs its own finalizers there.
+        multiprocessing.util.Finalize(self, self._remove, exitpriority=0)
         try:
             for kind, path in self.paths.items():
                 self.fds[kind] = self._open(path)
