@@ -400,6 +400,16 @@ def render(runs: dict, checks: dict, meta_: dict, entropy: float, args) -> tuple
     return text, md
 
 
+def expected_duration(args, meta_: dict) -> str:
+    """What the default job took where it was measured (bench/README.md): bf16 autocast needs a CPU whose bf16
+    matmul has a fast path, which the 2-core AVX2 machine lacked (it spends the steps in bf16 GEMMs)."""
+    if args.device == "cuda":
+        return "default size: a minute or two on GPUs"
+    if meta_.get("zero_ext_cpu_isa") == "avx512":
+        return "default size: 20-90 s on 2 CPU cores with AVX-512"
+    return "default size: ~20 min on 2 CPU cores without AVX-512, where torch's bf16 matmul is slow"
+
+
 def offload_options(args) -> dict:
     if args.offload is None:
         return {}
@@ -425,7 +435,7 @@ def main(argv=None) -> int:
     print(
         f"main job: {len(recipes)} recipes x {args.steps} steps of a {psi:,}-param GPT on {world} "
         f"{'GPUs (NCCL)' if args.device == 'cuda' else 'CPU processes (gloo)'}, each recipe in fresh processes "
-        f"(default size: 20-90 s on 2 CPU cores); results go to {_shown(out)}/",
+        f"({expected_duration(args, meta_)}); results go to {_shown(out)}/",
         flush=True,
     )
     entropy = MarkovData(args.vocab, args.seq_len, seed=args.seed).entropy_rate()

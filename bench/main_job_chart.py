@@ -4,7 +4,8 @@ Four panels: the loss curves of every recipe (the main check), the per-step gap 
 tolerance, persistent model state per rank by kind with the formula and value labels (stage 3's window of gathered
 parameters drawn hatched on top: transient, not persistent), and step time. Peak memory
 is left out on purpose: at this model size it is activations, temporaries and runtime buffers, not model state
-(it stays in the table of main_job.md).
+(it stays in the table of main_job.md). ``python bench/main_job_chart.py bench/results/main_job.json`` redraws a
+result's chart from its JSON.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ KINDS = {
     "grad_shard": "#b6992d",
     "staging": "#bab0ac",
     "ddp_buckets": "#e15759",
+    "landing": "#d37295",  # offload: the ring reduced gradients land in before the host grad shard
+    "window": "#fabfd2",  # offload="nvme": the host window the state on disk streams through
     "step": "#79706e",
 }
 
@@ -116,10 +119,15 @@ def save_chart(runs: dict, checks: dict, entropy: float, meta: dict, path: Path)
         text = f"{_num(total / MIB)} MiB\n{total / runs[n]['num_params']:.1f} B/param"
         if window[i]:
             text += f"\n+ window {_num(window[i])}"
-        ax_mem.text(i, (bottom[i] + window[i]) * 1.01, text, ha="center", va="bottom", fontsize=8)
+        if runs[n].get("on_disk"):  # offload="nvme": master and moments live in files, not in this bar
+            text += f"\n+ {_num(runs[n]['on_disk'] / MIB)} on disk"
+        top = bottom[i] + window[i]
+        if runs[n].get("on_disk"):  # the formula counts the state on disk: its tick can be above the bar
+            top = max(top, est[i])
+        ax_mem.text(i, top * 1.01, text, ha="center", va="bottom", fontsize=8)
         ax_mem.text(i + 0.37, est[i], _num(est[i]), va="center", fontsize=7)
     ax_mem.set_xticks(x, [SHORT.get(n, n) for n in names], fontsize=8)
-    ax_mem.set_ylim(0, max(b + w for b, w in zip(bottom, window)) * 1.28)
+    ax_mem.set_ylim(0, max(max(b + w, e) for b, w, e in zip(bottom, window, est)) * 1.28)
     ax_mem.set_xlim(-0.5, len(names) - 0.2)  # room for the formula labels right of the last bar
     ax_mem.set(title=f"persistent model state per rank (N = {runs[names[0]]['world_size']})", ylabel="MiB per rank")
     ax_mem.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
@@ -141,3 +149,13 @@ def save_chart(runs: dict, checks: dict, entropy: float, meta: dict, path: Path)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
+
+
+if __name__ == "__main__":  # redraw a result's chart from its JSON: python bench/main_job_chart.py results/x.json
+    import json
+    import sys
+
+    for arg in sys.argv[1:]:
+        result = json.loads(Path(arg).read_text())
+        print(save_chart(result["runs"], result["checks"], result["entropy_rate"], result["meta"],
+                         Path(arg).with_suffix(".png")))  # fmt: skip
