@@ -374,7 +374,9 @@ def _memory(rank, world, path):
 
 
 def test_peak_memory_within_shard_plus_bucket(tmp_path):
-    for save_peak, load_peak, shard, bucket in run_on_ranks(2, _memory, str(tmp_path / "ck")):
+    # Four saves and loads with their fsyncs: a CI run on a slow moment of this VM's disk took over the default
+    # 120 s on one rank (a few seconds normally), so this test waits longer before calling it a hang.
+    for save_peak, load_peak, shard, bucket in run_on_ranks(2, _memory, str(tmp_path / "ck"), timeout=400):
         # A gather to one rank would need the whole state (2 x shard); the bound is one bucket plus the
         # shard reader's few 1 MiB checksum blocks.
         bound = bucket + 8 * 2**20
