@@ -157,12 +157,16 @@ class Communicator:
 
     def start_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
         """Start gathering every rank's ``input`` into ``output`` (in place when ``input`` is this rank's slice
-        of ``output``)."""
-        raise NotImplementedError
+        of ``output``). The same on every backend that communicates (on the all-gather stream on CUDA)."""
+        self.counts.add("all_gather", output)
+        collective = lambda: all_gather_flat(output, input, group=self.group, async_op=True)  # noqa: E731
+        return self._on_stream(self.all_gather_stream, "all_gather", collective, None, (output, input))
 
     def start_all_reduce(self, tensor: torch.Tensor) -> Pending:
         """Start summing ``tensor`` over ranks, in place."""
-        raise NotImplementedError
+        self.counts.add("all_reduce", tensor)
+        collective = lambda: dist.all_reduce(tensor, group=self.group, async_op=True)  # noqa: E731
+        return self._on_stream(self.all_gather_stream, "all_reduce", collective, None, (tensor,))
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """Collective, synchronous: every rank's ``tensor`` becomes rank ``src``'s (a rank of this group)."""

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels.dispatch import accumulate_into
-from .base import Communicator, Pending, all_gather_flat
+from .base import Communicator, Pending
 
 
 class GlooCommunicator(Communicator):
@@ -98,16 +98,6 @@ class GlooCommunicator(Communicator):
         return self._on_stream(
             self.reduce_scatter_stream, "reduce_scatter", collective, epilogue, (send, out, workspace)
         )
-
-    def start_all_gather(self, output, input) -> Pending:
-        self.counts.add("all_gather", output)
-        collective = lambda: all_gather_flat(output, input, group=self.group, async_op=True)  # noqa: E731
-        return self._on_stream(self.all_gather_stream, "all_gather", collective, None, (output, input))
-
-    def start_all_reduce(self, tensor) -> Pending:
-        self.counts.add("all_reduce", tensor)
-        collective = lambda: dist.all_reduce(tensor, group=self.group, async_op=True)  # noqa: E731
-        return self._on_stream(self.all_gather_stream, "all_reduce", collective, None, (tensor,))
 
     def reduce_step_stats(self, flags: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
         # One collective for both (every gloo collective has a fixed cost): the device is the host here.
