@@ -31,6 +31,7 @@ import torch
 from harness import MIB, OUT, RESULTS, cores, markdown_table, meta, round_robin, summary, write_results
 
 from zero_ext import ZeroAdamW
+from zero_ext.offload import DEFAULT_WINDOW
 from zero_ext.offload.disk import chunk_numel
 from zero_ext.offload.files import ALIGN
 
@@ -213,7 +214,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="4,16,64,128", help="model sizes, millions of parameters")
     ap.add_argument("--dir", default=str(OUT / "offload"), help="where the nvme state and the disk probe go")
-    ap.add_argument("--window", type=int, default=64 * MIB, help="offload_window (bytes)")
+    ap.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="offload_window (bytes; the engine's default)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--out-dir", default=str(RESULTS))

@@ -90,7 +90,7 @@ class DiskState(HostGradients):
     def __init__(self, layout: Layout, params, device: torch.device, directory: str, stem: str, window: int):
         self._init_gradients(layout, params, device)
         n = layout.shard_numel
-        self.files = StateFiles(directory, stem, STATE_KINDS, n, threads=4)
+        self.files = StateFiles(directory, stem, STATE_KINDS, n)
         try:
             self.chunk = chunk_numel(window, params.dtype, n)
             self.slots = [_Slot(self.chunk, params.dtype, self.cuda) for _ in range(SLOTS)]
