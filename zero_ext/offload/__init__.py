@@ -33,9 +33,10 @@ from .host import HostState
 __all__ = ["OFFLOADS", "DEFAULT_WINDOW", "check_offload_options", "prepare_offload", "placement_factory"]
 
 OFFLOADS = (None, "cpu", "nvme")
-DEFAULT_WINDOW = 128 * 2**20  # bytes of host memory through which the state on disk streams (all flat groups);
-# 128 MiB rather than 64: 12.8 MB transfers instead of 6.4, 78-93 % of the disk against 67-76 % at 128M params
-# (bench/results/offload_cpu.md has the run)
+# Bytes of host memory through which the state on disk streams (all flat groups). 128 MiB rather than 64: 12.8 MB
+# transfers instead of 6.4; at 128M params with one or two I/O threads, 78-93 % of the disk's sequential rate in
+# four side-by-side runs against 67-76 % in two (the sweep is described in .files; not a committed result file).
+DEFAULT_WINDOW = 128 * 2**20
 WHERE = "zero_ext.ZeroAdamW"
 
 

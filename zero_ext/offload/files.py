@@ -1,15 +1,16 @@
 """fp32 arrays in files, read and written by I/O threads: the NVMe placement's working memory.
 
 One file per (rank, flat group, kind) under a directory the placement creates. I/O is plain ``preadv``/``pwritev``
-on a reader and a writer thread (they release the GIL, so reads ahead and writes behind overlap the CPU AdamW kernel), with
-``O_DIRECT`` where the filesystem accepts it (no page cache: what is read comes from the disk, what is written
-leaves memory; tmpfs refuses it, and then the page cache is used). O_DIRECT needs the memory address, the file
-offset and the length aligned to the device's block: buffers come from ``aligned_buffer`` (page-aligned) and every
-transfer covers whole ``ALIGN``-byte blocks; files are sized up to a whole block.
+on a reader and a writer thread (they release the GIL, so reads ahead and writes behind overlap the CPU AdamW
+kernel), with ``O_DIRECT`` where the filesystem accepts it (no page cache: what is read comes from the disk, what is
+written leaves memory; tmpfs refuses it, and then the page cache is used). O_DIRECT needs the memory address, the
+file offset and the length aligned to the device's block: buffers come from ``aligned_buffer`` (page-aligned) and
+every transfer covers whole ``ALIGN``-byte blocks; files are sized up to a whole block.
 
 Why threads and not a library: liburing/libaio are not on PyPI for Python in a form that would not add a compiled
-dependency, and for the few, large, sequential transfers of a step (megabytes each; the kernel splits each into many device requests) one read and one write in flight keep a disk busy;
-the benchmark (bench/bench_offload.py) measures how close a step comes to the disk's own sequential bandwidth.
+dependency, and for the few, large, sequential transfers of a step (megabytes each; the kernel splits each into many
+device requests) one read and one write in flight keep a disk busy; the benchmark (bench/bench_offload.py) measures
+how close a step comes to the disk's own sequential bandwidth.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class StateFiles:
     """``kinds`` fp32 arrays of ``numel`` elements, one file each, in ``directory`` (created here; the files are
     deleted, and the directory when empty, by :meth:`close`, when this object is collected, or at exit)."""
 
-    def __init__(self, directory: str, stem: str, kinds: Sequence[str], numel: int, split: bool = True):
+    def __init__(self, directory: str, stem: str, kinds: Sequence[str], numel: int):
         self.directory, self.numel = directory, numel
         self.nbytes = max(ALIGN, -(-numel * 4 // ALIGN) * ALIGN)  # whole blocks
         os.makedirs(directory, exist_ok=True)
@@ -73,7 +74,7 @@ class StateFiles:
         # own probe): four threads 64-68 % in four runs, one or two 67-93 % in six; reader + writer and one thread
         # side by side 56-64 % and 55-66 % in a slower hour of the same disk (its read rate swings 0.9-2.3 GB/s).
         self._readers = ThreadPoolExecutor(1, thread_name_prefix="zero_ext-nvme-read")
-        self._writers = ThreadPoolExecutor(1, thread_name_prefix="zero_ext-nvme-write") if split else self._readers
+        self._writers = ThreadPoolExecutor(1, thread_name_prefix="zero_ext-nvme-write")
         self._lock = threading.Lock()
         self.bytes_read = self.bytes_written = 0
 
@@ -139,8 +140,9 @@ class StateFiles:
     def close(self) -> None:
         """Finish the I/O in flight, close and delete the files (the state is working memory; checkpoints are the
         durable copy). A second call does nothing."""
-        for pool in {self._readers, self._writers} - {None}:
-            pool.shutdown(wait=True)
+        for pool in (self._readers, self._writers):
+            if pool is not None:
+                pool.shutdown(wait=True)
         self._readers = self._writers = None
         self._remove()
 
