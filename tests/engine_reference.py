@@ -34,6 +34,15 @@ def mean_grads(per_rank, like):
     return out
 
 
+def set_mean_grads(ref_params, per_rank):
+    """The reference's gradients: each parameter's ``.grad`` set to the mean of the ranks' (None where no rank has
+    one, as for a frozen parameter). Returns the means."""
+    means = mean_grads(per_rank, ref_params)
+    for p, g in zip(ref_params, means):
+        p.grad = g
+    return means
+
+
 def reference(model, **hyper):
     """fp32 master copies of the model's params and a torch.optim.AdamW over them."""
     params = [p.detach().float().clone().requires_grad_(p.requires_grad) for p in model.parameters()]

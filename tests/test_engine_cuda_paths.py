@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 import torch
-from engine_reference import check_against_reference, mean_grads, params_digest, rank_grads, reference
+from engine_reference import check_against_reference, params_digest, rank_grads, reference, set_mean_grads
 from tiny_transformer import batch, build, loss_fn
 
 from zero_ext import ZeroAdamW
@@ -31,8 +31,7 @@ def _train_against_reference(model, opt, dtype, steps=4, device="cuda", clip=Non
     for step in range(steps):
         tokens = batch(step, 0).to(device) if tokens_fn is None else tokens_fn(step)
         per_rank = rank_grads(model, list(model.parameters()), [tokens], loss_fn)
-        for p, g in zip(ref_params, mean_grads([[None if x is None else x.cpu() for x in per_rank[0]]], ref_params)):
-            p.grad = g
+        set_mean_grads(ref_params, [[None if x is None else x.cpu() for x in per_rank[0]]])
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(ref_params, clip)
         ref_opt.step()

@@ -5,7 +5,7 @@ communication, no staging: gradients go straight into the grad shard), 2 and 3 r
 import pytest
 import torch
 from distributed import run_on_ranks
-from engine_reference import check_against_reference, mean_grads, params_digest, rank_grads, reference
+from engine_reference import check_against_reference, mean_grads, params_digest, rank_grads, reference, set_mean_grads
 from tiny_transformer import batch, build, loss_fn
 
 from zero_ext import ZeroAdamW
@@ -18,9 +18,7 @@ WORLDS = [1, 2, 3]
 
 def _step_reference(model, ref_params, ref_opt, batches, **kw):
     per_rank = rank_grads(model, list(model.parameters()), batches, loss_fn, **kw)
-    for p, g in zip(ref_params, mean_grads(per_rank, ref_params)):
-        if p.requires_grad:
-            p.grad = g
+    set_mean_grads(ref_params, per_rank)
     ref_opt.step()
 
 
@@ -35,8 +33,7 @@ def _accumulation(rank, world, stage, use_no_sync):
         per_rank = [
             [sum(gs) for gs in zip(*rank_grads(model, params, micro[r], loss_fn))] for r in range(world)
         ]  # each rank's sum over its micro-batches
-        for p, g in zip(ref_params, mean_grads(per_rank, ref_params)):
-            p.grad = g
+        set_mean_grads(ref_params, per_rank)
         ref_opt.step()
         if use_no_sync:
             with opt.no_sync():
@@ -82,8 +79,7 @@ def _clipping(rank, world, stage, max_norm):
     norms = []
     for step in range(5):
         per_rank = rank_grads(model, list(model.parameters()), [batch(step, r) for r in range(world)], loss_fn)
-        for p, g in zip(ref_params, mean_grads(per_rank, ref_params)):
-            p.grad = g
+        set_mean_grads(ref_params, per_rank)
         ref_norm = torch.nn.utils.clip_grad_norm_(ref_params, max_norm)
         ref_opt.step()
         loss_fn(model, batch(step, rank)).backward()
@@ -176,8 +172,7 @@ def _param_groups_and_schedule(rank, world, stage, dtype_name):
     for step in range(5):
         params = list(model.parameters())
         per_rank = rank_grads(model, params, [batch(step, r) for r in range(world)], loss_fn)
-        for p, g in zip(ref_params, mean_grads(per_rank, ref_params)):
-            p.grad = g
+        set_mean_grads(ref_params, per_rank)
         ref_opt.step()
         ref_sched.step()
         loss_fn(model, batch(step, rank)).backward()
@@ -213,9 +208,7 @@ def _unused_and_frozen(rank, world, stage):
             rank_grads(model, list(model.parameters()), [batch(step, r)], loss_fn, use_extra=uses[r])[0]
             for r in range(world)
         ]
-        for p, g in zip(ref_params, mean_grads(per_rank, ref_params)):
-            if p.requires_grad:
-                p.grad = g
+        set_mean_grads(ref_params, per_rank)
         ref_opt.step()
         loss_fn(model, batch(step, rank), use_extra=uses[rank]).backward()
         opt.step()

@@ -12,6 +12,7 @@ from engine_reference import (
     params_digest,
     rank_grads,
     reference,
+    set_mean_grads,
 )
 from tiny_transformer import batch, build, loss_fn
 
@@ -39,9 +40,7 @@ def _train_both_stages(rank, world, dtype, steps, bucket_size, communicate_at_on
     for step in range(steps):
         model1 = runs[1][0]
         per_rank = rank_grads(model1, list(model1.parameters()), [batch(step, r) for r in range(world)], loss_fn)
-        means = mean_grads(per_rank, ref_params)
-        for p, g in zip(ref_params, means):
-            p.grad = g
+        means = set_mean_grads(ref_params, per_rank)
         ref_opt.step()
         fused.step(means)
         for model, opt in runs.values():
@@ -145,9 +144,7 @@ def _two_dtypes(rank, world, stage):
         per_rank = rank_grads(
             model, list(model.parameters()), [_two_dtypes_batch(step, r) for r in range(world)], _two_dtypes_loss
         )
-        means = mean_grads(per_rank, ref_params)
-        for p, g in zip(ref_params, means):
-            p.grad = g
+        means = set_mean_grads(ref_params, per_rank)
         ref_opt.step()
         _two_dtypes_loss(model, _two_dtypes_batch(step, rank)).backward()
         check_grad_shard_is_mean(opt, means, rank)

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 from distributed import run_on_ranks
-from engine_reference import check_against_reference, mean_grads, params_digest, rank_grads, reference
+from engine_reference import check_against_reference, params_digest, rank_grads, reference, set_mean_grads
 from tiny_transformer import batch, build, loss_fn
 
 from zero_ext import ZeroAdamW
@@ -43,8 +43,7 @@ def _resting_parameter(rank, world, stage, accumulate):
                 for k in range(micro)))]
             for r in range(world)
         ]  # fmt: skip
-        for p, g in zip(ref_params, mean_grads(per_rank, ref_params)):
-            p.grad = g
+        set_mean_grads(ref_params, per_rank)
         ref_opt.step()
         before = (model.extra.weight.detach().clone(), _own_state(opt, "extra.weight"))
         if accumulate:
@@ -122,8 +121,7 @@ def _failing_step_on_one_rank(rank, world, stage):
     opt = ZeroAdamW(model.named_parameters(), **HYPER, stage=stage, bucket_size=BUCKET)
     ref_params, ref_opt = reference(build(torch.float32), **HYPER)
     per_rank = rank_grads(model, list(model.parameters()), [batch(0, r) for r in range(world)], loss_fn)
-    for p, g in zip(ref_params, mean_grads(per_rank, ref_params)):
-        p.grad = g
+    set_mean_grads(ref_params, per_rank)
     ref_opt.step()
     loss_fn(model, batch(0, rank)).backward()
     before = _everything(model, opt)
@@ -222,8 +220,7 @@ def _inf_on_the_first_step(rank, world, stage, clip):
     assert _bitwise_equal(before, after), "a skipped first step changed something"
     unchanged = build(torch.float32)  # the model as it was, and still is (stage 3's own cannot be read here)
     per_rank = rank_grads(unchanged, list(unchanged.parameters()), [batch(1, r) for r in range(world)], loss_fn)
-    for p, g in zip(ref_params, mean_grads(per_rank, ref_params)):
-        p.grad = g
+    set_mean_grads(ref_params, per_rank)
     ref_opt.step()
     loss_fn(model, batch(1, rank)).backward()
     opt.step()

@@ -14,7 +14,7 @@ import textwrap
 import pytest
 import torch
 from distributed import run_on_ranks
-from engine_reference import FusedReference, check_against_reference, mean_grads, rank_grads, reference
+from engine_reference import FusedReference, check_against_reference, rank_grads, reference, set_mean_grads
 from safetensors.torch import load_file
 from tiny_transformer import batch, build, loss_fn
 
@@ -114,9 +114,7 @@ def _against_torch(rank, world, offload, root, dtype_name):
     fused = FusedReference(build(dtype), **HYPER)
     for step in range(STEPS):
         per_rank = rank_grads(model, list(model.parameters()), [batch(step, r) for r in range(world)], loss_fn)
-        means = mean_grads(per_rank, ref_params)
-        for p, g in zip(ref_params, means):
-            p.grad = g
+        means = set_mean_grads(ref_params, per_rank)
         ref_opt.step()
         fused.step(means)
         loss_fn(model, batch(step, rank)).backward()

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from distributed import run_on_ranks
-from engine_reference import check_against_reference, mean_grads, params_digest, rank_grads, reference
+from engine_reference import check_against_reference, params_digest, rank_grads, reference, set_mean_grads
 from tiny_transformer import SEQ, batch, build
 from torch.utils.checkpoint import checkpoint
 
@@ -91,8 +91,7 @@ def _compare(rank, world, case, dtype_name, reshard, prefetch):
         m2.case = "plain" if case.startswith("checkpoint") else case  # the same math; autograd.grad refuses reentrant
         per_rank = rank_grads(m2, list(m2.parameters()), [batch(step, r) for r in range(world)], _loss, step=step)
         m2.case = case
-        for p, g in zip(ref_params, mean_grads(per_rank, ref_params)):
-            p.grad = g
+        set_mean_grads(ref_params, per_rank)
         if any(p.grad is not None for p in ref_params):
             torch.nn.utils.clip_grad_norm_([p for p in ref_params if p.grad is not None], 1.0)
         ref_opt.step()
