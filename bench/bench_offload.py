@@ -21,19 +21,22 @@ from __future__ import annotations
 
 import argparse
 import math
-import mmap
 import os
 import shutil
 import time
 from pathlib import Path
 
+import disk_probe
 import torch
+from disk_probe import DiskStream
 from harness import MIB, OUT, RESULTS, cores, markdown_table, meta, round_robin, summary, write_results
 
 from zero_ext import ZeroAdamW
 from zero_ext.offload import DEFAULT_WINDOW
 from zero_ext.offload.disk import chunk_numel
 from zero_ext.offload.files import ALIGN
+
+assert disk_probe.ALIGN == ALIGN, "the probe's transfers must be aligned as the optimizer's are"
 
 MODES = ("memory", "cpu", "nvme")
 LAYERS = 8
@@ -72,52 +75,6 @@ class Contender:
 
     def params(self) -> list[torch.Tensor]:
         return [p.detach().clone() for p in self.model.parameters()]
-
-
-class DiskStream:
-    """The disk's own sequential bandwidth: ``nbytes`` written, and ``nbytes`` read, with O_DIRECT in ``block``
-    transfers from one aligned buffer, the plain loop a user would write (what the optimizer's I/O threads are
-    measured against).
-
-    Two files, written and read alternately: each read is of a file written one round before, with the other's
-    write in between, as the step reads state written one step before. (Reading back what was just written
-    measures a cache: this VM's disk reads its last writes about 1.5x faster.)"""
-
-    def __init__(self, directory: str, nbytes: int, block: int):
-        self.block = max(ALIGN, block // ALIGN * ALIGN)
-        self.nbytes = max(self.block, nbytes // self.block * self.block)
-        self.buf = mmap.mmap(-1, self.block)
-        self.buf.write(os.urandom(self.block))
-        self.paths = [os.path.join(directory, f"bandwidth.probe{i}") for i in range(2)]
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0)
-        self.fds = [os.open(p, flags, 0o600) for p in self.paths]
-        for fd in self.fds:
-            os.posix_fallocate(fd, 0, self.nbytes)
-            self._write(fd)
-        self.turn = 0
-
-    def _write(self, fd: int) -> None:
-        for off in range(0, self.nbytes, self.block):
-            os.pwritev(fd, [self.buf], off)
-        os.fsync(fd)
-
-    def write(self) -> float:
-        t0 = time.perf_counter()
-        self._write(self.fds[self.turn])
-        return time.perf_counter() - t0
-
-    def read(self) -> float:
-        fd = self.fds[1 - self.turn]  # written a round ago
-        self.turn = 1 - self.turn
-        t0 = time.perf_counter()
-        for off in range(0, self.nbytes, self.block):
-            os.preadv(fd, [self.buf], off)
-        return time.perf_counter() - t0
-
-    def close(self) -> None:
-        for fd, path in zip(self.fds, self.paths):
-            os.close(fd)
-            os.remove(path)
 
 
 class AddedCopies:

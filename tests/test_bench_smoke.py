@@ -198,3 +198,25 @@ def test_profile_stage3_tiny(tmp_path):
     assert "zero_ext/param_gather.py" not in res["profile"]["zero2"]["groups_ms"]  # stage 2 never gathers
     # stage 3 all-gathers twice per step with resharding, once without (and reduce-scatters once)
     assert res["comm"]["zero3"]["all_gather_elements"] > res["comm"]["zero3_keep"]["all_gather_elements"]
+
+
+def test_offload_tiny(tmp_path):
+    """bench_offload.py at one tiny size: every mode timed, the disk probe measured, offload bitwise in-memory."""
+    run("bench_offload.py", "--sizes", "0.05", "--warmup", "1", "--reps", "2", "--dir", str(tmp_path / "state"),
+        "--out-dir", str(tmp_path), "--name", "off")  # fmt: skip
+    res = result(tmp_path / "off.json")
+    (size,) = res["sizes"]
+    assert size["bitwise_equal"] == {"cpu": True, "nvme": True}
+    assert all(size[m]["step"]["median_s"] > 0 for m in ("memory", "cpu", "nvme"))
+    assert size["disk"]["read_write_GBps"] > 0 and size["nvme_vs_disk"] > 0
+    assert (tmp_path / "off.png").exists() and not (tmp_path / "state").exists()
+
+
+def test_disk_modes_tiny(tmp_path):
+    """disk_modes.py: children alternate without and with torch, each measures the probe and the step replay."""
+    run("disk_modes.py", "--gb", "0.03", "--children", "2", "--rounds", "1", "--dir", str(tmp_path / "io"),
+        "--out-dir", str(tmp_path))  # fmt: skip
+    res = result(tmp_path / "disk_modes.json")
+    assert [r["torch_imported"] for r in res["runs"]] == [False, True]
+    assert all(len(r["rounds"]) == 1 and r["rounds"][0]["replay_vs_probe"] > 0 for r in res["runs"])
+    assert not (tmp_path / "io").exists()

@@ -1,0 +1,103 @@
+"""Is the disk, or the process measuring it, what moves bench_offload's 'nvme / disk' ratio? The disk's sequential
+O_DIRECT write and read rate (disk_probe.DiskStream, the probe bench_offload uses) and a replay of the nvme step's
+I/O order (disk_probe.StepReplay: three files, read chunk i + 1 then write chunk i - 1, one transfer at a time,
+no threads, no CPU work), in child processes that import torch first or not at all, alternating.
+
+    python bench/disk_modes.py [--gb 1.5] [--children 4] [--rounds 3] [--dir bench/out/disk_modes]
+
+--gb is the state's size (12 B/param: 1.5 GB at 128M params); the transfer size is the optimizer's at the default
+window for that size. Writes results/disk_modes.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def child(directory: str, nbytes: int, block: int, rounds: int) -> list[dict]:
+    from disk_probe import DiskStream, StepReplay
+
+    probe, replay = DiskStream(directory, nbytes, block), StepReplay(directory, nbytes, block)
+    out = []
+    try:
+        for _ in range(rounds):
+            w, r = probe.write(), probe.read()
+            s = replay.step()
+            both = 2 * probe.nbytes / (w + r)
+            out.append({"write_GBps": probe.nbytes / w / 1e9, "read_GBps": probe.nbytes / r / 1e9,
+                        "probe_read_write_GBps": both / 1e9, "replay_GBps": 2 * replay.nbytes / s / 1e9,
+                        "replay_vs_probe": 2 * replay.nbytes / s / both})  # fmt: skip
+    finally:
+        probe.close()
+        replay.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gb", type=float, default=1.5)
+    ap.add_argument("--children", type=int, default=4, help="child processes, alternating without / with torch")
+    ap.add_argument("--rounds", type=int, default=3, help="probe + replay rounds per child")
+    ap.add_argument("--dir", default=os.path.join(HERE, "out", "disk_modes"))
+    ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    ap.add_argument("--child", choices=["plain", "torch"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    nbytes = int(args.gb * 1e9)
+    if args.child:
+        if args.child == "torch":
+            import torch  # noqa: F401  (loaded, never used: the point is its presence)
+        block = int(sys.stdin.readline())
+        print(json.dumps(child(args.dir, nbytes, block, args.rounds)))
+        return
+
+    import torch
+    from harness import markdown_table, meta, write_results
+
+    from zero_ext.offload import DEFAULT_WINDOW
+    from zero_ext.offload.disk import chunk_numel
+
+    info = meta(torch.device("cpu"))
+    block = chunk_numel(DEFAULT_WINDOW, torch.bfloat16, nbytes // 12) * 4  # bytes per kind per chunk
+    os.makedirs(args.dir, exist_ok=True)
+    runs = []
+    try:
+        for i in range(args.children):
+            mode = ("plain", "torch")[i % 2]
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--gb", str(args.gb),
+                   "--rounds", str(args.rounds), "--dir", args.dir]  # fmt: skip
+            done = subprocess.run(cmd, input=f"{block}\n", capture_output=True, text=True, check=True, cwd=HERE)
+            rounds = json.loads(done.stdout.strip().splitlines()[-1])
+            runs.append({"child": i, "torch_imported": mode == "torch", "rounds": rounds})
+            med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+            print(f"child {i} ({mode}): write {med['write_GBps']:.2f} read {med['read_GBps']:.2f} GB/s; replay "
+                  f"{med['replay_GBps']:.2f} GB/s = {100 * med['replay_vs_probe']:.0f}% of the probe", flush=True)  # fmt: skip
+    finally:
+        shutil.rmtree(args.dir, ignore_errors=True)
+    rows = []
+    for run in runs:
+        for j, r in enumerate(run["rounds"]):
+            rows.append([run["child"], "yes" if run["torch_imported"] else "no", j, f"{r['write_GBps']:.2f}",
+                         f"{r['read_GBps']:.2f}", f"{r['probe_read_write_GBps']:.2f}", f"{r['replay_GBps']:.2f}",
+                         f"{100 * r['replay_vs_probe']:.0f} %"])  # fmt: skip
+    body = markdown_table(["child", "torch imported", "round", "probe write GB/s", "probe read GB/s",
+                           "probe read+write GB/s", "step replay GB/s", "replay / probe"], rows)  # fmt: skip
+    body += (
+        f"\n\n{args.gb} GB of state (read and written once per replayed step; the probe writes and reads as much), "
+        f"{block} B transfers (the optimizer's chunk at the default window), O_DIRECT, in {args.dir}. Children alternate: without torch, with torch imported (nothing else "
+        "differs; torch is loaded and unused). 'replay / probe' is the replay's read+write rate over the probe's "
+        "in the same round.\n"
+    )
+    write_results("disk_modes", info, {"gb": args.gb, "block_bytes": block, "runs": runs}, body, args.out_dir)
+    print(f"wrote {args.out_dir}/disk_modes.json, .md")
+
+
+if __name__ == "__main__":
+    main()
