@@ -13,10 +13,13 @@ rendezvous) is bench/harness.py's ``join_group``, the one the benchmarks' fresh-
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import importlib
 import os
 import queue
+import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -35,6 +38,9 @@ _POOLS: dict[int, "_Pool"] = {}
 def _worker(rank: int, world_size: int, port: int, inbox, outbox) -> None:
     import torch.distributed as dist
 
+    # A rank that does not answer in time is asked, before it is killed, where it is: its Python stacks go to its
+    # stderr, which pytest shows with the failing test.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     # Ranks share 2 cores: one thread each keeps them from oversubscribing (and matches torchrun).
     harness.join_group(rank, world_size, port, "cpu", threads=1, timeout_s=60)
     while True:
@@ -77,16 +83,26 @@ class _Pool:
             try:
                 rank, ok, value = self.outbox.get(timeout=timeout)
             except queue.Empty:
-                self.kill()
                 missing = sorted(set(range(self.world_size)) - set(results) - set(failures))
+                self._dump_stacks(missing)
+                self.kill()
                 details = "".join(f"\n--- rank {r} failed:\n{tb}" for r, tb in sorted(failures.items()))
                 where = f"{fn.__name__} on {self.world_size} ranks: ranks {missing}"
-                raise TimeoutError(f"{where} did not finish within {timeout} s{details}") from None
+                raise TimeoutError(
+                    f"{where} did not finish within {timeout} s (their Python stacks are in the captured stderr)"
+                    f"{details}"
+                ) from None
             (results if ok else failures)[rank] = value
         if failures:
             details = "".join(f"\n--- rank {r}:\n{tb}" for r, tb in sorted(failures.items()))
             raise AssertionError(f"{fn.__name__} failed on ranks {sorted(failures)}:{details}")
         return [results[r] for r in range(self.world_size)]
+
+    def _dump_stacks(self, ranks: list[int]) -> None:
+        for r in ranks:
+            if self.procs[r].is_alive():
+                os.kill(self.procs[r].pid, signal.SIGUSR1)
+        time.sleep(2)  # faulthandler writes from a signal handler: give it a moment before the kill
 
     def close(self) -> None:
         for box in self.inboxes:
