@@ -1,9 +1,11 @@
 """Is the disk, or the process measuring it, what moves bench_offload's 'nvme / disk' ratio? The disk's sequential
 O_DIRECT write and read rate (disk_probe.DiskStream, the probe bench_offload uses) and a replay of the nvme step's
 I/O order (disk_probe.StepReplay: three files, read chunk i + 1 then write chunk i - 1, one transfer at a time,
-no threads, no CPU work), in child processes that import torch first or not at all, alternating.
+no threads, no CPU work), in child processes that differ in one of two ways, cycling through the four mixes:
+torch imported first or not at all, and transfer buffers in 4 KiB pages or in transparent huge pages (what
+zero_ext.offload.files.aligned_buffer gives the optimizer's window).
 
-    python bench/disk_modes.py [--gb 1.5] [--children 4] [--rounds 3] [--dir bench/out/disk_modes]
+    python bench/disk_modes.py [--gb 1.5] [--children 8] [--rounds 3] [--dir bench/out/disk_modes]
 
 --gb is the state's size (12 B/param: 1.5 GB at 128M params); the transfer size is the optimizer's at the default
 window for that size. Writes results/disk_modes.{json,md}.
@@ -22,10 +24,13 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def child(directory: str, nbytes: int, block: int, rounds: int) -> list[dict]:
+MIXES = [("plain", "4k"), ("torch", "4k"), ("plain", "huge"), ("torch", "huge")]
+
+
+def child(directory: str, nbytes: int, block: int, rounds: int, pages: str) -> list[dict]:
     from disk_probe import DiskStream, StepReplay
 
-    probe, replay = DiskStream(directory, nbytes, block), StepReplay(directory, nbytes, block)
+    probe, replay = DiskStream(directory, nbytes, block, pages), StepReplay(directory, nbytes, block, pages)
     out = []
     try:
         for _ in range(rounds):
@@ -44,18 +49,19 @@ def child(directory: str, nbytes: int, block: int, rounds: int) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gb", type=float, default=1.5)
-    ap.add_argument("--children", type=int, default=4, help="child processes, alternating without / with torch")
+    ap.add_argument("--children", type=int, default=8, help="child processes, cycling through the four mixes")
     ap.add_argument("--rounds", type=int, default=3, help="probe + replay rounds per child")
     ap.add_argument("--dir", default=os.path.join(HERE, "out", "disk_modes"))
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     ap.add_argument("--child", choices=["plain", "torch"], help=argparse.SUPPRESS)
+    ap.add_argument("--pages", choices=["4k", "huge"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     nbytes = int(args.gb * 1e9)
     if args.child:
         if args.child == "torch":
             import torch  # noqa: F401  (loaded, never used: the point is its presence)
         block = int(sys.stdin.readline())
-        print(json.dumps(child(args.dir, nbytes, block, args.rounds)))
+        print(json.dumps(child(args.dir, nbytes, block, args.rounds, args.pages)))
         return
 
     import torch
@@ -70,29 +76,31 @@ def main() -> None:
     runs = []
     try:
         for i in range(args.children):
-            mode = ("plain", "torch")[i % 2]
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--gb", str(args.gb),
+            mode, pages = MIXES[i % len(MIXES)]
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--pages", pages, "--gb", str(args.gb),
                    "--rounds", str(args.rounds), "--dir", args.dir]  # fmt: skip
             done = subprocess.run(cmd, input=f"{block}\n", capture_output=True, text=True, check=True, cwd=HERE)
             rounds = json.loads(done.stdout.strip().splitlines()[-1])
-            runs.append({"child": i, "torch_imported": mode == "torch", "rounds": rounds})
+            runs.append({"child": i, "torch_imported": mode == "torch", "pages": pages, "rounds": rounds})
             med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
-            print(f"child {i} ({mode}): write {med['write_GBps']:.2f} read {med['read_GBps']:.2f} GB/s; replay "
+            print(f"child {i} ({mode}, {pages} pages): write {med['write_GBps']:.2f} read {med['read_GBps']:.2f} GB/s; replay "
                   f"{med['replay_GBps']:.2f} GB/s = {100 * med['replay_vs_probe']:.0f}% of the probe", flush=True)  # fmt: skip
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
     rows = []
     for run in runs:
         for j, r in enumerate(run["rounds"]):
-            rows.append([run["child"], "yes" if run["torch_imported"] else "no", j, f"{r['write_GBps']:.2f}",
+            rows.append([run["child"], "yes" if run["torch_imported"] else "no", run["pages"], j,
+                         f"{r['write_GBps']:.2f}",
                          f"{r['read_GBps']:.2f}", f"{r['probe_read_write_GBps']:.2f}", f"{r['replay_GBps']:.2f}",
                          f"{100 * r['replay_vs_probe']:.0f} %"])  # fmt: skip
-    body = markdown_table(["child", "torch imported", "round", "probe write GB/s", "probe read GB/s",
+    body = markdown_table(["child", "torch imported", "buffer pages", "round", "probe write GB/s", "probe read GB/s",
                            "probe read+write GB/s", "step replay GB/s", "replay / probe"], rows)  # fmt: skip
     body += (
         f"\n\n{args.gb} GB of state (read and written once per replayed step; the probe writes and reads as much), "
-        f"{block} B transfers (the optimizer's chunk at the default window), O_DIRECT, in {args.dir}. Children alternate: without torch, with torch imported (nothing else "
-        "differs; torch is loaded and unused). 'replay / probe' is the replay's read+write rate over the probe's "
+        f"{block} B transfers (the optimizer's chunk at the default window), O_DIRECT, in {args.dir}. Children cycle through: without torch / with torch imported "
+        "(loaded and unused), and transfer buffers in 4 KiB pages (madvise NOHUGEPAGE) / in huge pages (2 MiB-aligned, "
+        "madvise HUGEPAGE, as the optimizer's window); nothing else differs. 'replay / probe' is the replay's read+write rate over the probe's "
         "in the same round.\n"
     )
     write_results("disk_modes", info, {"gb": args.gb, "block_bytes": block, "runs": runs}, body, args.out_dir)

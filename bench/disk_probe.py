@@ -4,27 +4,42 @@ beside the optimizer)."""
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import time
 
 ALIGN = 4096  # O_DIRECT alignment: zero_ext.offload.files.ALIGN (not imported: that module imports torch)
+HUGE_PAGE = 2 << 20  # zero_ext.offload.files.HUGE_PAGE
+
+
+def io_buffer(nbytes: int, pages: str = "huge") -> memoryview:
+    """``nbytes`` of private anonymous memory, filled with random bytes, for O_DIRECT transfers. ``pages="huge"``:
+    starting on a 2 MiB boundary and advised to use transparent huge pages, as the optimizer's window buffers are
+    (zero_ext.offload.files.aligned_buffer); ``"4k"``: advised not to, so every 4 KiB page is its own piece of
+    physical memory for the device."""
+    huge = pages == "huge"
+    region = mmap.mmap(-1, nbytes + (HUGE_PAGE if huge else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = -ctypes.addressof(ctypes.c_char.from_buffer(region)) % HUGE_PAGE if huge else 0
+    region.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE, start, nbytes)
+    view = memoryview(region)[start : start + nbytes]
+    view[:] = os.urandom(nbytes)
+    return view
 
 
 class DiskStream:
     """The disk's own sequential bandwidth: ``nbytes`` written, and ``nbytes`` read, with O_DIRECT in ``block``
     transfers from one aligned buffer, the plain loop a user would write (what the optimizer's I/O threads are
-    measured against).
+    measured against), from a buffer of the kind the optimizer's window uses (``pages``, see :func:`io_buffer`).
 
     Two files, written and read alternately: each read is of a file written one round before, with the other's
     write in between, as the step reads state written one step before. (Reading back what was just written
     measures a cache: this VM's disk reads its last writes about 1.5x faster.)"""
 
-    def __init__(self, directory: str, nbytes: int, block: int):
+    def __init__(self, directory: str, nbytes: int, block: int, pages: str = "huge"):
         self.block = max(ALIGN, block // ALIGN * ALIGN)
         self.nbytes = max(self.block, nbytes // self.block * self.block)
-        self.buf = mmap.mmap(-1, self.block)
-        self.buf.write(os.urandom(self.block))
+        self.buf = io_buffer(self.block, pages)
         self.paths = [os.path.join(directory, f"bandwidth.probe{i}") for i in range(2)]
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0)
         self.fds = [os.open(p, flags, 0o600) for p in self.paths]
@@ -62,12 +77,10 @@ class StepReplay:
     each, walked in ``block``-byte chunks; chunk ``i + 1`` of every file is read, then chunk ``i - 1`` written, one
     transfer at a time (the order the step issues them in, without its threads and its CPU work)."""
 
-    def __init__(self, directory: str, nbytes: int, block: int):
+    def __init__(self, directory: str, nbytes: int, block: int, pages: str = "huge"):
         self.block = max(ALIGN, block // ALIGN * ALIGN)
         self.chunks = max(1, nbytes // 3 // self.block)
-        self.bufs = [mmap.mmap(-1, self.block) for _ in range(6)]
-        for b in self.bufs:
-            b.write(os.urandom(self.block))
+        self.bufs = [io_buffer(self.block, pages) for _ in range(6)]
         self.paths = [os.path.join(directory, f"replay.{k}") for k in ("master", "exp_avg", "exp_avg_sq")]
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0)
         self.fds = [os.open(p, flags, 0o600) for p in self.paths]

@@ -208,15 +208,30 @@ def test_offload_tiny(tmp_path):
     (size,) = res["sizes"]
     assert size["bitwise_equal"] == {"cpu": True, "nvme": True}
     assert all(size[m]["step"]["median_s"] > 0 for m in ("memory", "cpu", "nvme"))
-    assert size["disk"]["read_write_GBps"] > 0 and size["nvme_vs_disk"] > 0
+    assert size["disk"]["read_write_GBps"] > 0 and size["nvme_vs_disk"] > 0 and size["nvme_vs_disk_per_round"] > 0
+    assert "cpu_extra_per_round_s" in size
     assert (tmp_path / "off.png").exists() and not (tmp_path / "state").exists()
 
 
 def test_disk_modes_tiny(tmp_path):
-    """disk_modes.py: children alternate without and with torch, each measures the probe and the step replay."""
-    run("disk_modes.py", "--gb", "0.03", "--children", "2", "--rounds", "1", "--dir", str(tmp_path / "io"),
+    """disk_modes.py: children cycle through torch or not x 4 KiB or huge pages, each measures the probe and the
+    step replay."""
+    run("disk_modes.py", "--gb", "0.03", "--children", "4", "--rounds", "1", "--dir", str(tmp_path / "io"),
         "--out-dir", str(tmp_path))  # fmt: skip
     res = result(tmp_path / "disk_modes.json")
-    assert [r["torch_imported"] for r in res["runs"]] == [False, True]
+    assert [(r["torch_imported"], r["pages"]) for r in res["runs"]] == [
+        (False, "4k"), (True, "4k"), (False, "huge"), (True, "huge")]  # fmt: skip
     assert all(len(r["rounds"]) == 1 and r["rounds"][0]["replay_vs_probe"] > 0 for r in res["runs"])
     assert not (tmp_path / "io").exists()
+
+
+def test_trace_nvme_step_tiny(tmp_path):
+    """trace_nvme_step.py: every variant's reads, writes and waits are traced, the files removed."""
+    run("trace_nvme_step.py", "--size", "0.05", "--steps", "2", "--dir", str(tmp_path / "state"),
+        "--out-dir", str(tmp_path), "--name", "trace")  # fmt: skip
+    res = result(tmp_path / "trace.json")
+    assert list(res["medians"]) == ["default", "one_thread", "4k_pages"]
+    for m in res["medians"].values():
+        # one step reads and writes the whole state (12 B/param), and waits for some of it
+        assert m["read_bytes"] == m["write_bytes"] > 0 and m["read_count"] > 0 and m["step_s"] > 0
+    assert not (tmp_path / "state").exists()

@@ -4,8 +4,8 @@ One file per (rank, flat group, kind) under a directory the placement creates. I
 on a reader and a writer thread (they release the GIL, so reads ahead and writes behind overlap the CPU AdamW
 kernel), with ``O_DIRECT`` where the filesystem accepts it (no page cache: what is read comes from the disk, what is
 written leaves memory; tmpfs refuses it, and then the page cache is used). O_DIRECT needs the memory address, the
-file offset and the length aligned to the device's block: buffers come from ``aligned_buffer`` (page-aligned) and
-every transfer covers whole ``ALIGN``-byte blocks; files are sized up to a whole block.
+file offset and the length aligned to the device's block: buffers come from ``aligned_buffer`` (page-aligned, in
+huge pages from 2 MiB up) and every transfer covers whole ``ALIGN``-byte blocks; files are sized up to a whole block.
 
 Why threads and not a library: liburing/libaio are not on PyPI for Python in a form that would not add a compiled
 dependency, and for the few, large, sequential transfers of a step (megabytes each; the kernel splits each into many
@@ -29,13 +29,33 @@ ALIGN = 4096  # bytes: a page, and a multiple of every device's logical block si
 ALIGN_ELEMENTS = ALIGN // 4  # fp32 elements per aligned block
 
 
+HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
+
+
 def aligned_buffer(nbytes: int) -> torch.Tensor:
-    """A page-aligned uint8 CPU tensor of ``nbytes`` (rounded up to a page), backed by an anonymous mapping."""
+    """A page-aligned uint8 CPU tensor of ``nbytes``, backed by an anonymous mapping; from 2 MiB up it starts on a
+    huge-page boundary and is advised to use transparent huge pages.
+
+    Why huge pages: an O_DIRECT transfer pins the buffer's pages and hands the device one segment per physically
+    contiguous run, and a request holds a bounded number of segments (254 on this repository's virtio disk, so
+    ~1 MB per request from scattered 4 KiB pages, up to its 4 MiB request limit from 2 MiB pages). Measured there
+    (bench/results/disk_modes.md): the sequential O_DIRECT probe read 0.88-1.58 GB/s and wrote 2.6-3.9 GB/s from
+    4 KiB-page buffers, varying from process to process, and read 2.45-2.55 GB/s and wrote 5.4-5.6 GB/s from
+    huge-page ones; an nvme step at 128M params took 2335 ms with 4 KiB-page windows and 1187 ms with these
+    (bench/results/trace_nvme_step.md). Linux gives anonymous memory huge pages only where advised when THP is in
+    ``madvise`` mode (a common default), so advise; where THP is off the advice does nothing. The alignment slack
+    is never touched and takes no memory."""
     size = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
-    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    huge = size >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE")
+    region = mmap.mmap(-1, size + (HUGE_PAGE if huge else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     t = torch.frombuffer(region, dtype=torch.uint8)
+    start = 0
+    if huge:
+        start = -t.data_ptr() % HUGE_PAGE  # a multiple of the page size: the mapping starts on a page
+        region.madvise(mmap.MADV_HUGEPAGE, start, size)
+    t = t[start : start + nbytes]
     t._zero_ext_mapping = region  # keep the mapping alive with the tensor
-    return t[:nbytes]
+    return t
 
 
 class StateFiles:
@@ -69,10 +89,11 @@ class StateFiles:
             self.close()
             raise
         # One reader and one writer thread: a read ahead (which the next chunk's update waits for) never queues
-        # behind the writes behind, and the disk sees one read and one write in flight. Measured on this machine's
-        # virtual disk at 128M params (step I/O over the disk's sequential read+write rate, each run against its
-        # own probe): four threads 64-68 % in four runs, one or two 67-93 % in six; reader + writer and one thread
-        # side by side 56-64 % and 55-66 % in a slower hour of the same disk (its read rate swings 0.9-2.3 GB/s).
+        # behind the writes behind, and the disk sees one read and one write in flight. Four threads did worse with
+        # 4 KiB-page buffers (64-68 % of the disk against 67-93 % for one or two, at 128M params, not kept in a
+        # results file). With huge-page buffers, at 128M (bench/results/trace_nvme_step.md): reader + writer 1187 ms
+        # a step, one thread for both 1244 ms (reads then run alone at 2.26 GB/s instead of 1.37 beside the writes,
+        # but the thread idles while the kernel updates a chunk).
         self._readers = ThreadPoolExecutor(1, thread_name_prefix="zero_ext-nvme-read")
         self._writers = ThreadPoolExecutor(1, thread_name_prefix="zero_ext-nvme-write")
         self._lock = threading.Lock()
