@@ -2,8 +2,9 @@
 
     python bench/profile_stage3_cpu.py                    # 2 gloo ranks, the main job's GPT
     python bench/profile_stage3_cpu.py --world-size 1     # one rank: no communication, only the bookkeeping
+    python bench/profile_stage3_cpu.py --precision fp32   # fp32 params, no autocast (for CPUs without fast bf16)
 
-Stage 2 and stage 3 (bf16 params + bf16 autocast, harness.build, the same weights and batches; stage 3 with and
+Stage 2 and stage 3 (bf16 params + bf16 autocast, or fp32 params with ``--precision fp32``; harness.build, the same weights and batches; stage 3 with and
 without resharding after forward) live in one launch:
 
 1. timing, no profiler: --steps steps of each, interleaved step by step (the slowest rank's time); the extra time
@@ -136,11 +137,15 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=20, help="timed steps, then as many profiled, per contender")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--batch-per-rank", type=int, default=4)
+    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                   help="bf16: bf16 params + bf16 autocast; fp32: fp32 params, no autocast (a CPU without a fast "
+                        "bf16 matmul spends seconds per bf16 step, which hides stage 3's own costs)")  # fmt: skip
     add_model_args(p)
     p.add_argument("--out-dir", default=str(harness.RESULTS))
     p.add_argument("--name", default="profile_stage3_cpu")
     args = p.parse_args(argv)
-    cfg = RunConfig(model=model_config(args), global_batch=args.batch_per_rank * args.world_size)
+    fp32 = dict(param_dtype="float32", autocast=False) if args.precision == "fp32" else {}
+    cfg = RunConfig(model=model_config(args), global_batch=args.batch_per_rank * args.world_size, **fp32)
     meta = harness.meta(torch.device("cpu"))
     res = harness.launch(run, args.world_size, "cpu", cfg, args.steps, args.warmup)
 
@@ -166,7 +171,8 @@ def main(argv=None) -> int:
             f"{f['cum_ms']:.2f}"] for f in extra[:15]]  # fmt: skip
     body = "\n".join([
         f"- world size {args.world_size} (gloo), Psi from the GPT of d_model {args.d_model}, {args.layers} layers, "
-        f"vocab {args.vocab}; {args.batch_per_rank} x {args.seq_len} tokens per rank; engine default buckets; "
+        f"vocab {args.vocab}; {args.precision} params{' + bf16 autocast' if args.precision == 'bf16' else ''}; "
+        f"{args.batch_per_rank} x {args.seq_len} tokens per rank; engine default buckets; "
         f"{args.warmup} warm-up steps, {args.steps} timed steps interleaved, then {args.steps} profiled steps each",
         "", "## Step time, no profiler (slowest rank, interleaved)", "",
         harness.markdown_table(["contender", "median ms", "IQR ms", "vs zero2 ms", "vs zero2"], rows),
