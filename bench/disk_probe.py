@@ -21,7 +21,10 @@ def io_buffer(nbytes: int, pages: str = "huge") -> memoryview:
     huge = pages == "huge"
     region = mmap.mmap(-1, nbytes + (HUGE_PAGE if huge else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     start = -ctypes.addressof(ctypes.c_char.from_buffer(region)) % HUGE_PAGE if huge else 0
-    region.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE, start, nbytes)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE, start, nbytes)
+    except OSError:  # a kernel without transparent huge pages: 4 KiB pages either way
+        pass
     view = memoryview(region)[start : start + nbytes]
     view[:] = os.urandom(nbytes)
     return view

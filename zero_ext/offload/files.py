@@ -43,8 +43,8 @@ def aligned_buffer(nbytes: int) -> torch.Tensor:
     4 KiB-page buffers, varying from process to process, and read 2.45-2.55 GB/s and wrote 5.4-5.6 GB/s from
     huge-page ones; an nvme step at 128M params took 2335 ms with 4 KiB-page windows and 1187 ms with these
     (bench/results/trace_nvme_step.md). Linux gives anonymous memory huge pages only where advised when THP is in
-    ``madvise`` mode (a common default), so advise; where THP is off the advice does nothing. The alignment slack
-    is never touched and takes no memory."""
+    ``madvise`` mode (a common default), so advise; where THP is off, or not built into the kernel, the buffer has
+    4 KiB pages. The alignment slack is never touched and takes no memory."""
     size = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
     huge = size >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE")
     region = mmap.mmap(-1, size + (HUGE_PAGE if huge else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -52,7 +52,10 @@ def aligned_buffer(nbytes: int) -> torch.Tensor:
     start = 0
     if huge:
         start = -t.data_ptr() % HUGE_PAGE  # a multiple of the page size: the mapping starts on a page
-        region.madvise(mmap.MADV_HUGEPAGE, start, size)
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE, start, size)
+        except OSError:  # a kernel built without transparent huge pages (EINVAL): 4 KiB pages, slower I/O
+            pass
     t = t[start : start + nbytes]
     t._zero_ext_mapping = region  # keep the mapping alive with the tensor
     return t
