@@ -7,9 +7,11 @@ checkpoints between offloaded and in-memory optimizers at other world sizes; the
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -264,6 +266,36 @@ def test_state_files_removed_at_exit_without_close(tmp_path, ending):
     assert _files(tmp_path) == [] and os.listdir(tmp_path) == []
 
 
+def test_state_files_of_a_killed_process_are_reported_by_the_next_optimizer(tmp_path):
+    """A process killed outright (SIGKILL) cannot delete its state files: the next optimizer with the same
+    offload_dir on this host warns about them, with their size, and deletes nothing."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys, torch
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from tiny_transformer import build
+        from zero_ext import ZeroAdamW
+        opt = ZeroAdamW(build(torch.bfloat16).named_parameters(), offload="nvme", offload_dir={str(tmp_path)!r})
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == -9, out.stderr
+    (left,) = os.listdir(tmp_path)
+    assert len(_files(tmp_path)) == 3
+    model = build(torch.bfloat16)
+    with pytest.warns(UserWarning, match=r"GiB of optimizer state files left by process\(es\) \[\d+\] of this host"):
+        opt = ZeroAdamW(model.named_parameters(), offload="nvme", offload_dir=str(tmp_path))
+    assert len(_files(tmp_path)) == 6, "nothing is deleted: the files are the user's"
+    opt.close()
+    shutil.rmtree(tmp_path / left)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a live optimizer's directory is not reported, nor is a clean directory
+        other = ZeroAdamW(build(torch.bfloat16).named_parameters(), offload="nvme", offload_dir=str(tmp_path))
+        again = ZeroAdamW(model.named_parameters(), offload="nvme", offload_dir=str(tmp_path))
+    other.close()
+    again.close()
+    assert os.listdir(tmp_path) == []
+
+
 def _full_disk(rank, world, root, failing_rank):
     from zero_ext import offload as offload_module
 
@@ -321,8 +353,6 @@ def test_offload_warns_when_the_cpu_update_gets_one_thread(monkeypatch):
 
 
 def _no_thread_warning_when_ranks_take_the_cores(rank, world):
-    import warnings
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from ..comm import Communicator
 from ..layout import Layout, fingerprint
 from ..placement import STATE_KINDS, DeviceState
+from . import leftovers
 from .disk import DiskState, min_window_bytes
 from .files import ALIGN
 from .host import HostState
@@ -102,14 +103,14 @@ def prepare_offload(comm: Communicator, offload, offload_dir, layouts: Sequence[
         parent = os.path.abspath(os.fspath(offload_dir))
         if not os.path.isdir(parent):
             raise OSError(f"`offload_dir` {parent!r} is not a directory")
-        directory = tempfile.mkdtemp(prefix=f"zero_ext-rank{comm.rank}-", dir=parent)
+        directory = tempfile.mkdtemp(prefix=leftovers.dir_prefix(comm.rank), dir=parent)
         key = fingerprint([socket.gethostname(), str(os.stat(parent).st_dev)])  # ranks sharing this disk
     except OSError as e:
         error = f"cannot use `offload_dir` {offload_dir!r}: {e}"
     keys = comm.agree(key)
     needs = comm.agree(need)
+    sharing = [r for r, k in enumerate(keys) if k == key]
     if error is None:
-        sharing = [r for r, k in enumerate(keys) if k == key]
         together = sum(needs[r] for r in sharing)
         free = shutil.disk_usage(directory).free
         if together > free:
@@ -124,6 +125,8 @@ def prepare_offload(comm: Communicator, offload, offload_dir, layouts: Sequence[
         if error is not None:
             raise ValueError(f"{WHERE}: {error}")
         raise ValueError(f"{WHERE}: offload='nvme' failed on rank(s) {failed} (see their errors)")
+    if comm.rank == sharing[0]:  # once per disk: what killed processes left there
+        leftovers.warn(parent)
     return directory
 
 

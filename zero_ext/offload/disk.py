@@ -10,7 +10,8 @@ returns, the files hold the new state.
 
 The files are this process's working memory, not a checkpoint: they are created when the optimizer is built,
 deleted when it is closed, collected or the interpreter exits (a process killed with SIGKILL leaves them behind,
-in a directory named after the rank). Save with :mod:`zero_ext.checkpoint` to keep the state.
+in a directory named after the rank, the host and the process, which the next optimizer using ``offload_dir`` on that
+host reports: :mod:`.leftovers`). Save with :mod:`zero_ext.checkpoint` to keep the state.
 """
 
 from __future__ import annotations
