@@ -36,7 +36,9 @@ __all__ = ["OFFLOADS", "DEFAULT_WINDOW", "check_offload_options", "prepare_offlo
 OFFLOADS = (None, "cpu", "nvme")
 # Bytes of host memory through which the state on disk streams (all flat groups). 128 MiB rather than 64: 12.8 MB
 # transfers instead of 6.4; at 128M params with one or two I/O threads, 78-93 % of the disk's sequential rate in
-# four side-by-side runs against 67-76 % in two (the sweep is described in .files; not a committed result file).
+# four side-by-side runs against 67-76 % in two (not a committed result file). That sweep predates the huge-page
+# window buffers (.files.aligned_buffer) and has not been repeated with them; at 32 and 16 MiB windows small models
+# did no better in single runs.
 DEFAULT_WINDOW = 128 * 2**20
 WHERE = "zero_ext.ZeroAdamW"
 
