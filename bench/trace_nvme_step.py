@@ -18,13 +18,13 @@ diagnostic, not a configuration the library offers.
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import shutil
 import statistics
 import time
 from contextlib import contextmanager
 
+import disk_probe
 import torch
 from bench_offload import Contender
 from harness import OUT, RESULTS, markdown_table, meta, write_results
@@ -62,12 +62,10 @@ disk._wait = _traced_wait(disk._wait)
 
 
 def _small_pages_buffer(nbytes: int) -> torch.Tensor:
+    """aligned_buffer's contract (page-aligned, whole pages) in 4 KiB pages: the probe's buffer as a tensor (which
+    keeps the mapping alive)."""
     size = max(files.ALIGN, -(-nbytes // files.ALIGN) * files.ALIGN)
-    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_NOHUGEPAGE)
-    t = torch.frombuffer(region, dtype=torch.uint8)[:nbytes]
-    t._zero_ext_mapping = region
-    return t
+    return torch.frombuffer(disk_probe.io_buffer(size, pages="4k"), dtype=torch.uint8)[:nbytes]
 
 
 @contextmanager
