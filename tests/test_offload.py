@@ -6,6 +6,7 @@ checkpoints between offloaded and in-memory optimizers at other world sizes; the
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import subprocess
@@ -192,6 +193,73 @@ def test_checkpoints_between_offloaded_and_in_memory(tmp_path):
     again = run_on_ranks(3, _load_and_continue, root, saved[None], [("nvme", 3), (None, 3)])
     assert all(torch.equal(a, b) for a, b in zip(again[0], finals[0]))
     assert not [f for _, _, fs in os.walk(root) for f in fs]
+
+
+def _copy_params(src, dst):
+    """dst's model := src's parameters (gathered and written back at stage 3)."""
+    with src[1].gathered_params():
+        values = [p.detach().clone() for p in src[0].parameters()]
+    with dst[1].gathered_params(modifier_rank=0), torch.no_grad():
+        for p, v in zip(dst[0].parameters(), values):
+            p.copy_(v)
+
+
+def _state_dicts_across_placements(rank, world, root, stage):
+    """The model's and the optimizer's state dicts saved from one placement load into every other: the state
+    dicts are equal, and the continuations bitwise equal."""
+    placements = (None, "cpu", "nvme")
+    for dtype in (torch.float32, torch.bfloat16):
+        sources = {off: _build(stage, dtype, off, root, rank, f"sd-src-{off}-{dtype}") for off in placements}
+        for step in range(2):
+            for run in sources.values():
+                _train_step(*run, step, rank)
+        saved = {off: copy.deepcopy(run[1].state_dict()) for off, run in sources.items()}
+        for off, sd in saved.items():
+            assert sd["state"].keys() == saved[None]["state"].keys()
+            for index, entry in saved[None]["state"].items():
+                assert entry.keys() == sd["state"][index].keys(), f"{dtype} offload={off!r}: the entries differ"
+                for key, value in entry.items():
+                    other = sd["state"][index][key]
+                    same = torch.equal(value, other) if torch.is_tensor(value) else value == other
+                    assert same, f"{dtype} offload={off!r}: state[{index}][{key!r}] differs"
+        for src in placements:
+            for dst in placements:
+                run = _build(stage, dtype, dst, root, rank, f"sd-dst-{src}-{dst}-{dtype}")
+                _copy_params(sources[src], run)
+                run[1].load_state_dict(saved[src])
+                run[2].load_state_dict(sources[src][2].state_dict())
+                _train_step(*run, 2, rank)
+                got = _snapshot(*run[:2])
+                run[1].close()
+                if (src, dst) == (None, None):
+                    expected = got
+                else:
+                    _assert_same(got, expected, f"stage {stage} {dtype}: saved with offload={src!r}, loaded with "
+                                 f"offload={dst!r}")  # fmt: skip
+        if dtype == torch.float32:
+            # An fp32 state dict with a master (offloaded optimizers' before fp32 masters were left to the model):
+            # loaded, and the parameters follow it, with no model state dict loaded.
+            legacy = copy.deepcopy(saved[None])
+            src = sources[None]
+            with src[1].gathered_params():
+                flat = [p.detach().reshape(-1).clone() for g in src[1].param_groups for p in g["params"]]
+            for index, entry in legacy["state"].items():
+                entry["master"] = flat[index][slice(*entry["shard_range"])].clone()
+            for dst in placements:
+                run = _build(stage, dtype, dst, root, rank, f"sd-legacy-{dst}")
+                run[1].load_state_dict(legacy)
+                run[2].load_state_dict(src[2].state_dict())
+                _train_step(*run, 2, rank)
+                got = _snapshot(*run[:2])
+                run[1].close()
+                _assert_same(got, expected, f"stage {stage}: an fp32 master loaded with offload={dst!r}")
+        for run in sources.values():
+            run[1].close()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_state_dicts_load_across_placements(tmp_path, stage):
+    run_on_ranks(2, _state_dicts_across_placements, str(tmp_path), stage)
 
 
 # ---------------------------------------------------------------- the ledger

@@ -3,7 +3,9 @@
 ``state`` maps a parameter's index (its position across all param groups, as in torch.optim) to the part of its
 state this rank owns: ``exp_avg``, ``exp_avg_sq`` and, for bf16/fp16 params, the fp32 ``master``, each a 1-D tensor
 holding elements ``shard_range = (start, end)`` of the flattened parameter, plus ``step``. Parameters this rank
-owns no element of have no entry. ``param_groups`` are torch's (hyperparameters and parameter indices); ``zero``
+owns no element of have no entry. fp32 params are their own master, with or without offload (load the model's
+state dict with the optimizer's; an offloaded optimizer takes its master from the parameters), so a state dict
+saved with any ``offload`` loads into an optimizer with any other. ``param_groups`` are torch's (hyperparameters and parameter indices); ``zero``
 records the layout so that loading into a different one fails clearly. Resharding to another world size is
 ``zero_ext.checkpoint``'s job.
 """
@@ -32,7 +34,9 @@ def _layout_record(state: ShardedState) -> dict[str, Any]:
 
 
 def _kinds(group) -> tuple[str, ...]:
-    return ("exp_avg", "exp_avg_sq") if group.master_is_param else ("exp_avg", "exp_avg_sq", "master")
+    # fp32 parameters are their own master in every placement (an offloaded copy equals them after each step): the
+    # model's state dict holds them, so the state dict is the same with and without offload.
+    return ("exp_avg", "exp_avg_sq") if group.dtype == torch.float32 else ("exp_avg", "exp_avg_sq", "master")
 
 
 def local_state_dict(state: ShardedState, param_groups: Sequence[dict]) -> dict[str, Any]:
@@ -89,7 +93,12 @@ def _validate(state: ShardedState, param_groups: Sequence[dict], sd: Any) -> lis
         if tuple(entry.get("shard_range", ())) != (piece.start, piece.end):
             raise ValueError(f"{_WHERE}: parameter {ref.name!r}: saved shard_range {entry.get('shard_range')} != "
                              f"expected {(piece.start, piece.end)}")  # fmt: skip
-        for kind in _kinds(ref.group):
+        kinds = _kinds(ref.group)
+        if "master" not in kinds and entry.get("master") is not None:
+            # fp32, from an offloaded optimizer of an earlier commit, whose state dict carried a copy of the
+            # parameters: loaded, and the parameters follow it, as bf16 parameters follow their master
+            kinds += ("master",)
+        for kind in kinds:
             src = entry.get(kind)
             if not isinstance(src, torch.Tensor) or src.shape != (piece.numel,) or not src.is_floating_point():
                 got = getattr(src, "shape", type(src).__name__)
@@ -132,6 +141,9 @@ def load_local_state_dict(state: ShardedState, param_groups: Sequence[dict], sd:
                          "nothing was changed on any rank")  # fmt: skip
     theirs = sd["zero"]
     with torch.no_grad():
+        for group in state.groups:
+            if group.dtype == torch.float32 and not group.master_is_param:
+                group.state.reset_master()  # an offloaded fp32 master follows the parameters (a saved one overrides)
         for group, kind, shard_range, src in writes:
             group.state.write(kind, shard_range, src)
         for group, saved in zip(param_groups, sd["param_groups"]):
