@@ -373,10 +373,10 @@ def _comm_volume(rank, world, stage):
         assert c["reduce_scatter_elements"] == c["all_gather_elements"] == 2 * padded, c
         # bf16 gradients travel as bf16 on gloo (summed in fp32 after the transfer); params are gathered in bf16
         assert c["reduce_scatter_bytes"] == c["all_gather_bytes"] == 2 * padded * 2, c
-    # Once per step, one all-reduce: the norm and non-finite flag, an error flag and a got-a-gradient flag per
-    # trainable parameter (one rank has nothing to reduce).
+    # Once per step, one all-reduce: the norm and non-finite flag, an error flag, a parameters-changed flag and a
+    # got-a-gradient flag per trainable parameter (one rank has nothing to reduce).
     trainable = sum(1 for p in model.parameters() if p.requires_grad)
-    assert c["all_reduce_elements"] == (0 if world == 1 else 2 * (2 + 1 + trainable)), c
+    assert c["all_reduce_elements"] == (0 if world == 1 else 2 * (2 + 2 + trainable)), c
     return True
 
 

@@ -14,6 +14,7 @@ import torch
 
 from .comm import Communicator
 from .layout import Bucket, Layout, OwnedPiece
+from .param_edits import ParamEdits
 from .params import FullParams
 from .placement import DeviceState
 from .staging import StagingPool
@@ -115,6 +116,8 @@ class ShardedState:
         self.staging: Optional[StagingPool] = None  # the gradient staging pool, set by the reducer
         self.window = None  # stage 3: the ParamGather (its window of gathered buckets), for the memory ledger
         self.model = None  # the model's names and state outside the optimizer (model_state.ModelState), with module=
+        # Stages 1 and 2: in-place changes to the full parameters, which the master must follow (param_edits.py).
+        self.param_edits = ParamEdits(self.groups) if stage < 3 else None
 
     @property
     def world_size(self) -> int:
@@ -163,6 +166,8 @@ class ShardedState:
                     pending.append(self.comm.start_all_gather(group.flat_params.gathered(bucket), mine))
         for p in pending:
             p.wait()
+        if self.param_edits is not None:
+            self.param_edits.record()
 
     def group_of(self, param: torch.Tensor) -> Optional[FlatGroup]:
         for group in self.groups:

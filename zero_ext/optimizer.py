@@ -281,9 +281,12 @@ class ZeroAdamW(torch.optim.Optimizer):
     def finish_sync(self) -> None:
         """Finish every gradient reduction and parameter gather in flight (the current stream waits for them; no
         host synchronisation on CUDA). Needed before reading parameters outside forward when
-        ``defer_all_gather_to`` is set, or the shards of :attr:`sharded_state`."""
+        ``defer_all_gather_to`` is set, or the shards of :attr:`sharded_state`. At stages 1 and 2 this rank's fp32
+        master then follows parameters changed in place since the last step (:mod:`zero_ext.param_edits`)."""
         self._param_sync.finish_param_sync()
         self._grad_sync.finish_grad_sync()
+        if self._state.param_edits is not None:  # the shards follow parameters changed in place (stages 1, 2)
+            self._state.param_edits.adopt(checked=False)
 
     @contextlib.contextmanager
     def gathered_params(self, modifier_rank: Optional[int] = None):

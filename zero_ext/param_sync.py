@@ -20,6 +20,7 @@ import torch
 from .buffers import FlatGroup, ShardedState
 from .comm import Pending
 from .layout import Bucket
+from .param_edits import master_follows
 from .weak_hooks import remove_with, weak_call
 
 Key = tuple[int, int]  # (flat group index, bucket index)
@@ -99,15 +100,13 @@ def write_back(state: ShardedState, modifier_rank: int) -> None:
         full = group.flat_params.gathered(bucket)
         with torch._C.DisableTorchFunctionSubclass():
             shard = group.flat_params.rank_slice(bucket)
-            # at stages 1 and 2 the shard is part of `full`, which the broadcast overwrites
-            before = group.flat_params.rank_values(bucket).clone()
             state.comm.broadcast(full, modifier_rank)
             mine = bucket.rank_range(state.rank).shifted(-bucket.offset).of(full)
             if not group.master_is_param:
-                changed = mine != before
-                if bool(changed.any()):  # through the placement: the master may live on the host or on disk
-                    master = group.state.read("master", bucket.shard_range).clone()
-                    master[changed.to(master.device)] = mine[changed].float().to(master.device)
-                    group.state.write("master", bucket.shard_range, master)
+                # Against the master, not the values before the broadcast: at stages 1 and 2 the modifier's own
+                # shard is part of `full`, already edited.
+                master_follows(group, bucket, mine)
             if shard is not None and shard.data_ptr() != mine.data_ptr():  # None: cast from the master
                 shard.copy_(mine)
+    if state.param_edits is not None:
+        state.param_edits.record()

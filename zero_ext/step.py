@@ -1,9 +1,11 @@
 """One optimizer step: agree, measure, clip, update, gather.
 
 1. *Agree* (host): every rank validates its hyperparameters and looks for gradients it should not have; every
-   rank lists the parameters that got a gradient. One collective sums these flags (on gloo it is the norm's own
+   rank lists the parameters that got a gradient, and whether its parameters were changed in place since the last
+   step (stages 1 and 2, :mod:`.param_edits`). One collective sums these flags (on gloo it is the norm's own
    all-reduce; on NCCL a gloo group of the same ranks carries them), so every rank learns, without reading the
-   device, whether some rank failed (then all raise, before anything changed) and which parameters update.
+   device, whether some rank failed or changed its parameters alone (then all raise, before anything changed)
+   and which parameters update. Then the master follows the changed parameters.
 2. *Measure* (device): the global gradient norm and non-finite flag from every grad shard, all-reduced.
 3. *Clip*: ``max_norm / (norm + 1e-6)``, at most 1 (torch.nn.utils.clip_grad_norm_'s coefficient), a device
    scalar fed to the kernel as ``grad_scale``; ``found_inf`` makes the kernel a no-op.
@@ -49,18 +51,21 @@ class Stepper:
         if self._agreed is not None and self._agreed[0] == epoch:
             return self._agreed[1], self._agreed[2]
         state = self.state
-        error, scalars = None, None
+        error, scalars, edited = None, None, False
         try:
             scalars = resolve_groups(param_groups, state.update_device)
             self.grad_sync.strategy.check_no_foreign_grads()
             check_params_in_place(state)
+            edited = state.param_edits is not None and state.param_edits.changed()
         except (ValueError, RuntimeError) as e:  # raised below, once every rank knows
             error = e
         self.grad_sync.finish_grad_sync()
-        values = [0.0] * (1 + len(self._flag_of))  # built on the host, one tensor (not one index per parameter)
+        # built on the host, one tensor (not one index per parameter): failed, parameters edited, got gradients
+        values = [0.0] * (2 + len(self._flag_of))
         values[0] = float(error is not None)
+        values[1] = float(edited)
         for gidx in self.grad_sync.strategy.got_grads():
-            values[1 + self._flag_of[gidx]] = 1.0
+            values[2 + self._flag_of[gidx]] = 1.0
         flags = torch.tensor(values, dtype=torch.float32)
         stats = self._norm_stats
         stats.zero_()
@@ -77,7 +82,14 @@ class Stepper:
                 "changed on any rank"
             )
         summed = agreed.tolist()  # one host read, not one tensor index per parameter
-        active = {gidx for gidx, i in self._flag_of.items() if summed[1 + i] > 0}
+        if 0 < summed[1] < state.world_size:
+            raise ValueError(
+                f"zero_ext.ZeroAdamW.step: parameters were changed in place on {int(summed[1])} of "
+                f"{state.world_size} ranks since the last step (e.g. `model.load_state_dict` on one rank only); the "
+                "fp32 master would follow them in those ranks' shards only. Change them on every rank, or inside "
+                "`with opt.gathered_params(modifier_rank=r):`. Nothing was changed on any rank"
+            )
+        active = {gidx for gidx, i in self._flag_of.items() if summed[2 + i] > 0}
         torch.sqrt(stats[0], out=self.grad_norm)
         torch.clamp(stats[1], max=1.0, out=self.found_inf)
         self._agreed = (epoch, active, scalars)
@@ -104,6 +116,8 @@ class Stepper:
         active, scalars = self.agree(param_groups)
         grad_scale = self._grad_scale()
         self._agreed, self._clip_to = None, None
+        if state.param_edits is not None:  # the master follows parameters changed in place since the last step
+            state.param_edits.adopt(checked=True)
         if not active:
             return False
         torch.sub(1.0, self.found_inf, out=self.not_skipped)
