@@ -201,8 +201,9 @@ class ParamGather:
             name = getattr(func, "__name__", str(func))
             raise RuntimeError(
                 f"zero_ext.ZeroAdamW(stage=3): parameter {param._zero_ext_name!r} is sharded here (outside forward "
-                f"and backward), so `{name}` cannot read it. Read parameters inside `with opt.gathered_params():` "
-                "(on every rank: it gathers them), or get a full copy with zero_ext.checkpoint.consolidate."
+                f"and backward), so `{name}` cannot use it. Read parameters inside `with opt.gathered_params():` "
+                "(on every rank: it gathers them), change them (e.g. `model.load_state_dict`) inside "
+                "`with opt.gathered_params(modifier_rank=r):`, or get a full copy with zero_ext.checkpoint.consolidate."
             )
         self._gather(key, wait=True)
         if self._stack:  # remembered for the reading module: gathered with it from now on
