@@ -1,4 +1,5 @@
-"""A trainer's habits: torchrun without init_process_group, a model wrapped in DDP, clipping, an optimizer built
+"""A trainer's habits: torchrun without init_process_group, a model wrapped in DDP, fp16 loss scaling with torch's
+GradScaler, clipping, an optimizer built
 twice, a checkpoint of the whole model (frozen parameters, buffers, tied weights) with the scheduler beside it,
 resumed at another world size and consolidated into a state dict that loads strictly."""
 
@@ -45,6 +46,39 @@ def _ddp_is_refused(rank, world, stage):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_a_model_in_ddp_is_refused(stage):
     assert all(run_on_ranks(2, _ddp_is_refused, stage))
+
+
+def _grad_scaler_is_refused(rank, world, stage):
+    """fp16 loss scaling: torch's GradScaler hands itself to step() on every rank, which refuses it clearly, on
+    every rank, changing nothing (not the scaler's "No inf checks were recorded", nor, at stage 1, a rank that
+    found an inf skipping step() while the others wait in its collectives)."""
+    model = build(torch.bfloat16)
+    opt = ZeroAdamW(model.named_parameters(), **HYPER, stage=stage, bucket_size=BUCKET, module=model)
+    scaler = torch.amp.GradScaler("cpu")
+    loss = loss_fn(model, batch(0, rank))
+    if rank == 0:
+        loss = loss * float("inf")  # this rank alone finds an inf
+    scaler.scale(loss).backward()
+
+    def params():
+        with opt.gathered_params():
+            return [p.detach().clone() for p in model.parameters()]
+
+    before = params()
+    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="GradScaler .*not supported.*bf16"):
+        scaler.step(opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, params()))
+    assert opt.step_count == 0 and opt.skipped_steps == 0
+    opt.zero_grad()
+    loss_fn(model, batch(1, rank)).backward()  # without the scaler, training goes on
+    opt.step()
+    assert opt.step_count == 1
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_grad_scaler_is_refused_on_every_rank(stage):
+    assert all(run_on_ranks(2, _grad_scaler_is_refused, stage))
 
 
 def _clip_like_torch(rank, world, stage):

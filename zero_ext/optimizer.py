@@ -96,6 +96,11 @@ class ZeroAdamW(torch.optim.Optimizer):
     :mod:`zero_ext.checkpoint`, :mod:`zero_ext.state_dict` and :mod:`zero_ext.memory` read.
     """
 
+    # torch.amp.GradScaler then hands itself to step() instead of unscaling .grad and skipping step() on the ranks
+    # that found an inf (at stage 1 a rank skipping alone would leave the others waiting in step's collectives; at
+    # stages 2 and 3 .grad is empty and the scaler fails with "No inf checks were recorded"): step() refuses it.
+    _step_supports_amp_scaling = True
+
     def __init__(
         self,
         params: Iterable,
@@ -313,12 +318,19 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     @torch.compiler.disable
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scaler=None):
         """One AdamW step on the mean of the ranks' gradients, with torch's semantics: a parameter with no gradient
         on any rank is left alone (no decay, no moment update, its own step count unchanged); a step with no
         gradient at all does nothing. Every rank fails together: a check that fails on one rank (e.g. a bad ``lr``)
-        raises on every rank before anything changes anywhere (see ``step.py``)."""
+        raises on every rank before anything changes anywhere (see ``step.py``). ``grad_scaler`` is what
+        ``torch.amp.GradScaler.step`` passes: fp16 loss scaling is not supported (bf16 needs none), so it raises."""
         self._check_open()
+        if grad_scaler is not None:
+            raise ValueError(
+                "zero_ext.ZeroAdamW.step: torch.amp.GradScaler (fp16 loss scaling) is not supported; train with bf16 "
+                "parameters or autocast(dtype=torch.bfloat16), which need no loss scaling (a non-finite gradient "
+                "still skips the step on every rank, see opt.skipped_steps). Nothing was changed"
+            )
         if _cuda_graph_capturing():
             raise RuntimeError(
                 "zero_ext.ZeroAdamW.step() cannot be captured in a CUDA graph: it issues collectives on side streams "
