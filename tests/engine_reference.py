@@ -43,6 +43,16 @@ def set_mean_grads(ref_params, per_rank):
     return means
 
 
+def step_with_reference(model, opt, ref_params, ref_opt, batches, rank: int, loss_fn) -> None:
+    """One training step of ``opt`` on this rank's batch (``batches[rank]``), and of the reference on the mean of
+    every rank's gradients; then ``opt.zero_grad()``."""
+    set_mean_grads(ref_params, rank_grads(model, list(model.parameters()), batches, loss_fn))
+    ref_opt.step()
+    loss_fn(model, batches[rank]).backward()
+    opt.step()
+    opt.zero_grad()
+
+
 def reference(model, **hyper):
     """fp32 master copies of the model's params and a torch.optim.AdamW over them."""
     params = [p.detach().float().clone().requires_grad_(p.requires_grad) for p in model.parameters()]

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 from distributed import run_on_ranks
-from engine_reference import check_against_reference, rank_grads, reference, set_mean_grads
+from engine_reference import check_against_reference, reference, step_with_reference
 from tiny_transformer import batch, build, loss_fn
 
 from zero_ext import ZeroAdamW
@@ -33,12 +33,7 @@ def _optimizer(model, stage, offload, root, rank, tag):
 
 
 def _train(model, opt, ref_params, ref_opt, step, world, rank):
-    per_rank = rank_grads(model, list(model.parameters()), [batch(step, r) for r in range(world)], loss_fn)
-    set_mean_grads(ref_params, per_rank)
-    ref_opt.step()
-    loss_fn(model, batch(step, rank)).backward()
-    opt.step()
-    opt.zero_grad()
+    step_with_reference(model, opt, ref_params, ref_opt, [batch(step, r) for r in range(world)], rank, loss_fn)
 
 
 def _follow(ref, new):

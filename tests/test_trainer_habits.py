@@ -9,7 +9,14 @@ import pytest
 import torch
 import torch.nn as nn
 from distributed import run_on_ranks
-from engine_reference import check_against_reference, params_digest, rank_grads, reference, set_mean_grads
+from engine_reference import (
+    check_against_reference,
+    params_digest,
+    rank_grads,
+    reference,
+    set_mean_grads,
+    step_with_reference,
+)
 from tiny_transformer import batch, build, loss_fn
 
 from zero_ext import ZeroAdamW, checkpoint
@@ -121,12 +128,7 @@ def _built_twice(rank, world, stage):
         first.step()
     ref_params, ref_opt = reference(model, **HYPER)
     for step in range(1, 4):
-        per_rank = rank_grads(model, list(model.parameters()), [batch(step, r) for r in range(world)], loss_fn)
-        set_mean_grads(ref_params, per_rank)
-        ref_opt.step()
-        loss_fn(model, batch(step, rank)).backward()
-        opt.step()
-        opt.zero_grad()
+        step_with_reference(model, opt, ref_params, ref_opt, [batch(step, r) for r in range(world)], rank, loss_fn)
         opt.zero_grad()  # twice: harmless
         check_against_reference(opt, model, ref_params, rank)
     return params_digest(model)
