@@ -1,5 +1,5 @@
 """A trainer's habits: torchrun without init_process_group, a model wrapped in DDP, fp16 loss scaling with torch's
-GradScaler, clipping, an optimizer built
+GradScaler, a parameter unfrozen after the optimizer was built, clipping, an optimizer built
 twice, a checkpoint of the whole model (frozen parameters, buffers, tied weights) with the scheduler beside it,
 resumed at another world size and consolidated into a state dict that loads strictly."""
 
@@ -86,6 +86,41 @@ def _grad_scaler_is_refused(rank, world, stage):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_grad_scaler_is_refused_on_every_rank(stage):
     assert all(run_on_ranks(2, _grad_scaler_is_refused, stage))
+
+
+def _unfrozen_after_construction(rank, world, stage):
+    """Gradual unfreezing: a parameter frozen when the optimizer was built has nothing in it (no shard, no hook), so
+    once trainable it would never be updated (torch's AdamW, given it, would). The next step refuses, on every
+    rank, naming it, and changes nothing; frozen again, training goes on."""
+    model = build(torch.bfloat16)
+    model.blocks[0].fc.requires_grad_(False)
+    opt = ZeroAdamW(model.named_parameters(), **HYPER, stage=stage, bucket_size=BUCKET, module=model)
+    loss_fn(model, batch(0, rank)).backward()
+    opt.step()
+    opt.zero_grad()
+
+    def params():
+        with opt.gathered_params():
+            return [p.detach().clone() for p in model.parameters()]
+
+    before = params()
+    model.blocks[0].fc.requires_grad_(True)
+    loss_fn(model, batch(1, rank)).backward()
+    with pytest.raises(ValueError, match=r"'blocks\.0\.fc\.(weight|bias)' had requires_grad=False when the optimizer"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, params()))
+    assert opt.step_count == 1
+    model.blocks[0].fc.requires_grad_(False)
+    model.zero_grad()
+    loss_fn(model, batch(1, rank)).backward()
+    opt.step()
+    assert opt.step_count == 2
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_parameter_unfrozen_after_construction_is_refused(stage):
+    assert all(run_on_ranks(2, _unfrozen_after_construction, stage))
 
 
 def _clip_like_torch(rank, world, stage):

@@ -116,6 +116,9 @@ class ShardedState:
         self.staging: Optional[StagingPool] = None  # the gradient staging pool, set by the reducer
         self.window = None  # stage 3: the ParamGather (its window of gathered buckets), for the memory ledger
         self.model = None  # the model's names and state outside the optimizer (model_state.ModelState), with module=
+        # Parameters given to the optimizer with requires_grad=False: left alone, and not sharded (step() refuses
+        # to go on if one becomes trainable: it would never be updated).
+        self.frozen: list[tuple[str, torch.nn.Parameter]] = []
         # Stages 1 and 2: in-place changes to the full parameters, which the master must follow (param_edits.py).
         self.param_edits = ParamEdits(self.groups) if stage < 3 else None
 

@@ -46,7 +46,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         params: parameters, ``(name, parameter)`` pairs (``model.named_parameters()``: names then appear in
             checkpoints), or param-group dicts with per-group ``lr``, ``betas``, ``eps``, ``weight_decay``.
             Params may be fp32 (their own master copy), bf16 or fp16; all on one device. Params with
-            ``requires_grad=False`` are left alone.
+            ``requires_grad=False`` are left alone; one made trainable later makes ``step()`` raise (it has no
+            shard: build the optimizer after changing which parameters train).
         stage: 1 (shard optimizer state; a persistent flat grad buffer), 2 (also shard gradients; ``step()``
             consumes them: the next backward starts from zero) or 3 (also shard the parameters: each rank keeps
             1/N of them; a bucket is gathered just before a module that uses it runs and freed after; needs
@@ -203,6 +204,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         warn_if_one_thread(offload)
         self._state = ShardedState(comm, stage, self.bucket_size, groups, plan.names, plan.device)
         self._state.model = model
+        everything = [p for g in self.param_groups for p in g["params"]]
+        self._state.frozen = [(plan.names[i], p) for i, p in enumerate(everything) if not p.requires_grad]
         strategy = grads_for(self._state, reduce_dtype, grad_accum_dtype)
         self._grad_sync = GradSync(self._state, strategy, staging_buffers)
         if stage == 3:

@@ -56,6 +56,7 @@ class Stepper:
             scalars = resolve_groups(param_groups, state.update_device)
             self.grad_sync.strategy.check_no_foreign_grads()
             check_params_in_place(state)
+            check_still_frozen(state)
             edited = state.param_edits is not None and state.param_edits.changed()
         except (ValueError, RuntimeError) as e:  # raised below, once every rank knows
             error = e
@@ -165,6 +166,20 @@ class Stepper:
                 param_out=None if b.param_out is None else r.of(b.param_out), found_inf=self.found_inf,
             )  # fmt: skip
         return updated
+
+
+def check_still_frozen(state: ShardedState) -> None:
+    """A parameter frozen when the optimizer was built has no shard, state or hook: made trainable since (gradual
+    unfreezing), it would get gradients that nothing reduces and never be updated, where torch's AdamW, given it,
+    would update it."""
+    for name, p in state.frozen:
+        if p.requires_grad:
+            raise ValueError(
+                f"zero_ext.ZeroAdamW: parameter {name!r} had requires_grad=False when the optimizer was built and is "
+                "trainable now; ZeroAdamW shards and updates only the parameters trainable when it is built, so it "
+                "would never update this one. Build the optimizer after changing which parameters train (or set "
+                "requires_grad back to False)"
+            )
 
 
 def check_params_in_place(state: ShardedState) -> None:
