@@ -123,6 +123,38 @@ def test_a_parameter_unfrozen_after_construction_is_refused(stage):
     assert all(run_on_ranks(2, _unfrozen_after_construction, stage))
 
 
+def _grad_changed_after_backward(rank, world):
+    """Stage 1 reduces during backward: torch.nn.utils.clip_grad_norm_ (or any in-place change of .grad) after it
+    would be silently ignored by the step, so the step refuses, on every rank, and changes nothing. Gradients
+    changed by a hook before the reduction, model.zero_grad() and opt.clip_grad_norm_ are fine."""
+    model = build(torch.float32)
+    opt = ZeroAdamW(model.named_parameters(), **HYPER, stage=1, bucket_size=BUCKET, module=model)
+    loss_fn(model, batch(0, rank)).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"changed in place after backward.*opt\.clip_grad_norm_"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and opt.step_count == 0
+    model.zero_grad()
+    ref_params, ref_opt = reference(build(torch.float32), **HYPER)
+    for step in range(1, 3):
+        per_rank = rank_grads(model, list(model.parameters()), [batch(step, r) for r in range(world)], loss_fn)
+        set_mean_grads(ref_params, per_rank)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref_params, 0.05)
+        ref_opt.step()
+        loss_fn(model, batch(step, rank)).backward()
+        torch.testing.assert_close(opt.clip_grad_norm_(0.05), ref_norm)
+        opt.step()
+        model.zero_grad()
+        check_against_reference(opt, model, ref_params, rank)
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_gradient_changed_after_backward_is_refused_at_stage_1(world):
+    assert all(run_on_ranks(world, _grad_changed_after_backward))
+
+
 def _clip_like_torch(rank, world, stage):
     """opt.clip_grad_norm_ returns torch's global norm (of the mean gradients) and the step applies the clip."""
     model = build(torch.bfloat16)

@@ -142,6 +142,9 @@ class BufferedGrads(GradStrategy):
     def __init__(self, state: ShardedState, reduce_dtype: torch.dtype):
         super().__init__(state, reduce_dtype)
         self._unreduced = False
+        # The grad buffers' version counters (which every .grad, a view of them, moves) when the last backward had
+        # reduced them; None while the buffers hold gradients no reduction has read yet.
+        self._reduced_at: Optional[list[int]] = None
         for group in state.groups:
             group.grad_buffer = torch.zeros(group.layout.numel, dtype=self.buffer_dtype(group), device=group.device)
             for slot, p in zip(group.layout.slots, group.params):
@@ -184,6 +187,7 @@ class BufferedGrads(GradStrategy):
                 if p.grad is not None}  # fmt: skip
 
     def on_grad(self, gb, slot, param, syncing) -> bool:
+        self._reduced_at = None
         self._adopt(gb.group, slot, param, _dense(param, gb.group.names[slot.index]))
         if not syncing:
             self._unreduced = True
@@ -207,6 +211,26 @@ class BufferedGrads(GradStrategy):
 
     def end_round(self) -> None:
         self._unreduced = False
+        self._reduced_at = [g.grad_buffer._version for g in self.state.groups]
+
+    def check_no_foreign_grads(self) -> None:
+        """A .grad changed in place after backward had reduced it (torch.nn.utils.clip_grad_norm_ or
+        clip_grad_value_, a mask, a manual scale) would be silently ignored: the step applies the reduction."""
+        if self._reduced_at is None:
+            return
+        for group, version in zip(self.state.groups, self._reduced_at):
+            if group.grad_buffer._version != version:
+                raise ValueError(
+                    "zero_ext.ZeroAdamW.step: a gradient (`.grad`) was changed in place after backward had already "
+                    "reduced it into the optimizer's gradient shard (e.g. by torch.nn.utils.clip_grad_norm_ or "
+                    "clip_grad_value_); the step applies the shard, so the change would be silently ignored. Clip with "
+                    "opt.clip_grad_norm_(max_norm); change gradients in a hook (param.register_hook) before "
+                    "they are reduced"
+                )
+
+    def after_step(self) -> None:
+        super().after_step()
+        self._reduced_at = None
 
     def _adopt(self, group: FlatGroup, slot: Slot, param: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
         """Make ``param``'s slot of the flat grad buffer hold ``grad`` and ``param.grad`` a view of it. A slot
@@ -222,6 +246,7 @@ class BufferedGrads(GradStrategy):
 
     def zero_grad(self, set_to_none: bool) -> None:
         super().zero_grad(set_to_none)
+        self._reduced_at = None
         for group in self.state.groups:
             if set_to_none:
                 # No pass over the buffer: the next gradient is copied into its slot (_adopt), and a slot whose

@@ -358,7 +358,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         device; no host sync). The scaling happens inside the next ``step()``'s fused kernel; the gradients
         themselves (sharded, at stages 2 and 3 not in ``.grad`` at all) are not rewritten. Collective: call it on
         every rank, after backward, before ``step()``. Use it instead of torch's function, which sees no
-        gradients at stages 2 and 3 and only this rank's at stage 1."""
+        gradients at stages 2 and 3, and at stage 1 rewrites ``.grad`` after its reduction (the next ``step()``
+        then raises rather than ignore the change)."""
         self._check_open()
         if norm_type != 2.0:
             raise ValueError(
