@@ -55,6 +55,12 @@ def test_a_model_in_ddp_is_refused(stage):
     assert all(run_on_ranks(2, _ddp_is_refused, stage))
 
 
+def _full_params(model, opt) -> list:
+    """Copies of the model's full parameters (gathered at stage 3)."""
+    with opt.gathered_params():
+        return [p.detach().clone() for p in model.parameters()]
+
+
 def _grad_scaler_is_refused(rank, world, stage):
     """fp16 loss scaling: torch's GradScaler hands itself to step() on every rank, which refuses it clearly, on
     every rank, changing nothing (not the scaler's "No inf checks were recorded", nor, at stage 1, a rank that
@@ -67,14 +73,10 @@ def _grad_scaler_is_refused(rank, world, stage):
         loss = loss * float("inf")  # this rank alone finds an inf
     scaler.scale(loss).backward()
 
-    def params():
-        with opt.gathered_params():
-            return [p.detach().clone() for p in model.parameters()]
-
-    before = params()
+    before = _full_params(model, opt)
     with pytest.warns(FutureWarning), pytest.raises(ValueError, match="GradScaler .*not supported.*bf16"):
         scaler.step(opt)
-    assert all(torch.equal(a, b) for a, b in zip(before, params()))
+    assert all(torch.equal(a, b) for a, b in zip(before, _full_params(model, opt)))
     assert opt.step_count == 0 and opt.skipped_steps == 0
     opt.zero_grad()
     loss_fn(model, batch(1, rank)).backward()  # without the scaler, training goes on
@@ -99,16 +101,12 @@ def _unfrozen_after_construction(rank, world, stage):
     opt.step()
     opt.zero_grad()
 
-    def params():
-        with opt.gathered_params():
-            return [p.detach().clone() for p in model.parameters()]
-
-    before = params()
+    before = _full_params(model, opt)
     model.blocks[0].fc.requires_grad_(True)
     loss_fn(model, batch(1, rank)).backward()
     with pytest.raises(ValueError, match=r"'blocks\.0\.fc\.(weight|bias)' had requires_grad=False when the optimizer"):
         opt.step()
-    assert all(torch.equal(a, b) for a, b in zip(before, params()))
+    assert all(torch.equal(a, b) for a, b in zip(before, _full_params(model, opt)))
     assert opt.step_count == 1
     model.blocks[0].fc.requires_grad_(False)
     model.zero_grad()
@@ -137,6 +135,8 @@ def _grad_changed_after_backward(rank, world):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and opt.step_count == 0
     model.zero_grad()
     ref_params, ref_opt = reference(build(torch.float32), **HYPER)
+    # A gradient changed by a hook before its reduction: the reference's autograd.grad runs the same hook.
+    model.ln_f.bias.register_hook(lambda g: g + 1.0)
     for step in range(1, 3):
         per_rank = rank_grads(model, list(model.parameters()), [batch(step, r) for r in range(world)], loss_fn)
         set_mean_grads(ref_params, per_rank)

@@ -27,10 +27,11 @@ class ParamEdits:
         self.unchecked = False  # adopted outside a step: the next step still checks every rank changed them
         self.record()
 
-    def record(self) -> None:
-        """The parameters and the master agree now, on every rank (after a load or a write-back: collectives)."""
+    def record(self, unchecked: bool = False) -> None:
+        """The parameters and the master agree now: on every rank (after a load or a write-back, collectives), or,
+        ``unchecked``, on this rank only so far."""
         self.versions = [[p._version for p in g.params] for g in self.groups]
-        self.unchecked = False
+        self.unchecked = unchecked
 
     def changed(self) -> bool:
         """Whether some parameter was written in place since the last step (or load, or write-back)."""
@@ -51,9 +52,7 @@ class ParamEdits:
                 moved = True
                 for bucket in group.layout.buckets:
                     master_follows(group, bucket, group.flat_params.rank_slice(bucket))
-        unchecked = (self.unchecked or moved) and not checked
-        self.record()
-        self.unchecked = unchecked
+        self.record(unchecked=(self.unchecked or moved) and not checked)
 
 
 def master_follows(group, bucket, values: torch.Tensor) -> None:

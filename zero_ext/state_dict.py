@@ -5,8 +5,8 @@ state this rank owns: ``exp_avg``, ``exp_avg_sq`` and, for bf16/fp16 params, the
 holding elements ``shard_range = (start, end)`` of the flattened parameter, plus ``step``. Parameters this rank
 owns no element of have no entry. fp32 params are their own master, with or without offload (load the model's
 state dict with the optimizer's; an offloaded optimizer takes its master from the parameters), so a state dict
-saved with any ``offload`` loads into an optimizer with any other. ``param_groups`` are torch's (hyperparameters and parameter indices); ``zero``
-records the layout so that loading into a different one fails clearly. Resharding to another world size is
+saved with any ``offload`` loads into an optimizer with any other. ``param_groups`` are torch's (hyperparameters
+and parameter indices); ``zero`` records the layout so that loading into a different one fails clearly. Resharding to another world size is
 ``zero_ext.checkpoint``'s job.
 """
 
