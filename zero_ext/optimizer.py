@@ -70,8 +70,9 @@ class ZeroAdamW(torch.optim.Optimizer):
             running inside, ``DistributedDataParallel`` is refused; checkpoints hold its whole state (frozen
             parameters, buffers, tied names), so a consolidated checkpoint loads with ``load_state_dict(strict=True)``.
         reshard_after_forward: stage 3: free a gathered bucket after its last use in forward (True; backward gathers
-            it again: 3 Psi communicated per step) or keep it until its gradients are reduced (False: 2 Psi, every
-            bucket gathered at the end of forward).
+            it again: 3 Psi communicated per step, less the ``prefetch + 1`` buckets backward needs first, which are
+            kept) or keep it until its gradients are reduced (False: 2 Psi, every bucket gathered at the end of
+            forward).
         prefetch: stage 3: buckets gathered ahead of use, in the execution order of the previous step.
         param_init: stage 3, for a model built on the ``meta`` device (larger than one rank's memory): a function
             ``init(module)`` that initialises one module's own parameters and buffers in place (like
