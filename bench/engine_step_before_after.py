@@ -2,6 +2,7 @@
 
     git worktree add ../before <commit> && (cd ../before && python setup.py build_ext --inplace)
     python bench/engine_step_before_after.py --before ../before --pairs 3
+    python bench/engine_step_before_after.py --before ../before --contenders ddp_fp32,zero3_fp32 --worlds 2
 
 Runs each tree's own ``bench/bench_engine_step.py`` (its engine on ``PYTHONPATH``) alternately, before then
 after, ``--pairs`` times at each world size, with stages 1 and 2 on fp32 parameters and DDP + fused AdamW on
@@ -28,8 +29,7 @@ from pathlib import Path
 import harness
 import torch
 
-CONTENDERS = "ddp_fp32,zero1_fp32,zero2_fp32"
-BASELINE = {"zero1_fp32": "ddp_fp32", "zero2_fp32": "ddp_fp32"}
+CONTENDERS = "ddp_fp32,zero1_fp32,zero2_fp32"  # --contenders: any of bench_engine_step's fp32 ones, with ddp_fp32
 
 
 def tree_commit(tree: Path) -> str:
@@ -39,11 +39,11 @@ def tree_commit(tree: Path) -> str:
     return out.stdout.strip() + ("-dirty" if dirty else "")
 
 
-def run_tree(tree: Path, world: int, rounds: int, out_dir: Path, tag: str) -> dict:
+def run_tree(tree: Path, world: int, rounds: int, contenders: str, out_dir: Path, tag: str) -> dict:
     """One launch of ``tree``'s engine-step benchmark; returns its result JSON."""
     env = dict(os.environ, PYTHONPATH=str(tree))
     cmd = [sys.executable, str(tree / "bench" / "bench_engine_step.py"), "--world-size", str(world),
-           "--rounds", str(rounds), "--contenders", CONTENDERS, "--out-dir", str(out_dir), "--name", tag]  # fmt: skip
+           "--rounds", str(rounds), "--contenders", contenders, "--out-dir", str(out_dir), "--name", tag]  # fmt: skip
     # The benchmark exits 1 when a contender misses its target; the run is still a measurement.
     subprocess.run(cmd, env=env, cwd=tree, stdout=subprocess.DEVNULL)
     path = out_dir / f"{tag}.json"
@@ -59,10 +59,16 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=3, help="before/after launches per world size")
     p.add_argument("--rounds", type=int, default=10, help="--rounds of each launch")
     p.add_argument("--worlds", default="2,1")
+    p.add_argument("--contenders", default=CONTENDERS, help="bench_engine_step contenders; ddp_fp32 is the baseline")
     p.add_argument("--out-dir", default=str(harness.RESULTS))
     p.add_argument("--name", default="engine_step_before_after", help="result file stem")
     args = p.parse_args()
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
+    names = [n for n in args.contenders.split(",") if n != "ddp_fp32"]
+    if not names:
+        p.error("--contenders needs one contender besides the ddp_fp32 baseline")
+    baseline = dict.fromkeys(names, "ddp_fp32")
+    contenders = ",".join(["ddp_fp32", *names])
     worlds = [int(w) for w in args.worlds.split(",")]
     meta = harness.meta(torch.device("cpu"))  # the load the runs began with
     runs: dict[str, dict[str, list]] = {str(w): {"before": [], "after": []} for w in worlds}
@@ -70,16 +76,16 @@ def main() -> None:
         for world in worlds:
             for i in range(args.pairs):
                 for which, tree in trees.items():
-                    res = run_tree(tree, world, args.rounds, Path(tmp), f"{which}_{world}_{i}")
+                    res = run_tree(tree, world, args.rounds, contenders, Path(tmp), f"{which}_{world}_{i}")
                     # Both trees' result files carry each contender's median step (the ratio's key differs).
                     medians = {n: r["stats"]["median_s"] for n, r in res["runs"].items()}
-                    ratios = {n: medians[n] / medians[base] for n, base in BASELINE.items()}
+                    ratios = {n: medians[n] / medians[base] for n, base in baseline.items()}
                     runs[str(world)][which].append({"ratio_vs_ddp": ratios, "median_s": medians})
-                    print(f"N={world} pair {i} {which}: " + ", ".join(f"{n} {ratios[n]:.3f}" for n in BASELINE))
+                    print(f"N={world} pair {i} {which}: " + ", ".join(f"{n} {ratios[n]:.3f}" for n in baseline))
 
     summary, rows = {}, []
     for world in worlds:
-        for name, base in BASELINE.items():
+        for name, base in baseline.items():
             got = {w: [r["ratio_vs_ddp"][name] for r in runs[str(world)][w]] for w in trees}
             before, after = statistics.median(got["before"]), statistics.median(got["after"])
             spread = max(max(v) - min(v) for v in got.values())
