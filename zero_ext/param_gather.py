@@ -279,9 +279,9 @@ class ParamGather:
     def _backward_head(self, trace) -> list[Key]:
         """The first ``prefetch + 1`` buckets backward gathers: the root's (its output's gradient arrives first),
         then those of the last modules of ``trace``. Freeing them at the end of forward only to gather them again
-        at once, with nothing to overlap that gather, is waste (measured on the benchmark GPT, fp32, 2 gloo ranks:
-        stage 3 2-4 % faster a step with them kept); they are kept, as FSDP2 keeps its root's parameters. The
-        window bound holds: ``prefetch + 1`` is within it, and eviction may still free them."""
+        at once, with nothing to overlap that gather, is waste (the benchmark GPT, fp32, 2 gloo ranks: 1.196x ->
+        1.120x DDP, bench/results/engine_step_before_after_stage3.md); they are kept, as FSDP2 keeps its root's
+        parameters. The window bound holds: ``prefetch + 1`` is within it, and eviction may still free them."""
         head: list[Key] = []
         for m in ([self.module] if trace else []) + list(reversed(trace)):
             for key in sorted(self.keys[id(m)]):
