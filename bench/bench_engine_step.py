@@ -49,6 +49,7 @@ CONTENDERS = {
     "zero1_fp32": ("fp32", "zero1", "fp32"),
     "zero2_fp32": ("fp32", "zero2", "fp32"),
     "zero3_fp32": ("fp32", "zero3", "fp32"),
+    "fsdp2_fp32": ("fp32", "fsdp2_fp32", "fp32"),
     "ddp_amp": ("mixed", "ddp", "fp32 + bf16 autocast"),
     "zero1_bf16": ("mixed", "zero1", "bf16 + bf16 autocast"),
     "zero2_bf16": ("mixed", "zero2", "bf16 + bf16 autocast"),
@@ -71,7 +72,7 @@ LABELS = {
     "zero3_bf16_keep": "ZeroAdamW stage 3, reshard_after_forward=False, bf16 params, bf16 autocast",
     **{k: v for k, v in peers.LABELS.items()},
 }
-DEFAULT = [n for n in CONTENDERS if n != "zero3_fp32"]
+DEFAULT = [n for n in CONTENDERS if n not in ("zero3_fp32", "fsdp2_fp32")]
 
 
 class Contender:

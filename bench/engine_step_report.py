@@ -9,6 +9,8 @@ from harness import MIB
 
 TARGET_RATIO = 1.03  # ZeroAdamW stages 1 and 2 vs DDP
 TARGET_RATIO_STAGE3 = 1.15  # stage 3 vs DDP (and faster than FSDP2's fully_shard step)
+FSDP2_OF = {"mixed": "fsdp2", "fp32": "fsdp2_fp32"}  # the FSDP2 peer each comparison's "vs FSDP2" column uses
+STAGE3_VS_FSDP2 = {"zero3_bf16": "fsdp2", "zero3_fp32": "fsdp2_fp32"}  # the stage-3 target's like-for-like pairs
 CORE = ("params", "grads", "exp_avg", "exp_avg_sq")
 
 
@@ -67,13 +69,14 @@ def report(result: dict, names: list, contenders: dict, labels: dict) -> tuple[s
     for name in names:
         runs[name]["stats"] = time_stats(runs[name]["step_times_s"])
     base = {contenders[n][0]: n for n in names if contenders[n][1] == "ddp"}
-    fsdp = "fsdp2" if "fsdp2" in runs else None
+    fsdp_of = {comp: peer for comp, peer in FSDP2_OF.items() if peer in runs}  # each comparison's FSDP2
+    pairs = {z: f for z, f in STAGE3_VS_FSDP2.items() if z in runs and f in runs}  # stage 3 vs FSDP2, like for like
     rows, checks = [], {"time_stage12": True, "time_stage3": None, "stage3_vs_fsdp2": None}
     for name in names:
         comp, recipe, _ = contenders[name]
         s, ddp = runs[name]["stats"], base[comp]
         r = runs[name]["vs_ddp"] = ratios(s, runs[ddp]["stats"])
-        vf = runs[name]["vs_fsdp2"] = ratios(s, runs[fsdp]["stats"]) if fsdp and comp == "mixed" else None
+        vf = runs[name]["vs_fsdp2"] = ratios(s, runs[fsdp_of[comp]]["stats"]) if comp in fsdp_of else None
         verdict = "-"
         if kind(recipe) == "zero":
             limit = TARGET_RATIO_STAGE3 if recipe.startswith("zero3") else TARGET_RATIO
@@ -83,9 +86,10 @@ def report(result: dict, names: list, contenders: dict, labels: dict) -> tuple[s
                 checks["time_stage3"] = ok if checks["time_stage3"] is None else checks["time_stage3"] and ok
             else:
                 checks["time_stage12"] &= ok
-            if name == "zero3_bf16" and vf is not None:
-                checks["stage3_vs_fsdp2"] = vf["medians"] < 1.0
-                verdict += f"; {'PASS' if vf['medians'] < 1.0 else 'FAIL'} < FSDP2"
+            if name in pairs:
+                faster = vf["medians"] < 1.0
+                checks["stage3_vs_fsdp2"] = faster and checks["stage3_vs_fsdp2"] is not False
+                verdict += f"; {'PASS' if faster else 'FAIL'} < FSDP2"
         rows.append([
             comp, labels[name], f"{s['median_s'] * 1e3:.0f}", f"{s['q1_s'] * 1e3:.0f}-{s['q3_s'] * 1e3:.0f}",
             f"{s['min_s'] * 1e3:.0f}-{s['max_s'] * 1e3:.0f}", f"{r['medians']:.3f}x", _fmt_ratio(r),
@@ -115,15 +119,15 @@ def report(result: dict, names: list, contenders: dict, labels: dict) -> tuple[s
         ])  # fmt: skip
     mem_headers = ["contender", "model state MiB/rank (max over ranks)", "B/param", "by kind, rank 0 (MiB)",
                    "window peak MiB", "window bound MiB", "state + window peak MiB", "max abs loss - DDP's", "check"]  # fmt: skip
-    if "zero3_bf16" in totals and fsdp:
-        z, f = totals["zero3_bf16"], totals[fsdp]
-        checks["memory_stage3_vs_fsdp2"] = z["total"] <= f["total"] + z["window_bound"]
+    for z, f in pairs.items():
+        within = totals[z]["total"] <= totals[f]["total"] + totals[z]["window_bound"]
+        checks["memory_stage3_vs_fsdp2"] = within and checks.get("memory_stage3_vs_fsdp2", True)
     body = "\n".join([
         "## Step time (slowest rank)", "", harness.markdown_table(time_headers, rows), "",
         "## Persistent model state per rank, and the transient window of gathered parameters", "",
         harness.markdown_table(mem_headers, mem_rows),
     ])  # fmt: skip
-    verdicts = _verdicts(runs, names, checks, mem_ok, totals, fsdp)
+    verdicts = _verdicts(runs, names, checks, mem_ok, totals, pairs)
     ok = {"time_ok": checks["time_stage12"] and checks["time_stage3"] is not False, "memory_ok": mem_ok,
           "stage3_vs_fsdp2_ok": checks["stage3_vs_fsdp2"], "memory_stage3_ok": checks.get("memory_stage3_vs_fsdp2"),
           "totals": totals}  # fmt: skip
@@ -131,7 +135,7 @@ def report(result: dict, names: list, contenders: dict, labels: dict) -> tuple[s
     return body, verdicts, ok
 
 
-def _verdicts(runs, names, checks, mem_ok, totals, fsdp) -> list[str]:
+def _verdicts(runs, names, checks, mem_ok, totals, pairs) -> list[str]:
     pf = lambda b: "PASS" if b else "FAIL"  # noqa: E731
     out = [f"{pf(checks['time_stage12'])} step time: ZeroAdamW stage 1 and 2 medians <= {TARGET_RATIO}x the DDP "
            "median of their comparison"]  # fmt: skip
@@ -139,21 +143,21 @@ def _verdicts(runs, names, checks, mem_ok, totals, fsdp) -> list[str]:
         r = runs[n]["vs_ddp"]
         out.append(f"{pf(r['medians'] <= TARGET_RATIO_STAGE3)} {n} step time {r['medians']:.3f}x DDP (per round "
                    f"{_fmt_ratio(r)}; target <= {TARGET_RATIO_STAGE3}x)")  # fmt: skip
-    if checks["stage3_vs_fsdp2"] is not None:
-        vf, f = runs["zero3_bf16"]["vs_fsdp2"], runs[fsdp]["vs_ddp"]
-        out.append(f"{pf(checks['stage3_vs_fsdp2'])} zero3_bf16 step time {vf['medians']:.3f}x FSDP2's (per round "
-                   f"{_fmt_ratio(vf)}; target < 1); FSDP2 itself {f['medians']:.3f}x DDP")  # fmt: skip
+    for zn, fn in pairs.items():
+        vf, f = runs[zn]["vs_fsdp2"], runs[fn]["vs_ddp"]
+        out.append(f"{pf(vf['medians'] < 1.0)} {zn} step time {vf['medians']:.3f}x {fn}'s (per round "
+                   f"{_fmt_ratio(vf)}; target < 1); {fn} itself {f['medians']:.3f}x DDP")  # fmt: skip
     out.append(f"{pf(mem_ok)} model state: every contender's identity holds on every rank")
-    if "memory_stage3_vs_fsdp2" in checks:
-        z, f = totals["zero3_bf16"], totals[fsdp]
+    for zn, fn in pairs.items():
+        z, f = totals[zn], totals[fn]
         out.append(
-            f"{pf(checks['memory_stage3_vs_fsdp2'])} zero3_bf16 model state {z['total'] / MIB:.2f} MiB/rank <= FSDP2's "
+            f"{pf(z['total'] <= f['total'] + z['window_bound'])} {zn} model state {z['total'] / MIB:.2f} MiB/rank <= {fn}'s "
             f"{f['total'] / MIB:.2f} + declared window {z['window_bound'] / MIB:.2f} = "
             f"{(f['total'] + z['window_bound']) / MIB:.2f} MiB"
         )
         out.append(
-            f"(for information) with the windows: zero3_bf16 {z['total'] / MIB:.2f} + peak {z['window_peak'] / MIB:.2f}"
-            f" = {(z['total'] + z['window_peak']) / MIB:.2f} MiB vs FSDP2 {f['total'] / MIB:.2f} + peak "
+            f"(for information) with the windows: {zn} {z['total'] / MIB:.2f} + peak {z['window_peak'] / MIB:.2f}"
+            f" = {(z['total'] + z['window_peak']) / MIB:.2f} MiB vs {fn} {f['total'] / MIB:.2f} + peak "
             f"{f['window_peak'] / MIB:.2f} = {(f['total'] + f['window_peak']) / MIB:.2f} MiB"
         )
     if "naive_zero3" in runs:

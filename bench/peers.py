@@ -8,6 +8,8 @@ hyperparameters:
   ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (fp32 sharded params, bf16 all-gathers, fp32
   reduce-scatters); ``torch.optim.AdamW(fused=True)`` on the sharded DTensors; ``clip_grad_norm_``;
 - ``fsdp2_keep``: the same with ``reshard_after_forward=False`` (ZeRO-2-like: params stay gathered until backward);
+- ``fsdp2_fp32``: ``fsdp2`` with no mixed precision and no autocast (fp32 gathers, compute and reduce), the peer of
+  the fp32 comparison (ZeroAdamW's fp32-parameter recipes; for CPUs without a fast bf16 matmul);
 - ``zero_redundancy``: DDP (fp32 params, 25 MB buckets) + ``torch.distributed.optim.ZeroRedundancyOptimizer``
   wrapping ``torch.optim.AdamW(fused=True)`` (ZeRO-1: each rank steps the parameters it owns, then broadcasts them);
 - ``naive_zero3``: bench/naive_zero3.py, per-parameter blocking collectives, for contrast.
@@ -29,10 +31,11 @@ import torch
 from gpt_model import GPT, GPTConfig
 from naive_zero3 import NaiveZero3
 
-PEERS = ("fsdp2", "fsdp2_keep", "zero_redundancy", "naive_zero3")
+PEERS = ("fsdp2", "fsdp2_keep", "fsdp2_fp32", "zero_redundancy", "naive_zero3")
 LABELS = {
     "fsdp2": "FSDP2 fully_shard (per block + root), bf16 params / fp32 reduce, AdamW(fused)",
     "fsdp2_keep": "FSDP2 fully_shard, reshard_after_forward=False, bf16 params / fp32 reduce, AdamW(fused)",
+    "fsdp2_fp32": "FSDP2 fully_shard (per block + root), fp32, AdamW(fused)",
     "zero_redundancy": "DDP + ZeroRedundancyOptimizer(AdamW fused), fp32 params, bf16 autocast",
     "naive_zero3": "naive per-parameter ZeRO-3 (blocking, no buckets/prefetch), bf16 gathers, AdamW(fused)",
 }
@@ -88,7 +91,8 @@ class FSDPWindow:
 
 
 class Peer:
-    """One peer recipe, built once; ``step`` runs forward (bf16 autocast), backward, clip and the optimizer step."""
+    """One peer recipe, built once; ``step`` runs forward (bf16 autocast, but fsdp2_fp32), backward, clip and the
+    optimizer step."""
 
     def __init__(self, name: str, cfg, model_cfg: GPTConfig, device: torch.device):
         if name not in PEERS:
@@ -100,8 +104,9 @@ class Peer:
         if name.startswith("fsdp2"):
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            keep = dict(reshard_after_forward=name == "fsdp2")
+            fp32 = name == "fsdp2_fp32"
+            mp = MixedPrecisionPolicy() if fp32 else MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+            keep = dict(reshard_after_forward=name != "fsdp2_keep")
             for block in model.blocks:
                 fully_shard(block, mp_policy=mp, **keep)
             fully_shard(model, mp_policy=mp, **keep)
@@ -122,7 +127,7 @@ class Peer:
         warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
         if measure and self.name.startswith("fsdp2"):
             self.window = FSDPWindow(self.model)  # attached for this step only (sampling costs time)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.name != "fsdp2_fp32"):
             loss = self.net(x, y)
         loss.backward()
         if self.naive is None:

@@ -235,3 +235,17 @@ def test_trace_nvme_step_tiny(tmp_path):
         # one step reads and writes the whole state (12 B/param), and waits for some of it
         assert m["read_bytes"] == m["write_bytes"] > 0 and m["read_count"] > 0 and m["step_s"] > 0
     assert not (tmp_path / "state").exists()
+
+
+def test_engine_step_fp32_comparison_has_its_fsdp2(tmp_path):
+    # For CPUs without a fast bf16 matmul: stage 3 on fp32 params against FSDP2 on fp32, like for like.
+    run("bench_engine_step.py", *TINY_GPT, "--rounds", "2", "--warmup-rounds", "0", "--steps-per-turn", "1",
+        "--contenders", "ddp_fp32,zero3_fp32,fsdp2_fp32", "--out-dir", str(tmp_path), "--name", "fp32",
+        ok_codes=(0, 1))  # fmt: skip
+    res = result(tmp_path / "fp32.json")
+    assert set(res["runs"]) == {"ddp_fp32", "zero3_fp32", "fsdp2_fp32"} and res["memory_ok"] is True
+    assert res["runs"]["zero3_fp32"]["vs_fsdp2"]["medians"] > 0 and res["runs"]["ddp_fp32"]["vs_fsdp2"] is not None
+    assert isinstance(res["stage3_vs_fsdp2_ok"], bool) and isinstance(res["memory_stage3_ok"], bool)
+    led = res["runs"]["fsdp2_fp32"]["memory_by_rank"]
+    assert sum(x["total"] for x in led) >= 16 * res["num_params"] and all(x["window_peak"] > 0 for x in led)
+    assert res["runs"]["fsdp2_fp32"]["max_loss_gap_vs_ddp"] < 1e-3  # fp32 all through: DDP's losses, to rounding
