@@ -9,7 +9,8 @@ is stage 3 with ``reshard_after_forward=False``). For every ZeroAdamW run it che
 step, from the engine's own counters (``comm_stats()``) against the padded size of the flat param buffer
 (``memory_report()``), each collective padded to whole buckets (one rank: nothing):
   stages 1, 2: 2 Psi (Psi reduce-scattered (gradients) + Psi all-gathered (params)), every step;
-  stage 3: 3 Psi (Psi reduce-scattered + Psi all-gathered before forward + Psi again before backward), or 2 Psi
+  stage 3: 3 Psi (Psi reduce-scattered + Psi all-gathered before forward + Psi again before backward, less the
+  buckets backward needs first, which forward keeps: ``harness.kept_for_backward_numel``), or 2 Psi
   with reshard_after_forward=False, every step after the first (the first forward has no learned order yet and
   frees after every use: it is reported, not checked).
 Counted are the elements each rank hands to the collective, not wire bytes (a ring moves (N-1)/N of them per rank).
@@ -32,7 +33,8 @@ from main_job import train  # noqa: E402
 
 def comm_check(run: dict) -> dict:
     """Elements per step through reduce-scatter and all-gather vs the padded Psi: 1 + 1 at stages 1 and 2, 1 + 2 at
-    stage 3 (1 + 1 without resharding after forward) from the second step on (one rank: nothing at all)."""
+    stage 3 less the buckets kept from forward for backward (1 + 1 without resharding after forward) from the
+    second step on (one rank: nothing at all)."""
     world, by_step = run["world_size"], run["comm_by_step"]
     stage3 = run["recipe"] == "zero3"
     gathers = 2 if stage3 and run["config"]["reshard_after_forward"] else 1
@@ -41,14 +43,16 @@ def comm_check(run: dict) -> dict:
     rs, ag = step["reduce_scatter_elements"], step["all_gather_elements"]
     padded, psi = run["padded_numel"], run["num_params"]
     every_step_same = all(c == step for c in checked)
-    expected_rs, expected_ag = (padded, gathers * padded) if world > 1 else (0, 0)
+    kept = run.get("kept_for_backward_numel", 0)
+    expected_rs, expected_ag = (padded, gathers * padded - kept) if world > 1 else (0, 0)
     ok = rs == expected_rs and ag == expected_ag and every_step_same and padded >= psi
     return {
         "ok": ok,
         "psi": psi,
         "padded_psi": padded,
         "padding_elems": padded - psi,
-        "psi_per_step": 1 + gathers,  # what a step should move, in padded Psi
+        "psi_per_step": 1 + gathers,  # what a step should move, in padded Psi (less kept_for_backward_elems)
+        "kept_for_backward_elems": kept,
         "steps_checked": "2nd onwards" if checked is not by_step else "every",
         "reduce_scatter_elems_per_step": rs,
         "reduce_scatter_bytes_per_step": step["reduce_scatter_bytes"],
@@ -119,7 +123,9 @@ def main(argv=None) -> int:
                 else:
                     comm = (
                         f"{c['reduce_scatter_elems_per_step']:,} + {c['all_gather_elems_per_step']:,} = "
-                        f"{c['psi_per_step']} x {c['padded_psi']:,} ({c['padding_elems']:,} padding; "
+                        f"{c['psi_per_step']} x {c['padded_psi']:,}"
+                        + (f" - {c['kept_for_backward_elems']:,} kept" if c["kept_for_backward_elems"] else "")
+                        + f" ({c['padding_elems']:,} padding; "
                         f"{c['reduce_scatter_bytes_per_step'] / MIB:.2f} + {c['all_gather_bytes_per_step'] / MIB:.2f} "
                         f"MiB) {verdict}"
                     )
@@ -157,7 +163,8 @@ def main(argv=None) -> int:
         "comm check: the elements each rank passed to reduce-scatter and all-gather per step (the engine's "
         "comm_stats()), against the padded flat param buffer (memory_report()['params'] / 2; stage 3 keeps 1/N of "
         "it: x N) for N > 1 and zero for N = 1 (one rank skips communication), the same on every step: 1 + 1 padded "
-        "Psi at stages 1 and 2, 1 + 2 at stage 3 (zero3_keep, reshard_after_forward=False: 1 + 1) from step 2 on (the "
+        "Psi at stages 1 and 2, 1 + 2 at stage 3 less the buckets backward needs first, kept from forward ('kept'; "
+        "zero3_keep, reshard_after_forward=False: 1 + 1) from step 2 on (the "
         "first stage-3 forward has no learned order and frees after every use; its all-gather is shown); the MiB are "
         "what travelled (on gloo bf16 gradients travel as bf16 and are summed in fp32 afterwards); plus one 8-byte "
         "all-reduce per step (gradient norm and inf check).",

@@ -106,6 +106,16 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def backward_first(model: GPT) -> list[nn.Module]:
+    """The modules with parameters of their own in the order backward reaches them: the root (its output's gradient
+    arrives first), then forward's order reversed (head, ln_f, the last block's out, fc, ln2, proj, qkv, ln1, ...,
+    embed). Stage 3 keeps the first ``prefetch + 1`` buckets of these from forward into backward."""
+    forward = [model.embed]
+    for b in model.blocks:
+        forward += [b.ln1, b.qkv, b.proj, b.ln2, b.fc, b.out]
+    return [model, *reversed(forward + [model.ln_f, model.head])]
+
+
 def num_params(model: nn.Module) -> int:
     """Trainable parameters, the tied embedding counted once."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)

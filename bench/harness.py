@@ -61,6 +61,25 @@ def git_commit() -> str:
         return "unknown"
 
 
+def kept_for_backward_numel(opt, modules: Sequence[torch.nn.Module], prefetch: int) -> int:
+    """Elements (every rank's part) of the buckets ZeroAdamW stage 3 keeps from forward into backward instead of
+    gathering them again: the first ``prefetch + 1`` distinct buckets of ``modules``' own parameters, in the order
+    backward reaches the modules (e.g. ``gpt_model.backward_first``), each module's buckets in index order."""
+    bucket_of, numel = {}, {}
+    for g in opt.sharded_state.groups:
+        for slot, p in zip(g.layout.slots, g.params):
+            bucket_of[id(p)] = (g.index, slot.bucket)
+        numel.update({(g.index, b.index): b.numel for b in g.layout.buckets})
+    head: list = []
+    for m in modules:
+        for key in sorted({bucket_of[id(p)] for p in m.parameters(recurse=False) if id(p) in bucket_of}):
+            if len(head) > prefetch:
+                return sum(numel[k] for k in head)
+            if key not in head:
+                head.append(key)
+    return sum(numel[k] for k in head)
+
+
 def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 

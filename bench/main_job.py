@@ -32,7 +32,7 @@ from pathlib import Path
 import harness
 import torch
 import torch.distributed as dist
-from gpt_model import GPT, MarkovData, add_model_args, model_config, num_params
+from gpt_model import GPT, MarkovData, add_model_args, backward_first, model_config, num_params
 from harness import LABELS, MIB, OUT, RunConfig, build, forward_backward, launch, model_state
 from main_job_chart import save_chart
 
@@ -233,6 +233,12 @@ def train(rank: int, world: int, device: torch.device, cfg: RunConfig) -> dict:
         # Every parameter plus bucket padding: the padded Psi (the flat buffer at stages 1 and 2; stage 3 keeps
         # 1/N of it as its fp32 master).
         out["padded_numel"] = sum(g.layout.numel for g in opt.sharded_state.groups)
+        # Stage 3 gathers these buckets once a step, not twice: kept from forward for backward, which needs them first.
+        out["kept_for_backward_numel"] = (
+            harness.kept_for_backward_numel(opt, backward_first(model), cfg.prefetch)
+            if cfg.recipe == "zero3" and cfg.reshard_after_forward
+            else 0
+        )
         if cfg.recipe == "zero3":  # bytes of gathered buckets: the declared bound, the most held (not persistent)
             out["window_bound"] = ledger["window_bound"]
             out["window_peak"] = opt.memory_report().window_peak  # over the whole run

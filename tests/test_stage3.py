@@ -2,8 +2,8 @@
 and 3 gloo ranks, for every case the issue lists: tied weights, a module called twice, a parent's own parameter, a
 weight read by a module that does not own it, activation checkpointing (reentrant and not), no_sync, param groups
 with a schedule, clipping and skip-on-inf, zero-element and frozen parameters, eval under no_grad, a branch used
-on some steps only; the gathered window within its bound; 3 Psi less the buckets kept for backward (2 Psi) per step; parameters read outside
-forward."""
+on some steps only; the gathered window within its bound; 3 Psi per step less the buckets kept for backward
+(2 Psi without resharding); parameters read outside forward."""
 
 import pytest
 import torch
