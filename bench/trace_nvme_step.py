@@ -38,9 +38,9 @@ LOG: list[tuple[str, float, float, int]] = []  # (what, start, end, bytes): "rea
 
 
 def _traced(fn, what):
-    def run(self, kind, start, buf):
+    def run(*args):
         t0 = time.perf_counter()
-        n = fn(self, kind, start, buf)
+        n = fn(*args)
         LOG.append((what, t0, time.perf_counter(), n))
         return n
 
@@ -56,8 +56,8 @@ def _traced_wait(fn):
     return run
 
 
-files.StateFiles._read = _traced(files.StateFiles._read, "read")
-files.StateFiles._write = _traced(files.StateFiles._write, "write")
+files.pread_all = _traced(files.pread_all, "read")
+files.pwrite_all = _traced(files.pwrite_all, "write")
 disk._wait = _traced_wait(disk._wait)
 
 

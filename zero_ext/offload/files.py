@@ -18,7 +18,6 @@ from __future__ import annotations
 import mmap
 import multiprocessing.util
 import os
-import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
@@ -74,8 +73,11 @@ class StateFiles:
         self.fds: dict[str, int] = {}
         self._readers: ThreadPoolExecutor | None = None
         self._writers: ThreadPoolExecutor | None = None
-        # Runs once: close() calls it, else the garbage collector or the interpreter's exit does.
-        self._remove = weakref.finalize(self, _remove_files, self.fds, list(self.paths.values()), directory)
+        pools: list[ThreadPoolExecutor] = []  # filled below; the finalizer waits for their I/O before closing fds
+        # Runs once: close() calls it, else the garbage collector or the interpreter's exit does. The I/O threads'
+        # tasks hold no reference to this object (module-level functions of fds and buffers), so a dropped optimizer
+        # is collected even with a read ahead in flight, and its files go as soon as that read is done.
+        self._remove = weakref.finalize(self, _remove_files, self.fds, list(self.paths.values()), directory, pools)
         # A multiprocessing child (mp.spawn, torch.multiprocessing) leaves through os._exit: no atexit, so the
         # finalizer above would not run at its exit; multiprocessing runs its own finalizers there.
         multiprocessing.util.Finalize(self, self._remove, exitpriority=0)
@@ -99,8 +101,7 @@ class StateFiles:
         # but the thread idles while the kernel updates a chunk).
         self._readers = ThreadPoolExecutor(1, thread_name_prefix="zero_ext-nvme-read")
         self._writers = ThreadPoolExecutor(1, thread_name_prefix="zero_ext-nvme-write")
-        self._lock = threading.Lock()
-        self.bytes_read = self.bytes_written = 0
+        pools += [self._readers, self._writers]
 
     def _open(self, path: str) -> int:
         flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
@@ -118,32 +119,19 @@ class StateFiles:
             raise ValueError("StateFiles: transfers must be whole aligned blocks (start, length and address)")
 
     def _read(self, kind: str, start: int, buf: torch.Tensor) -> int:
-        mv, done, offset = memoryview(buf.numpy()), 0, start * 4
-        while done < len(mv):
-            n = os.preadv(self.fds[kind], [mv[done:]], offset + done)
-            if n <= 0:
-                raise OSError(f"short read of {self.paths[kind]} at byte {offset + done}")
-            done += n
-        with self._lock:
-            self.bytes_read += done
-        return done
+        return pread_all(self.fds[kind], self.paths[kind], start * 4, buf)
 
     def _write(self, kind: str, start: int, buf: torch.Tensor) -> int:
-        mv, done, offset = memoryview(buf.numpy()), 0, start * 4
-        while done < len(mv):
-            done += os.pwritev(self.fds[kind], [mv[done:]], offset + done)
-        with self._lock:
-            self.bytes_written += done
-        return done
+        return pwrite_all(self.fds[kind], start * 4, buf)
 
     def read_async(self, kind: str, start: int, buf: torch.Tensor) -> Future:
         """Fill ``buf`` (aligned uint8) with the file's bytes from element ``start`` (aligned), on an I/O thread."""
         self._check(start, buf)
-        return self._readers.submit(self._read, kind, start, buf)
+        return self._readers.submit(pread_all, self.fds[kind], self.paths[kind], start * 4, buf)
 
     def write_async(self, kind: str, start: int, buf: torch.Tensor) -> Future:
         self._check(start, buf)
-        return self._writers.submit(self._write, kind, start, buf)
+        return self._writers.submit(pwrite_all, self.fds[kind], start * 4, buf)
 
     def read_range(self, kind: str, start: int, numel: int) -> torch.Tensor:
         """Elements [start, start + numel) as a new fp32 tensor (any alignment; synchronous)."""
@@ -171,7 +159,27 @@ class StateFiles:
         self._remove()
 
 
-def _remove_files(fds: dict[str, int], paths: list[str], directory: str) -> None:
+def pread_all(fd: int, path: str, offset: int, buf: torch.Tensor) -> int:
+    """``buf``'s bytes from ``offset`` of the file (``path`` names it in errors); the bytes read."""
+    mv, done = memoryview(buf.numpy()), 0
+    while done < len(mv):
+        n = os.preadv(fd, [mv[done:]], offset + done)
+        if n <= 0:
+            raise OSError(f"short read of {path} at byte {offset + done}")
+        done += n
+    return done
+
+
+def pwrite_all(fd: int, offset: int, buf: torch.Tensor) -> int:
+    mv, done = memoryview(buf.numpy()), 0
+    while done < len(mv):
+        done += os.pwritev(fd, [mv[done:]], offset + done)
+    return done
+
+
+def _remove_files(fds: dict[str, int], paths: list[str], directory: str, pools: list[ThreadPoolExecutor]) -> None:
+    for pool in pools:  # no read or write may be in flight on an fd about to close (and be reused)
+        pool.shutdown(wait=True)
     for kind, fd in list(fds.items()):
         os.close(fd)
         del fds[kind]
