@@ -1,6 +1,8 @@
 """What reading the next step's first chunks ahead buys an ``offload="nvme"`` training iteration: the optimizer as
 shipped against the same optimizer with that read-ahead switched off (its ``step_done`` only waits for the writes,
-as before the read-ahead existed), and the in-memory optimizer, round robin in one process on the same disk.
+as before the read-ahead existed), and the in-memory optimizer, round robin in one process on the same disk. Each
+turn is bench_offload's: an untimed iteration, the timed one, then the wait for the timed one's read-ahead, so that
+no contender's reads run into another's turn.
 
     python bench/nvme_read_ahead.py [--sizes 4,16,64] [--rounds 10] [--dir bench/out/read_ahead]
 
@@ -51,7 +53,7 @@ def run_size(size: float, directory: str, rounds: int) -> dict:
         times = {name: [] for name in VARIANTS}
         for _ in range(rounds):
             for name, c in runs.items():
-                times[name].append(c.iteration())
+                times[name].append(c.turn())  # primed, timed, then its read-ahead waited for (untimed)
         bitwise = all(torch.equal(a, b) for a, b in zip(runs["read_ahead"].params(), runs["no_read_ahead"].params()))
         psi = sum(p.numel() for p in runs["memory"].model.parameters())
     finally:

@@ -131,9 +131,11 @@ def main() -> None:
         steps = {name: [] for name in VARIANTS}
         for _ in range(args.steps):
             for name, c in contenders.items():
+                c.iteration()  # its step reads the next step's first chunks ahead, as in steady training
                 LOG.clear()
                 _, step_s = c.iteration()
                 steps[name].append(summarise(list(LOG), step_s))
+                c.settle()  # that iteration's own read-ahead: not into the next variant's trace
     finally:
         for c in contenders.values():
             c.opt.close()

@@ -8,7 +8,7 @@ with the buckets (the update's step counters and run boundaries are per bucket);
 the chunk holding its end is updated. After the last chunk, ``step_done`` waits for every write: when ``step()``
 returns, the files hold the new state. It then reads the next step's first chunks into the slots they will use, so
 that those reads run during forward and backward instead of at the start of the next step (one rank on this
-repository's disk, iteration 86 -> 48 ms at 4M params, 257 -> 199 ms at 16M, 1075 -> 968 ms at 64M, bitwise the
+repository's disk, iteration 67 -> 53 ms at 4M params, 225 -> 197 ms at 16M, 925 -> 796 ms at 64M, bitwise the
 same training: bench/results/nvme_read_ahead.md). The slots are the window's own: no memory is added. Whatever
 writes the files outside a step (a loaded state dict, the master following edited parameters) first drops what was
 read ahead.
