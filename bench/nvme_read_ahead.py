@@ -50,6 +50,7 @@ def run_size(size: float, directory: str, rounds: int) -> dict:
     try:
         for c in runs.values():  # the first step reads never-written (fallocated) blocks: not timed
             c.iteration()
+            c.settle()
         times = {name: [] for name in VARIANTS}
         for _ in range(rounds):
             for name, c in runs.items():

@@ -6,6 +6,8 @@ step for them, timed, for the optimizer as it is and for two variants, round rob
 - ``4k_pages``: window buffers in 4 KiB pages (madvise NOHUGEPAGE) instead of huge pages.
 
 Per step: how long the reader and the writer were busy and at what rate, and how long the step waited for them.
+The traced step does all of its own I/O: the reads of its first chunks that the previous step started ahead are
+dropped before it (``bench/nvme_read_ahead.py`` measures what that read-ahead buys).
 The rates are those the disk delivered while the step ran (reads and writes overlapping, unless one thread), to
 compare with ``bench_offload.py``'s probe of the same directory.
 
@@ -128,13 +130,18 @@ def main() -> None:
                 contenders[name] = Contender("nvme", args.size, os.path.join(args.dir, name), DEFAULT_WINDOW)
         for c in contenders.values():  # the first step reads never-written (fallocated) blocks: not traced
             c.iteration()
+            c.settle()  # its read-ahead: not into the next variant's trace
         steps = {name: [] for name in VARIANTS}
         for _ in range(args.steps):
             for name, c in contenders.items():
-                c.iteration()  # its step reads the next step's first chunks ahead, as in steady training
+                for group in c.opt.sharded_state.groups:
+                    group.state._drop_read_ahead()  # the traced step does all its own reads: every byte is traced
                 LOG.clear()
                 _, step_s = c.iteration()
-                steps[name].append(summarise(list(LOG), step_s))
+                # Not the next step's read-ahead, which step() starts once its last write is done.
+                log = list(LOG)
+                last_write = max((e for what, _, e, _ in log if what == "write"), default=float("inf"))
+                steps[name].append(summarise([r for r in log if r[0] != "read" or r[1] < last_write], step_s))
                 c.settle()  # that iteration's own read-ahead: not into the next variant's trace
     finally:
         for c in contenders.values():
