@@ -61,6 +61,16 @@ def _full_params(model, opt) -> list:
         return [p.detach().clone() for p in model.parameters()]
 
 
+def _refused(model, opt, call, match: str) -> None:
+    """``call()`` raises a ValueError matching ``match`` and changes nothing: the full parameters and the step count
+    are as they were."""
+    before, count = _full_params(model, opt), opt.step_count
+    with pytest.raises(ValueError, match=match):
+        call()
+    assert all(torch.equal(a, b) for a, b in zip(before, _full_params(model, opt)))
+    assert opt.step_count == count
+
+
 def _grad_scaler_is_refused(rank, world, stage):
     """fp16 loss scaling: torch's GradScaler hands itself to step() on every rank, which refuses it clearly, on
     every rank, changing nothing (not the scaler's "No inf checks were recorded", nor, at stage 1, a rank that
@@ -73,10 +83,8 @@ def _grad_scaler_is_refused(rank, world, stage):
         loss = loss * float("inf")  # this rank alone finds an inf
     scaler.scale(loss).backward()
 
-    before = _full_params(model, opt)
-    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="GradScaler .*not supported.*bf16"):
-        scaler.step(opt)
-    assert all(torch.equal(a, b) for a, b in zip(before, _full_params(model, opt)))
+    with pytest.warns(FutureWarning):
+        _refused(model, opt, lambda: scaler.step(opt), "GradScaler .*not supported.*bf16")
     assert opt.step_count == 0 and opt.skipped_steps == 0
     opt.zero_grad()
     loss_fn(model, batch(1, rank)).backward()  # without the scaler, training goes on
@@ -101,12 +109,9 @@ def _unfrozen_after_construction(rank, world, stage):
     opt.step()
     opt.zero_grad()
 
-    before = _full_params(model, opt)
     model.blocks[0].fc.requires_grad_(True)
     loss_fn(model, batch(1, rank)).backward()
-    with pytest.raises(ValueError, match=r"'blocks\.0\.fc\.(weight|bias)' had requires_grad=False when the optimizer"):
-        opt.step()
-    assert all(torch.equal(a, b) for a, b in zip(before, _full_params(model, opt)))
+    _refused(model, opt, opt.step, r"'blocks\.0\.fc\.(weight|bias)' had requires_grad=False when the optimizer")
     assert opt.step_count == 1
     model.blocks[0].fc.requires_grad_(False)
     model.zero_grad()
@@ -129,10 +134,8 @@ def _grad_changed_after_backward(rank, world):
     opt = ZeroAdamW(model.named_parameters(), **HYPER, stage=1, bucket_size=BUCKET, module=model)
     loss_fn(model, batch(0, rank)).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
-    before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(ValueError, match=r"changed in place after backward.*opt\.clip_grad_norm_"):
-        opt.step()
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and opt.step_count == 0
+    _refused(model, opt, opt.step, r"changed in place after backward.*opt\.clip_grad_norm_")
+    assert opt.step_count == 0
     model.zero_grad()
     ref_params, ref_opt = reference(build(torch.float32), **HYPER)
     # A gradient changed by a hook before its reduction: the reference's autograd.grad runs the same hook.
