@@ -131,7 +131,8 @@ class DiskState(HostGradients):
                 self._start_read(i + ahead)
             slot = self.slots[i % SLOTS]
             _wait(slot.reads)
-            self._read_ahead = 0 if i == 0 else self._read_ahead
+            if i == 0:  # chunk 1's read, skipped above if read ahead, is started: from here on read as usual
+                self._read_ahead = 0
             self._dirty = False
             for bucket in self.layout.buckets:
                 part = bucket.shard_range.intersect(chunk)
