@@ -7,6 +7,8 @@ import hashlib
 
 import torch
 
+from zero_ext.layout import Range
+
 BF16_ULP = 2.0**-7  # relative spacing of bf16 values: one unit in the last place
 
 
@@ -98,6 +100,13 @@ def check_grad_shard_is_mean(opt, means, rank: int) -> None:
         mine = ref.group.state.read("grad", ref.piece.shard_range).cpu()
         expected = means[ref.param_index].reshape(-1)[ref.piece.start : ref.piece.end]
         assert torch.equal(mine, expected), f"grad shard of parameter {ref.name} is not the exact mean"
+
+
+def state_shards(opt) -> list:
+    """Copies of this rank's whole shards of master, exp_avg and exp_avg_sq, flat group by flat group, on the host,
+    read through the documented seam (``state_dict()`` would first let the master follow changed parameters)."""
+    return [g.state.read(k, Range(0, g.layout.shard_numel)).cpu().clone() for g in opt.sharded_state.groups
+            for k in ("master", "exp_avg", "exp_avg_sq")]  # fmt: skip
 
 
 def params_digest(model) -> str:

@@ -17,12 +17,18 @@ import warnings
 import pytest
 import torch
 from distributed import run_on_ranks
-from engine_reference import FusedReference, check_against_reference, rank_grads, reference, set_mean_grads
+from engine_reference import (
+    FusedReference,
+    check_against_reference,
+    rank_grads,
+    reference,
+    set_mean_grads,
+    state_shards,
+)
 from safetensors.torch import load_file
 from tiny_transformer import batch, build, loss_fn
 
 from zero_ext import ZeroAdamW, checkpoint
-from zero_ext.layout import Range
 
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 BUCKET = 1500
@@ -70,10 +76,7 @@ def _snapshot(model, opt):
     """Full parameters (gathered at stage 3), and this rank's state by kind, all on the host."""
     with opt.gathered_params():
         params = [p.detach().clone() for p in model.parameters()]
-    state = []
-    for group in opt.sharded_state.groups:
-        whole = Range(0, group.layout.shard_numel)
-        state += [group.state.read(k, whole).cpu().clone() for k in ("master", "exp_avg", "exp_avg_sq")]
+    state = state_shards(opt)
     counts = opt.sharded_state.step_counts
     return params, state, [s.clone() for s in counts.steps], opt.skipped_steps
 

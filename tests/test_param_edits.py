@@ -11,11 +11,10 @@ import os
 import pytest
 import torch
 from distributed import run_on_ranks
-from engine_reference import check_against_reference, reference, step_with_reference
+from engine_reference import check_against_reference, reference, state_shards, step_with_reference
 from tiny_transformer import batch, build, loss_fn
 
 from zero_ext import ZeroAdamW
-from zero_ext.layout import Range
 
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 BUCKET = 1500
@@ -74,28 +73,18 @@ def test_parameters_changed_between_steps_are_what_the_next_step_updates(tmp_pat
     run_on_ranks(world, _edits_are_kept, str(tmp_path))
 
 
-def _shards(opt):
-    """This rank's state, read through the documented seam (``state_dict()`` would first let the master follow
-    this rank's changed parameters)."""
-    out = []
-    for group in opt.sharded_state.groups:
-        whole = Range(0, group.layout.shard_numel)
-        out += [group.state.read(k, whole).clone() for k in ("master", "exp_avg", "exp_avg_sq")]
-    return out
-
-
 def _changed_on_one_rank(rank, world, root, stage):
     model = build(torch.bfloat16)
     opt = _optimizer(model, stage, None, root, rank, f"one-{stage}")
     ref_params, ref_opt = reference(build(torch.bfloat16), **HYPER)
     _train(model, opt, ref_params, ref_opt, 0, world, rank)
-    before = _shards(opt)
+    before = state_shards(opt)
     if rank == 0:  # a checkpoint's weights loaded on rank 0 only
         model.load_state_dict({"ln_f.weight": torch.full_like(model.ln_f.weight, 2.0)}, strict=False)
     loss_fn(model, batch(1, rank)).backward()
     with pytest.raises(ValueError, match=r"changed in place on 1 of 2 ranks.*gathered_params\(modifier_rank=r\)"):
         opt.step()
-    assert all(torch.equal(a, b) for a, b in zip(before, _shards(opt))), "the failed step changed the state"
+    assert all(torch.equal(a, b) for a, b in zip(before, state_shards(opt))), "the failed step changed the state"
     # The way out the message names: rank 0's parameters become every rank's, and training goes on from them.
     with opt.gathered_params(modifier_rank=0):
         pass

@@ -10,12 +10,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from distributed import run_on_ranks
-from engine_reference import check_against_reference, params_digest, rank_grads, reference, set_mean_grads
+from engine_reference import (
+    check_against_reference,
+    params_digest,
+    rank_grads,
+    reference,
+    set_mean_grads,
+    state_shards,
+)
 from tiny_transformer import SEQ, batch, build
 from torch.utils.checkpoint import checkpoint
 
 from zero_ext import ZeroAdamW
-from zero_ext.layout import Range
 
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 BUCKET = 1200
@@ -65,12 +71,6 @@ def _groups(model):
     return [{"params": decay}, {"params": rest, "weight_decay": 0.0, "lr": 6e-3}]
 
 
-def _shards(opt):
-    state = opt.sharded_state
-    return [g.state.read(k, Range(0, g.layout.shard_numel)).clone() for g in state.groups
-            for k in ("master", "exp_avg", "exp_avg_sq")]  # fmt: skip
-
-
 def _compare(rank, world, case, dtype_name, reshard, prefetch):
     dtype = getattr(torch, dtype_name)
     models, opts = {}, {}
@@ -107,7 +107,7 @@ def _compare(rank, world, case, dtype_name, reshard, prefetch):
         with opts[3].gathered_params():
             for (name, a), b in zip(models[3].named_parameters(), models[2].parameters()):
                 assert torch.equal(a, b), f"step {step}: stage 3 and stage 2 differ in {name}"
-        for a, b in zip(_shards(opts[3]), _shards(opts[2])):
+        for a, b in zip(state_shards(opts[3]), state_shards(opts[2])):
             assert torch.equal(a, b), f"step {step}: stage 3 and stage 2 optimizer state differ"
     report = opts[3].memory_report()
     assert report.window_peak <= report.window_bound, (report.window_peak, report.window_bound)
@@ -225,12 +225,12 @@ def _skip_on_inf(rank, world):
     _loss(model, batch(0, rank)).backward()
     opt.step()
     opt.zero_grad()
-    before = _shards(opt)
+    before = state_shards(opt)
     scale = float("nan") if rank == world - 1 else 1.0
     (_loss(model, batch(1, rank)) * scale).backward()
     opt.step()
     assert opt.skipped_steps == 1 and opt.step_count == 1
-    assert all(torch.equal(a, b) for a, b in zip(before, _shards(opt)))
+    assert all(torch.equal(a, b) for a, b in zip(before, state_shards(opt)))
     return True
 
 
