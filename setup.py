@@ -40,7 +40,9 @@ def _extensions():
     sources = rel("csrc/cpu/*.cpp") + [
         p for p in rel("csrc/torch/*.cpp") if not os.path.basename(p).startswith("cuda_")
     ]
-    cxx = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"]
+    # No -std: torch's BuildExtension adds the standard its own headers need (C++17 up to torch 2.9, C++20 from
+    # 2.10) unless one is given, and an older pinned standard breaks the build against a newer torch.
+    cxx = ["-O3", "-fopenmp", "-fno-math-errno"]
     define_macros = []
     if use_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
@@ -51,7 +53,7 @@ def _extensions():
             "zero_ext._C",
             sources,
             define_macros=define_macros,
-            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17", "-lineinfo"]},
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-lineinfo"]},
             extra_link_args=["-fopenmp"],
         )
     else:
