@@ -143,3 +143,6 @@ def test_the_device_call_plan_names_real_steps_and_covers_them_all():
     assert set(named) == set(STEPS), f"the plan {plan} must run every step once: {sorted(set(STEPS) ^ set(named))}"
     assert len(named) == len(set(named)), plan
     assert plan[0].split()[0] == "build", "the first call builds"
+    (listed,) = re.findall(r"^MEMCHECK_ENGINE_TESTS=\((.*)\)$", text, re.M)
+    for path in listed.split():
+        assert (ROOT / path).is_file(), f"memcheck_engine names {path}, which does not exist"
