@@ -58,7 +58,8 @@ OP_TESTS=$(ls tests/test_cuda_ops.py tests/test_fused_adamw*.py tests/test_flatt
   tests/test_sum_squares*.py 2>/dev/null | tr '\n' ' ')
 # Under memcheck every launch is checked: a few engine tests that cover each side stream and copy path.
 MEMCHECK_ENGINE_TESTS=(tests/test_engine_cuda.py tests/test_engine_cuda_paths.py tests/test_engine_cuda_offload.py)
-MEMCHECK_ENGINE_K="(matches_unsharded and bfloat16) or delayed_side_streams or reads_finished_gradients"
+MEMCHECK_ENGINE_K="(matches_unsharded and dtype0) or delayed_side_streams or (reads_finished_gradients and cpu_stage2 \
+and bf16) or fp32_master"  # dtype0: bf16
 
 has_cuda_build() {
   "${PY}" - <<'EOF' >/dev/null 2>&1

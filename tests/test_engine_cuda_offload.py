@@ -31,6 +31,7 @@ pytestmark = pytest.mark.cuda
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 SLEEP_CYCLES = 20_000_000  # ~10 ms on an H100: thousands of times what the host takes to queue the landing copy
 STEPS = 4
+DEVICE = "cuda"  # a dry run of the helpers on CPU sets "cpu" (and no-op sleeps)
 
 
 class _Delayed:
@@ -79,7 +80,7 @@ COMMS = {
 
 def _train(path, kind, offload, stage, dtype, root):
     """STEPS steps of the tiny GPT on cuda; per step, the parameters and this rank's state on the host."""
-    device = torch.device("cuda")
+    device = torch.device(DEVICE)
     model = build(dtype).to(device)
     make = COMMS[path][kind]
     kw = dict(offload=offload)
@@ -105,7 +106,9 @@ def _train(path, kind, offload, stage, dtype, root):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("path", ["local", "nccl"])
-@pytest.mark.parametrize("offload,stage", [("cpu", 2), ("nvme", 2), ("cpu", 3)])
+@pytest.mark.parametrize(
+    "offload,stage", [("cpu", 2), ("nvme", 2), ("cpu", 3)], ids=["cpu_stage2", "nvme_stage2", "cpu_stage3"]
+)
 def test_offload_reads_finished_gradients(nccl_world, tmp_path, offload, stage, path, dtype):
     """A delayed compute stream changes no bit of an offloaded run (one rank, directly and through NCCL)."""
     delayed = _train(path, "delayed", offload, stage, dtype, tmp_path)

@@ -11,6 +11,7 @@ import re
 import shutil
 import stat
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -146,3 +147,18 @@ def test_the_device_call_plan_names_real_steps_and_covers_them_all():
     (listed,) = re.findall(r"^MEMCHECK_ENGINE_TESTS=\((.*)\)$", text, re.M)
     for path in listed.split():
         assert (ROOT / path).is_file(), f"memcheck_engine names {path}, which does not exist"
+
+
+def test_the_memcheck_engine_subset_selects_tests_of_every_file_it_names():
+    """The subset is a -k expression over parametrized names (an id that changes selects nothing, silently)."""
+    text = SCRIPT.read_text()
+    (listed,) = re.findall(r"^MEMCHECK_ENGINE_TESTS=\((.*)\)$", text, re.M)
+    (k,) = re.findall(r'^MEMCHECK_ENGINE_K="(.*?)"', text, re.M | re.S)
+    k = k.replace("\\\n", "")
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "cuda and not slow",
+           *listed.split(), "-k", k]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    selected = [line for line in proc.stdout.splitlines() if "::" in line]
+    for path in listed.split():
+        assert any(line.startswith(path + "::") for line in selected), f"-k {k!r} selects nothing in {path}"
+    assert len(selected) <= 12, f"{len(selected)} tests under memcheck: too many for one device call"
