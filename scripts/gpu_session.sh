@@ -142,6 +142,7 @@ fi
 # ------------------------------------------------------------------------------------------------------------ the run
 mkdir -p "${OUT}"
 OUT="$(cd "${OUT}" && pwd)"
+export OUT  # for the function steps, which run in a child of this script
 SUMMARY="${OUT}/summary.txt"
 LOGS="${LOG_DIR:-${ROOT}/build/gpu_session/$(date -u +%Y%m%dT%H%M%SZ)}"
 mkdir -p "${LOGS}"
