@@ -2,9 +2,9 @@
 no pickle): Python's ``random``, NumPy's global generator, torch's CPU generator and, when CUDA is in use, the
 current CUDA device's generator.
 
-``gather`` collects every rank's state (a collective, on the host); ``restore(states, rank)`` sets this process's generators from
-saved rank ``rank % len(states)``: at the world size of the save every rank gets its own state back; at another one
-the ranks reuse the saved states in turn (documented where it is used)."""
+``gather`` collects every rank's state (a collective, on the host); ``restore(states, rank)`` sets this process's
+generators from saved rank ``rank % len(states)``: at the world size of the save every rank gets its own state back;
+at another one the ranks reuse the saved states in turn (documented where it is used)."""
 
 from __future__ import annotations
 
