@@ -257,8 +257,10 @@ if compgen -G "${ROOT}/.whl/*.whl" >/dev/null; then
     "${ROOT}"/.whl/*.whl && export PYTHONPATH="/tmp/site${PYTHONPATH:+:${PYTHONPATH}}"
 fi
 
+REV=$(git rev-parse --short HEAD 2>/dev/null) || REV="(not a git checkout)"
+[[ "${REV}" == "(not"* ]] || git diff --quiet 2>/dev/null || REV="${REV}+dirty"
 {
-  echo "# $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet 2>/dev/null || echo '+dirty')"
+  echo "# $(date -u +%FT%TZ) ${REV}"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader
   "${PY}" -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)'
   "${PY}" -c 'import triton; print("triton", triton.__version__)' 2>&1 | tail -1
