@@ -119,6 +119,8 @@ class Communicator:
         self.world_size = world_size
         self.rank = rank
         self.counts = CommCounts()
+        # Collectives of host objects (CPU tensors, pickled objects): a group with a CPU backend. NCCL replaces it.
+        self.cpu_group = group
         # Two streams, one per purpose (see [Note: streams]); None on CPU.
         cuda = self.device.type == "cuda" and self.communicates
         # reduce_scatter: gradient reduction and its epilogue overlap backward on it.

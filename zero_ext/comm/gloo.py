@@ -10,6 +10,7 @@ travels in its own dtype, unscaled, and the sum is taken in fp32 and divided by 
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -29,6 +30,7 @@ class GlooCommunicator(Communicator):
     buckets_per_model = 4
 
     def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device):
+        warn_if_device_syncs(torch.device(device))
         super().__init__(group, device, dist.get_world_size(group), dist.get_rank(group))
 
     def _exact(self, reduce_dtype) -> bool:
@@ -108,3 +110,29 @@ class GlooCommunicator(Communicator):
 
     def agree(self, value: int, timeout: Optional[float] = None) -> list[int]:
         return self._agree_on(torch.device("cpu"), value, timeout)
+
+
+_warned_device_syncs = False
+
+
+def warn_if_device_syncs(device: torch.device) -> bool:
+    """Warn once per process when gloo serves parameters on a GPU; returns whether it does.
+
+    Warned, not refused: the results are right, and gloo is what a GPU job falls back to where NCCL is missing or
+    being ruled out while debugging (torch's DDP accepts the same setup). But it costs what ZeroAdamW exists to
+    avoid: ``reduce_step_stats`` moves the step's norm statistics to the host, one device synchronisation per
+    ``step()``, and every gradient bucket goes through gloo's host copies instead of overlapping backward on the
+    GPU. Whoever chose gloo by accident (a CPU example's ``init_process_group("gloo")``) learns what to change."""
+    global _warned_device_syncs
+    syncs = device.type == "cuda"
+    if syncs and not _warned_device_syncs:
+        _warned_device_syncs = True
+        warnings.warn(
+            f"zero_ext.ZeroAdamW: the parameters are on {device} but the process group's backend for them is gloo: "
+            "every step() synchronises the host with the GPU (the step's statistics are reduced on the host) and "
+            "the gradients travel through gloo's host copies, so nothing overlaps backward. Use NCCL for CUDA "
+            'parameters: init_process_group("nccl") or init_process_group("cpu:gloo,cuda:nccl"), or pass '
+            "process_group= an NCCL group.",
+            stacklevel=5,  # ZeroAdamW(...) -> communicator_for -> GlooCommunicator -> here
+        )
+    return syncs

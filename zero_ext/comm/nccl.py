@@ -22,10 +22,10 @@ class NcclCommunicator(Communicator):
     def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device):
         super().__init__(group, device, dist.get_world_size(group), dist.get_rank(group))
         warn_if_blocking_wait()
-        # Host-side agreements (step()'s per-parameter flags, checkpoint votes) go through gloo on CPU tensors, so
-        # the host learns them without waiting for the device: the group itself when it has a CPU backend
-        # (init_process_group() with no backend, or "cpu:gloo,cuda:nccl"), else a gloo group of the same ranks
-        # (created by those ranks only).
+        # Host-side agreements (step()'s per-parameter flags, checkpoint votes, every rank's generators in a
+        # checkpoint) go through gloo on CPU tensors, so the host learns them without waiting for the device: the
+        # group itself when it has a CPU backend (init_process_group() with no backend, or "cpu:gloo,cuda:nccl"),
+        # else a gloo group of the same ranks (created by every one of those ranks, here, collectively).
         from . import backend_for
 
         if backend_for(group, torch.device("cpu")) == "gloo":

@@ -2,18 +2,20 @@
 no pickle): Python's ``random``, NumPy's global generator, torch's CPU generator and, when CUDA is in use, the
 current CUDA device's generator.
 
-``gather`` collects every rank's state (a collective); ``restore(states, rank)`` sets this process's generators from
-saved rank ``rank % len(states)``: at the world size of the save every rank gets its own state back; at another one
-the ranks reuse the saved states in turn (documented where it is used)."""
+``gather`` collects every rank's state (a collective, on the host); ``restore(states, rank)`` sets this process's
+generators from saved rank ``rank % len(states)``: at the world size of the save every rank gets its own state back;
+at another one the ranks reuse the saved states in turn (documented where it is used)."""
 
 from __future__ import annotations
 
 import random
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from ..comm import Communicator
 
 
 def capture() -> dict[str, Any]:
@@ -41,13 +43,15 @@ def apply(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def gather(group: Optional[dist.ProcessGroup], world_size: int) -> list[dict[str, Any]]:
-    """Collective over ``group``: every rank's :func:`capture`, in rank order (the caller's alone on one rank)."""
+def gather(comm: Communicator) -> list[dict[str, Any]]:
+    """Collective over ``comm``'s ranks: every rank's :func:`capture`, in rank order (the caller's alone on one rank).
+    Through ``comm.cpu_group``, never an NCCL group: ``all_gather_object`` there would pickle into CUDA tensors and
+    wait for the device."""
     mine = capture()
-    if world_size == 1:
+    if comm.world_size == 1:
         return [mine]
-    states: list[Any] = [None] * world_size
-    dist.all_gather_object(states, mine, group=group)
+    states: list[Any] = [None] * comm.world_size
+    dist.all_gather_object(states, mine, group=comm.cpu_group)
     return states
 
 

@@ -267,7 +267,7 @@ class ZeroTrainer(Trainer):
             "format": _EXTRA_FORMAT,
             "world_size": comm.world_size,
             "scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
-            "rng": rng.gather(comm.group, comm.world_size),
+            "rng": rng.gather(comm),
         }
         checkpoint.save(os.path.join(output_dir, ZERO_CHECKPOINT), opt, extra=extra)
 

@@ -2,15 +2,17 @@
 there by the CPU fused AdamW kernel (AVX-512/AVX2 + OpenMP).
 
 Backward: a bucket's reduce-scatter lands in a small ring of device buffers (:class:`LandingRing`); right after it
-is launched, a copy stream waits for it (no host wait) and copies the mean to pinned host memory, so the
-device-to-host copies overlap the rest of backward. Before the step reads the grad shard, each copy is waited for
+is launched, a copy stream waits for it and for the stream that launched it (no host wait: on one rank the
+"reduce-scatter" is a copy on that stream, with no event of its own) and copies the mean to pinned host memory, so
+the device-to-host copies overlap the rest of backward. Before the step reads the grad shard, each copy is waited for
 (the host must see the bytes) and added to (stages 2 and 3 accumulate over micro-batches) or written into the
 shard. A landing slot is reused only after its copy finished.
 
 Step: bucket by bucket, the CPU kernel updates the host state and writes the new low-precision parameters into a
 pinned staging buffer (:class:`ParamOutRing`); the runs it wrote are copied host-to-device (asynchronously: the next
 bucket's CPU update overlaps the copy) into the rank's slice of the parameters, before the bucket's all-gather.
-fp32 parameters keep a separate fp32 master on the host and are copied from it.
+fp32 parameters keep a separate fp32 master on the host and are copied from it; the CPU writes the master again
+(the next update, a loaded state) only after an event says that copy read it.
 
 Without a GPU the same path runs with the landing ring and the host state as separate CPU buffers: the same copies,
 synchronous, no streams.
@@ -114,8 +116,14 @@ class HostGradients(DeviceState):
             self._landing.append((bucket, slot, pending, None, target, accumulate))
             return
         host = self.ring.host_buffers[slot][: bucket.shard_numel]
+        # The copy stream waits for the stream that wrote `target` (no host wait), taken before the copy stream
+        # becomes current: a communicator that reduces on the current stream (one rank: a copy into `target`)
+        # returns a pending with no event, and the copy would otherwise read the previous round's bytes. It also
+        # waits for the collective's own pending (a side stream's event) where there is one.
+        producer = torch.cuda.current_stream(self.device)
+        self.copy_stream.wait_stream(producer)
+        pending.wait_on(self.copy_stream)
         with torch.cuda.stream(self.copy_stream):
-            pending.wait_on(self.copy_stream)  # the copy stream waits for the reduce-scatter (no host wait)
             host.copy_(target, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.copy_stream)
@@ -158,10 +166,20 @@ class HostState(HostGradients):
         self.exp_avg_sq = torch.zeros(n, dtype=torch.float32, pin_memory=self.cuda)
         largest = max((b.shard_numel for b in layout.buckets), default=0)
         self.out = ParamOutRing(largest, params.dtype, self.device) if params.dtype != torch.float32 else None
+        # fp32 parameters are copied to the device from the pinned master itself (asynchronously): the event of the
+        # last such copy, which every CPU write of the master waits for (the update, a loaded or followed master).
+        self._master_read: Optional[torch.cuda.Event] = None
         self.reset_master()
+
+    def _master_writable(self) -> None:
+        """The host-to-device copies that read the master have finished: the CPU may overwrite it."""
+        if self._master_read is not None:
+            self._master_read.synchronize()
+            self._master_read = None
 
     # ---------------------------------------------------------------- the update
     def units(self, buckets: Sequence[Bucket]) -> Iterator[Unit]:
+        self._master_writable()  # the kernel updates the master in place
         for bucket in buckets:
             r = bucket.shard_range
             slot, out = self.out.take(bucket.shard_numel) if self.out is not None else (None, None)
@@ -177,6 +195,20 @@ class HostState(HostGradients):
         copy_runs_to_device(self.params, unit, source, updated)
         if self.out is not None:
             self.out.copied(self._out_slot, self.device)
+        elif self.cuda:
+            self._master_read = torch.cuda.Event()
+            self._master_read.record(torch.cuda.current_stream(self.device))
+
+    # ---------------------------------------------------------------- CPU writes of the master wait for its copies
+    def write(self, kind: str, shard_range: Range, values: torch.Tensor) -> None:
+        if kind == "master":
+            self._master_writable()
+        super().write(kind, shard_range, values)
+
+    def host_view(self, kind: str, shard_range: Range) -> Optional[torch.Tensor]:
+        if kind == "master":  # the caller writes into it
+            self._master_writable()
+        return super().host_view(kind, shard_range)
 
     # ---------------------------------------------------------------- serialisers and the ledger
     def _views(self, kind: str, shard_range: Range) -> list[tuple[Range, torch.Tensor]]:
