@@ -78,7 +78,7 @@ class ParamGather:
         self.in_backward: Counter = Counter()  # module calls whose backward runs and uses a bucket
         self.keep: set[Key] = set()  # needed in backward and nothing tells us when: freed at READY
         self.recomputed: set[Key] = set()  # gathered for a forward recomputed in backward: freed at READY
-        self.peak_live = 0
+        self.peak_bytes = 0  # the most bytes the gathered storages held at once (gathered_params() aside)
         self._ahead: set[Key] = set()  # prefetched and not yet used: at most `prefetch` of them
         self._stack: list[torch.nn.Module] = []
         self._trace: list[torch.nn.Module] = []  # this forward's module order
@@ -110,44 +110,55 @@ class ParamGather:
                 self.keys[id(m)] = own
                 self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
                 self._hooks.append(m.register_forward_hook(self._post_forward))
+        self.nbytes = {key: b.numel * g.flat_params.dtype.itemsize for key, (g, b) in self.bucket_of.items()}
         self._static_bound = self._bound()
-        self._recompute_peak = 0  # the most buckets a recomputed (checkpointed) forward held at once
+        self._recompute_peak = 0  # the most bytes a recomputed (checkpointed) forward held gathered at once
 
     @property
     def window_bound(self) -> int:
-        """Buckets the window may hold at once: the static bound, plus the largest segment activation
-        checkpointing recomputed so far (a recompute needs its whole segment gathered)."""
-        return min(len(self.bucket_of), self._static_bound + self._recompute_peak)
+        """Bytes of gathered buckets the window may hold at once: the static bound, plus the largest segment
+        activation checkpointing recomputed so far (a recompute needs its whole segment gathered)."""
+        return min(sum(self.nbytes.values()), self._static_bound + self._recompute_peak)
 
     def _bound(self) -> int:
-        """Buckets live at once at most: those the deepest chain of nested modules pins, the prefetched ones, and
-        one more (a bucket gathered on demand, or one whose gradients are still arriving); every bucket when
-        nothing is freed in forward."""
+        """The window's static bound, in bytes: the buckets the deepest chain of nested modules uses (a module
+        runs inside its parents, whose buckets stay pinned), plus the ``prefetch + 1`` largest buckets (those
+        gathered ahead of use, and one more: one gathered on demand, or one whose gradients are still arriving);
+        every bucket when nothing is freed in forward."""
+        total = sum(self.nbytes.values())
         if not self.reshard_after_forward:
-            return len(self.bucket_of)
+            return total
         deepest = 0
 
         def walk(m, held):
             nonlocal deepest
             held = held | self.keys.get(id(m), set())
-            deepest = max(deepest, len(held))
+            deepest = max(deepest, sum(self.nbytes[k] for k in held))
             for child in m.children():
                 walk(child, held)
 
         walk(self.module, set())
-        return min(len(self.bucket_of), deepest + self.prefetch + 1)
+        ahead = sum(sorted(self.nbytes.values(), reverse=True)[: self.prefetch + 1])
+        return min(total, deepest + ahead)
+
+    def gathered_bytes(self) -> int:
+        """Bytes the buckets' gathered storages hold now (measured on the storages, not counted here)."""
+        return sum(group.flat_params.gathered_bytes() for group in self.state.groups)
+
+    def _live_bytes(self) -> int:
+        return sum(self.nbytes[k] for k in self.live)
 
     # ---------------------------------------------------------------- gather / free
     def _gather(self, key: Key, wait: bool) -> None:
         if wait:
             self._ahead.discard(key)
         if key not in self.live:
-            self._make_room()
+            self._make_room(self.nbytes[key])
             group, bucket = self.bucket_of[key]
             full = group.flat_params.allocate(bucket)
             self.live[key] = self.comm.start_all_gather(full, group.flat_params.gather_input(bucket, full))
             if not self._manual:  # gathered_params() holds everything on purpose: not the window
-                self.peak_live = max(self.peak_live, len(self.live))
+                self.peak_bytes = max(self.peak_bytes, self.gathered_bytes())
         if wait and self.live[key] is not None:
             self.live[key].wait()
             self.live[key] = None
@@ -169,10 +180,11 @@ class ParamGather:
             group, bucket = self.bucket_of[key]
             group.flat_params.release(bucket)
 
-    def _make_room(self) -> None:
-        """Evict held buckets (gathered again at their next use) while the window is full, the one needed
-        farthest ahead first; never one in use, needed in backward with nothing to gather it again, or prefetched."""
-        while len(self.live) >= self.window_bound and not self._manual:
+    def _make_room(self, incoming: int) -> None:
+        """Evict held buckets (gathered again at their next use) while ``incoming`` bytes would not fit, the one
+        needed farthest ahead first; never one in use, needed in backward with nothing to gather it again, or
+        prefetched."""
+        while self._live_bytes() + incoming > self.window_bound and not self._manual:
             held = [k for k in self.live if not self.pins[k] and not self.in_backward[k] and k not in self._ahead
                     and k not in self.keep and k not in self.recomputed]  # fmt: skip
             if not held:
@@ -222,7 +234,7 @@ class ParamGather:
             # no post-hook may follow): gather, and keep until the bucket's gradients are in.
             for key in self.keys[id(module)]:
                 self.recomputed.add(key)
-                self._recompute_peak = max(self._recompute_peak, len(self.recomputed))
+                self._recompute_peak = max(self._recompute_peak, sum(self.nbytes[k] for k in self.recomputed))
                 self._gather(key, wait=True)
             return None
         if module is self.module and (not self._stack or self._stack[0] is module):
@@ -308,7 +320,7 @@ class ParamGather:
                 if len(self._ahead) >= self.prefetch:
                     return
                 if key not in self.live:
-                    if len(self.live) >= self.window_bound:
+                    if self._live_bytes() + self.nbytes[key] > self.window_bound:
                         return
                     self._gather(key, wait=False)
                     self._ahead.add(key)

@@ -1,20 +1,22 @@
 """Stage 3's parameter storage: each rank keeps only its shard of every bucket; a bucket's full parameters exist
 only while it is gathered.
 
-At rest a parameter's ``.data`` is a poison view: a single NaN expanded to the parameter's shape, so its shape,
-dtype and device stay right for any code that inspects them, it costs no memory, and nothing can read stale or
-freed memory through it. Gathered, ``.data`` is a view into the bucket's gathered buffer, as at stages 1 and 2.
+Each bucket has one flat tensor, its *gathered storage*, made once; every parameter of the bucket is a view into it
+for good (``.data`` is never re-pointed). Released, the storage is resized to zero bytes (FSDP2's
+``untyped_storage().resize_(0)``): the parameters keep their shape, dtype and device for any code that inspects
+them, and cost nothing. Gathered again, the same storage is resized back and the all-gather writes into it. So a
+view autograd saved in forward (``F.linear`` saves ``weight.t()``) holds no copy of its own while the bucket is
+released, and reads the refilled values in backward: freed means freed, and backward never needs a second copy.
+Reading a released storage would read freed memory, so nothing may: every data access through a parameter whose
+bucket is not gathered is checked, and the gather scheduler (param_gather.py) gathers a bucket before any backward
+that reads a saved view of it.
 
-Every data access through a parameter whose bucket is not gathered is checked: the parameter's class becomes a
-subclass of its own class whose ``__torch_function__`` (which torch calls for every op on the parameter) first
+The check: the parameter's class becomes a subclass of its own class whose ``__torch_function__`` (which torch calls for every op on the parameter) first
 makes sure the bucket is gathered: inside forward and backward it gathers it on demand (a module reading a weight
 it does not own, ``F.linear(x, self.wte.weight)``), outside them it raises a clear error instead of a collective
 one rank might make alone. Metadata (shape, dtype, device, ``.grad``, ``.data`` assignment) never triggers
 anything. Once its bucket's gather is complete a parameter gets its own class back (param_gather.py), so the ops of
 forward pay nothing for the checks; ``close()`` restores the class for good.
-
-On the CPU a released bucket's buffer is kept for the next gather of a bucket of its size (a fresh allocation
-would be page-faulted in by every gather), unless something (a view autograd saved) still holds it.
 """
 
 from __future__ import annotations
@@ -62,11 +64,6 @@ class ShardedParameter(torch.nn.Parameter):
             return func(*args, **kwargs)
 
 
-def _storage_uses(t: torch.Tensor) -> int:
-    """How many tensors share ``t``'s storage (views included)."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
 _CLASSES: dict[type, type] = {}
 
 
@@ -94,14 +91,15 @@ class ShardedParams:
         self.layout, self.rank, self.dtype, self.device = layout, rank, dtype, device
         self.shard: Optional[torch.Tensor] = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
         self.source: Optional[Callable[[Bucket], torch.Tensor]] = None  # bucket -> its fp32 master slice
-        self._spare: dict[int, list[torch.Tensor]] = {}  # numel -> released buffers to reuse (CPU)
-        self._sole_use = _storage_uses(torch.empty(1))  # the count of a storage held by one tensor only
-        self.buffers: dict[int, torch.Tensor] = {}  # bucket index -> its gathered buffer
+        # bucket index -> its gathered storage: made once, the bucket's parameters view it for good; zero bytes
+        # while the bucket is released.
+        self.storage: dict[int, torch.Tensor] = {}
         self.params: Sequence[torch.Tensor] = ()
         self.poison = torch.full((1,), float("nan"), dtype=dtype, device=device)
 
     def adopt(self, params: Sequence[torch.Tensor]) -> None:
-        """Copy this rank's pieces of every parameter into the shard, then free them (poison views)."""
+        """Copy this rank's pieces of every parameter into the shard, make every parameter a view of its bucket's
+        gathered storage, and release every bucket (the full values are freed)."""
         self.params = list(params)
         for p in self.params:
             if p.is_meta:  # built on meta (meta_init.py initialises it later): become a tensor on our device
@@ -110,8 +108,18 @@ class ShardedParams:
             for piece in self.layout.owned_pieces(self.rank):
                 flat = self.params[piece.index].detach().reshape(-1)
                 piece.shard_range.of(self.shard).copy_(piece.param_range.of(flat))
-        for bucket in self.layout.buckets:
-            self.release(bucket)
+            for bucket in self.layout.buckets:
+                self._new_storage(bucket)
+                self.release(bucket)
+
+    def _new_storage(self, bucket: Bucket) -> None:
+        """A gathered storage for ``bucket`` (with its bytes), and its parameters made views of it."""
+        buf = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
+        self.storage[bucket.index] = buf
+        with torch._C.DisableTorchFunctionSubclass():  # metadata only
+            for i in bucket.slots:  # views made while the storage has its bytes (a view checks its bounds)
+                p = self.params[i]
+                p.data = bucket.slot_range(self.layout.slots[i]).of(buf).view(p.shape)
 
     def fill_shard(self, bucket: Bucket, full: torch.Tensor) -> None:
         """This rank's slice of ``full`` (the whole bucket) into the shard (before :meth:`cast_from`)."""
@@ -144,47 +152,42 @@ class ShardedParams:
         return mine
 
     def allocate(self, bucket: Bucket) -> torch.Tensor:
-        """A buffer for ``bucket`` (the all-gather's output), with the bucket's parameters viewing into it."""
-        spare = self._spare.get(bucket.numel)
-        buf = spare.pop() if spare else torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
-        self.buffers[bucket.index] = buf
-        with torch._C.DisableTorchFunctionSubclass():  # metadata only: no need for the checks' dispatch
-            for i in bucket.slots:
-                p = self.params[i]
-                p.data = bucket.slot_range(self.layout.slots[i]).of(buf).view(p.shape)
+        """``bucket``'s gathered storage with its bytes back (uninitialised: the all-gather's output); every view
+        of it, the parameters' and any autograd saved, sees what is written into it."""
+        buf = self.storage[bucket.index]
+        store = buf.untyped_storage()
+        if store.nbytes() == 0:
+            store.resize_(bucket.numel * self.dtype.itemsize)
         return buf
 
     def gathered(self, bucket: Bucket) -> Optional[torch.Tensor]:
-        return self.buffers.get(bucket.index)
+        """``bucket``'s gathered storage while it holds its bytes, else None."""
+        buf = self.storage[bucket.index]
+        return buf if buf.untyped_storage().nbytes() else None
 
     def release(self, bucket: Bucket) -> None:
-        """Free ``bucket``'s buffer; its parameters go back to poison views."""
-        buf = self.buffers.pop(bucket.index, None)
-        with torch._C.DisableTorchFunctionSubclass():
-            for i in bucket.slots:
-                p = self.params[i]
-                p.data = self.poison.expand(p.shape)
-        # On the CPU, keep the buffer for the next gather of a bucket of its size (at most the window's peak of
-        # them), as CUDA's caching allocator does: a fresh one is page-faulted in by every gather (~2.5 ms a
-        # step on the benchmark GPT at N=2). Only when nothing else holds a view of it (autograd may have saved
-        # a slice of a parameter): else it is left to be freed with that view.
-        if buf is not None and self.device.type == "cpu" and _storage_uses(buf) == self._sole_use:
-            self._spare.setdefault(buf.numel(), []).append(buf)
+        """Free ``bucket``'s full values: its storage shrinks to zero bytes, for every view of it.
+
+        A storage numpy shares (``param.detach().numpy()`` while gathered) can no longer be resized: it is left
+        to the array, and the bucket gets a new storage (a saved view of the old one keeps reading the values it
+        saw, which are the bucket's until the next step)."""
+        store = self.storage[bucket.index].untyped_storage()
+        if not store.resizable():
+            self._new_storage(bucket)
+            store = self.storage[bucket.index].untyped_storage()
+        store.resize_(0)
+
+    def gathered_bytes(self) -> int:
+        """Bytes the gathered storages hold now: every full parameter value alive on this rank."""
+        return sum(buf.untyped_storage().nbytes() for buf in self.storage.values())
 
     def misplaced(self, params: Sequence[torch.Tensor]) -> Optional[int]:
-        """The index of a parameter whose ``.data`` is neither its poison view nor its view of a gathered buffer
-        (the model was moved, cast or given new tensors after the optimizer was built), else None."""
+        """The index of a parameter that is no longer a view of its bucket's gathered storage (the model was moved,
+        cast or given new tensors after the optimizer was built), else None."""
         with torch._C.DisableTorchFunctionSubclass():
             for slot, p in zip(self.layout.slots, params):
-                buf = self.buffers.get(slot.bucket)
-                allowed = {self.poison.untyped_storage().data_ptr()}
-                if buf is not None:
-                    allowed.add(buf.untyped_storage().data_ptr())
-                if (
-                    p.device != self.device
-                    or p.dtype != self.dtype
-                    or (slot.numel and p.untyped_storage().data_ptr() not in allowed)
-                ):
+                mine = self.storage[slot.bucket].untyped_storage()._cdata
+                if p.device != self.device or p.dtype != self.dtype or (slot.numel and p.untyped_storage()._cdata != mine):
                     return slot.index
         return None
 
