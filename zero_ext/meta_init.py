@@ -57,7 +57,7 @@ def initialise_shards(state: ShardedState, module: torch.nn.Module, init: Callab
         for m, keys in zip(modules, keys_of):
             for key, (group, bucket) in keys.items():
                 if key not in open_buckets:
-                    group.flat_params.allocate(bucket).zero_()
+                    group.flat_params.unshard(bucket).zero_()
                     open_buckets[key] = (group, bucket)
             _materialise_own(m, managed, device)
             init(m)

@@ -86,6 +86,7 @@ class ShardedParams:
     AdamW kernel would have written (both round to nearest even), and it saves 2 bytes per parameter / N."""
 
     gathers_after_update = False  # the next use gathers the updated shard
+    shards_params = True  # a bucket starts SHARDED (bucket_runtime.ParamState)
 
     def __init__(self, layout: Layout, rank: int, dtype: torch.dtype, device: torch.device):
         self.layout, self.rank, self.dtype, self.device = layout, rank, dtype, device
@@ -151,7 +152,7 @@ class ShardedParams:
             mine.copy_(self.source(bucket))
         return mine
 
-    def allocate(self, bucket: Bucket) -> torch.Tensor:
+    def unshard(self, bucket: Bucket) -> torch.Tensor:
         """``bucket``'s gathered storage with its bytes back (uninitialised: the all-gather's output); every view
         of it, the parameters' and any autograd saved, sees what is written into it."""
         buf = self.storage[bucket.index]
@@ -187,7 +188,11 @@ class ShardedParams:
         with torch._C.DisableTorchFunctionSubclass():
             for slot, p in zip(self.layout.slots, params):
                 mine = self.storage[slot.bucket].untyped_storage()._cdata
-                if p.device != self.device or p.dtype != self.dtype or (slot.numel and p.untyped_storage()._cdata != mine):
+                if (
+                    p.device != self.device
+                    or p.dtype != self.dtype
+                    or (slot.numel and p.untyped_storage()._cdata != mine)
+                ):
                     return slot.index
         return None
 
