@@ -166,6 +166,7 @@ def test_scaling_tiny(tmp_path):
                 kept = c["kept_for_backward_elems"]
                 assert (kept > 0) == (r["recipe"] == "zero3") and kept <= c["padded_psi"]
                 assert rs == c["padded_psi"] and rs + ag == psi_per_step[r["recipe"]] * c["padded_psi"] - kept
+            assert c["all_gather_bytes_per_step"] == c["expected_all_gather_bytes_per_step"], r["recipe"]
 
 
 def test_collectives_tiny(tmp_path):
