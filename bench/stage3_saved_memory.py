@@ -10,13 +10,15 @@ bytes autograd's saved tensors keep allocated when forward returns (every distin
 ``memory_report().window_peak`` / ``window_bound``, and the all-gather bytes of a step against 2 Psi (forward,
 then backward) less the buckets kept for backward (Psi without resharding; with the reduce-scatter's Psi, a step
 moves 3 Psi less those, or 2 Psi). Rank 0's figures; every rank's are alike.
-Results: results/stage3_saved_memory.{json,md} (``--name`` to change).
+Results: results/stage3_saved_memory.{json,md} (``--name`` to change). The engine measured is the ``zero_ext``
+on ``PYTHONPATH`` (its checkout's commit is recorded), so an earlier checkout can be measured with this script.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import weakref
 
@@ -27,6 +29,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from gpt_model import GPT, GPTConfig, backward_first  # noqa: E402
 
+import zero_ext  # noqa: E402
 from zero_ext import ZeroAdamW  # noqa: E402
 
 MIB = 2**20
@@ -89,7 +92,7 @@ def measure(rank: int, world: int, device, name: str, reshard: bool) -> dict:
     kept = 2 * harness.kept_for_backward_numel(opt, first_in_backward, 1) if reshard else 0
     return {
         "model": name, "world": world, "reshard_after_forward": reshard,
-        "model_bytes": sum(p.numel() * 2 for p in model.parameters()), "buckets": len(opt.sharded_state.runtime),
+        "model_bytes": sum(p.numel() * 2 for p in model.parameters()), "buckets": sum(len(g.layout.buckets) for g in opt.sharded_state.groups),
         "saved_param_bytes_end_of_forward": alive,
         "window_peak": report.window_peak, "window_bound": report.window_bound,
         "all_gather_bytes_per_step": ag, "expected_all_gather_bytes": (2 if reshard else 1) * padded - kept,
@@ -103,6 +106,9 @@ def main() -> None:
     p.add_argument("--out-dir", default=str(harness.RESULTS))
     args = p.parse_args()
     meta = harness.meta(torch.device("cpu"))
+    engine = os.path.dirname(os.path.dirname(os.path.abspath(zero_ext.__file__)))
+    rev = subprocess.run(["git", "-C", engine, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True)
+    meta["engine"] = f"{engine} at {rev.stdout.strip() or 'unknown'}"
     rows = []
     for world in [int(w) for w in args.worlds.split(",")]:
         for name in MODELS:
@@ -123,11 +129,12 @@ def main() -> None:
           f"{r['all_gather_bytes_per_step'] / MIB:.2f} ({r['expected_all_gather_bytes'] / MIB:.2f})"] for r in rows],
     )  # fmt: skip
     body = (
-        "Parameter bytes autograd's saved tensors keep allocated when forward returns (weighed on their storages), "
+        f"Engine: `{meta['engine']}`. Parameter bytes autograd's saved tensors keep allocated when forward returns (weighed on their storages), "
         "against the window stage 3 declares; all-gather bytes of the third step against 2 Psi less the buckets "
         f"kept for backward (Psi without resharding). All within: **{ok}**.\n\n{table}\n"
     )
     harness.write_results(args.name, meta, {"ok": ok, "rows": rows}, body, args.out_dir)
+    print(body)
     sys.exit(0 if ok else 1)
 
 
