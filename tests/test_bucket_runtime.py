@@ -27,10 +27,10 @@ def test_stage3_parameters_move_only_sharded_gathering_gathered_sharded():
     state = opt.sharded_state
     assert len(state.runtime) == 2 and all(rt.params is ParamState.SHARDED for rt in state.runtime.values())
     rt = state.runtime[(0, 0)]
-    storage = rt.group.flat_params.storage[rt.bucket.index].untyped_storage()
     _refused(rt, rt.finish_param_sync)  # nothing in flight
     _refused(rt, rt.reshard)  # nothing gathered
     rt.start_param_sync(state.comm)
+    storage = rt.group.flat_params.storage[rt.bucket.index].untyped_storage()  # made at the first gather
     assert rt.params is ParamState.GATHERING and storage.nbytes() == rt.nbytes
     _refused(rt, rt.start_param_sync, state.comm)  # a second gather of a bucket in flight
     _refused(rt, rt.reshard)  # freed under its own all-gather

@@ -30,26 +30,22 @@ flow that changes between steps costs extra gathers, never correctness. Every ra
 the same order (the gathers are collectives), as with any ZeRO-3.
 
 [Note: stage 3 timeline]
-Three Linear layers, one bucket each, ``prefetch=1``, ``reshard_after_forward=True``, a step after the first
-(the order is known). ``[`` start_param_sync (storage back, all-gather in flight), ``.`` in flight, ``|``
-finish_param_sync (GATHERED), ``=`` gathered, ``]`` reshard (zero bytes), ``r`` READY (its gradients all in)::
+``nn.Sequential`` of three Linear layers, one bucket each, ``prefetch=1``, ``reshard_after_forward=True``, a step
+after the first (the order is known); traced from the engine. ``[`` start_param_sync (the storage gets its bytes
+back, the all-gather is in flight: ``.``), ``|`` finish_param_sync (GATHERED: plain tensors, ``=``), ``r`` READY
+(the bucket's gradients all arrived: its reduce-scatter is launched in turn), ``]`` reshard (zero bytes)::
 
-           forward                            backward                                 step()
-           L1        L2        L3            L3             L2              L1
-    b1    [|===]                                 [.............|======]r             shard updated in place
-    b2      [...|=====(held BACKWARD)==============================]r                 (the next use gathers)
-    b3                [...|========(held BACKWARD)=====]r
-    grads                                     b3: FILLING  READY  SYNCING ... SYNCED (finish_grad_sync)
+              fwd: root L1          L2            L3         bwd: L3           L2           L1         step()
+    b1 (L1)         [....|=======]                                 [..............................|===r]
+    b2 (L2)                 [.......|========== held BACKWARD ====================r]
+    b3 (L3)                               [.......|== held BACKWARD ======r]
+                    root's pre-hook prefetches b1; each module's pre-hook waits for its bucket and prefetches the
+                    next; backward's first module prefetches the one after the held ones. Nothing is gathered in
+                    step(): every bucket is SHARDED, the shards are updated in place, the next forward gathers.
 
-Forward holds at most the deepest module chain's buckets plus the prefetched and held ones; the storages that
-autograd's saved views point into are the ones in this picture, so what is alive is what is drawn.
-
-The window's bound (``window_bound``, in bytes, what ``memory_report()`` reports): the bytes of the buckets the
-deepest chain of nested modules uses (a module runs inside its parents, whose buckets stay in use), plus the
-``prefetch + 1`` largest buckets (the prefetched ones, and one more: gathered on demand, or still waiting for its
-gradients), plus the largest segment activation checkpointing recomputed so far; every bucket with
-``reshard_after_forward=False``. ``window_peak`` is the most bytes the gathered storages held at once, measured on
-the storages each time one is refilled (``gathered_params()`` aside: it gathers everything on purpose).
+At most the deepest module chain's buckets plus the prefetched and held ones are gathered at once, and these
+storages are the only full parameter values alive: autograd's saved views point into them, so what is alive is
+what is drawn.
 """
 
 from __future__ import annotations
@@ -57,41 +53,13 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .backward_hooks import Call, hook_outputs, in_backward, wrap_inputs
 from .bucket_runtime import BucketRuntime, Hold, Key, ParamState
 from .buffers import ShardedState
 from .sharded_params import shard_class
 
 SHARDED, GATHERING, GATHERED = ParamState.SHARDED, ParamState.GATHERING, ParamState.GATHERED
-
-
-class _Call:
-    """One call of a module: its backward pre-hook must run once, however many outputs carry a gradient."""
-
-    __slots__ = ("module", "started")
-
-    def __init__(self, module):
-        self.module, self.started = module, False
-
-
-class _AfterBackward(torch.autograd.Function):
-    """Identity on a module's inputs; its backward runs once the module's backward has produced their gradients."""
-
-    @staticmethod
-    def forward(ctx, gather, call, *inputs):
-        ctx.gather, ctx.call = gather, call
-        ctx.set_materialize_grads(False)
-        return inputs if len(inputs) > 1 else inputs[0]
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.gather._post_backward(ctx.call)
-        return (None, None, *grads)
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 class ParamGather:
@@ -136,7 +104,13 @@ class ParamGather:
     # ---------------------------------------------------------------- the window
     @property
     def window_bound(self) -> int:
-        """Bytes of gathered buckets the window may hold at once (see the module docstring)."""
+        """Bytes of gathered buckets the window may hold at once (``memory_report().window_bound``): the bytes of
+        the buckets the deepest chain of nested modules uses (a module runs inside its parents, whose buckets stay
+        in use), plus the ``prefetch + 1`` largest buckets (the prefetched ones, and one more: gathered on demand,
+        or still waiting for its gradients), plus the largest segment activation checkpointing recomputed so far;
+        every bucket with ``reshard_after_forward=False``. ``peak_bytes`` (``window_peak``) is the most bytes the
+        gathered storages held at once, measured on them each time one is refilled (``gathered_params()`` aside:
+        it gathers everything on purpose)."""
         return min(self._every_bucket(), self._static_bound + self._recompute_peak)
 
     def _every_bucket(self) -> int:
@@ -237,7 +211,7 @@ class ParamGather:
         if rt.params is not SHARDED:
             self._gather(rt, wait=True)
             return
-        if not (self._stack or self._manual or _in_backward()):
+        if not (self._stack or self._manual or in_backward()):
             name = getattr(func, "__name__", str(func))
             raise RuntimeError(
                 f"zero_ext.ZeroAdamW(stage=3): parameter {param._zero_ext_name!r} is sharded here (outside forward "
@@ -255,7 +229,7 @@ class ParamGather:
     # ---------------------------------------------------------------- forward
     @torch.compiler.disable
     def _pre_forward(self, module, args):
-        if _in_backward():
+        if in_backward():
             # Activation checkpointing recomputing a forward inside backward (and perhaps stopping it early, so
             # no post-hook may follow): gather, and hold until the module's backward or the bucket's READY.
             for key in self.keys[id(module)]:
@@ -277,12 +251,12 @@ class ParamGather:
             self._gather(rt, wait=True)
         self._prefetch_after(module)
         if torch.is_grad_enabled() and self.keys[id(module)]:
-            return self._wrap_inputs(module, args)
+            return wrap_inputs(module, args, self._post_backward)
         return None
 
     @torch.compiler.disable
     def _post_forward(self, module, _args, output) -> None:
-        if _in_backward():
+        if in_backward():
             return
         self._stack.pop()
         keys = self.keys[id(module)]
@@ -290,7 +264,7 @@ class ParamGather:
         for rt in runtimes:
             rt.forward_users -= 1
         training = torch.is_grad_enabled()
-        if training and keys and not self._hook_outputs(module, output):
+        if training and keys and not hook_outputs(module, output, self._pre_backward):
             for rt in runtimes:  # nothing will tell us when its backward starts: hold until READY
                 rt.hold = Hold.UNTIL_READY
         if self.reshard_after_forward or not training:
@@ -382,28 +356,8 @@ class ParamGather:
                     ahead += 1
 
     # ---------------------------------------------------------------- backward
-    def _wrap_inputs(self, module, args):
-        flat, spec = tree_flatten(args)
-        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not idx:
-            return None
-        call = _Call(module)
-        module._zero_ext_call = call  # the post-hook's outputs belong to this call
-        wrapped = _AfterBackward.apply(self, call, *(flat[i] for i in idx))
-        for i, t in zip(idx, wrapped if len(idx) > 1 else (wrapped,)):
-            flat[i] = t
-        return tree_unflatten(flat, spec)
-
-    def _hook_outputs(self, module, output) -> bool:
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        call = getattr(module, "_zero_ext_call", None) or _Call(module)
-        module._zero_ext_call = None
-        for t in tensors:
-            t.register_hook(lambda grad, c=call: self._pre_backward(c) or grad)
-        return bool(tensors)
-
     @torch.compiler.disable
-    def _pre_backward(self, call: _Call) -> None:
+    def _pre_backward(self, call: Call) -> None:
         if call.started:
             return
         call.started = True
@@ -419,7 +373,7 @@ class ParamGather:
             self._prefetch(m for m in reversed(before) if m is not self.module)
 
     @torch.compiler.disable
-    def _post_backward(self, call: _Call) -> None:
+    def _post_backward(self, call: Call) -> None:
         for key in self.keys[id(call.module)]:
             rt = self.runtime[key]
             if call.started and rt.backward_users > 0:

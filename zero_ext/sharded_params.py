@@ -1,10 +1,10 @@
 """Stage 3's parameter storage: each rank keeps only its shard of every bucket; a bucket's full parameters exist
 only while it is gathered.
 
-Each bucket has one flat tensor, its *gathered storage*, made once; every parameter of the bucket is a view into it
-for good (``.data`` is never re-pointed). Released, the storage is resized to zero bytes (FSDP2's
-``untyped_storage().resize_(0)``): the parameters keep their shape, dtype and device for any code that inspects
-them, and cost nothing. Gathered again, the same storage is resized back and the all-gather writes into it. So a
+Each bucket has one flat tensor, its *gathered storage*, made at its first gather; from then on every parameter of
+the bucket is a view into it (``.data`` is not re-pointed again; before, a poison view: one NaN expanded to the
+parameter's shape). Released, the storage is resized to zero bytes (FSDP2's ``untyped_storage().resize_(0)``): the
+parameters keep their shape, dtype and device for any code that inspects them, and cost nothing. Gathered again, the same storage is resized back and the all-gather writes into it. So a
 view autograd saved in forward (``F.linear`` saves ``weight.t()``) holds no copy of its own while the bucket is
 released, and reads the refilled values in backward: freed means freed, and backward never needs a second copy.
 Reading a released storage would read freed memory, so nothing may: every data access through a parameter whose
@@ -92,15 +92,15 @@ class ShardedParams:
         self.layout, self.rank, self.dtype, self.device = layout, rank, dtype, device
         self.shard: Optional[torch.Tensor] = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
         self.source: Optional[Callable[[Bucket], torch.Tensor]] = None  # bucket -> its fp32 master slice
-        # bucket index -> its gathered storage: made once, the bucket's parameters view it for good; zero bytes
-        # while the bucket is released.
+        # bucket index -> its gathered storage: made at the bucket's first gather, the bucket's parameters view it
+        # from then on; zero bytes while the bucket is released. (Not made here: a model built on meta would pay
+        # for every bucket at once, and the freed blocks fragment the heap.)
         self.storage: dict[int, torch.Tensor] = {}
         self.params: Sequence[torch.Tensor] = ()
         self.poison = torch.full((1,), float("nan"), dtype=dtype, device=device)
 
     def adopt(self, params: Sequence[torch.Tensor]) -> None:
-        """Copy this rank's pieces of every parameter into the shard, make every parameter a view of its bucket's
-        gathered storage, and release every bucket (the full values are freed)."""
+        """Copy this rank's pieces of every parameter into the shard, then free them (poison views)."""
         self.params = list(params)
         for p in self.params:
             if p.is_meta:  # built on meta (meta_init.py initialises it later): become a tensor on our device
@@ -109,16 +109,20 @@ class ShardedParams:
             for piece in self.layout.owned_pieces(self.rank):
                 flat = self.params[piece.index].detach().reshape(-1)
                 piece.shard_range.of(self.shard).copy_(piece.param_range.of(flat))
-            for bucket in self.layout.buckets:
-                self._new_storage(bucket)
-                self.release(bucket)
+        for bucket in self.layout.buckets:
+            self.forget(bucket)
 
-    def _new_storage(self, bucket: Bucket) -> None:
-        """A gathered storage for ``bucket`` (with its bytes), and its parameters made views of it."""
-        buf = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
-        self.storage[bucket.index] = buf
+    def forget(self, bucket: Bucket) -> None:
+        """``bucket``'s parameters become poison views, and it has no gathered storage (the next gather makes one)."""
+        self.storage.pop(bucket.index, None)
         with torch._C.DisableTorchFunctionSubclass():  # metadata only
-            for i in bucket.slots:  # views made while the storage has its bytes (a view checks its bounds)
+            for i in bucket.slots:
+                self.params[i].data = self.poison.expand(self.params[i].shape)
+
+    def view_into(self, bucket: Bucket, buf: torch.Tensor) -> None:
+        """Make ``bucket``'s parameters views of ``buf`` (a flat tensor of the bucket's size)."""
+        with torch._C.DisableTorchFunctionSubclass():  # metadata only
+            for i in bucket.slots:
                 p = self.params[i]
                 p.data = bucket.slot_range(self.layout.slots[i]).of(buf).view(p.shape)
 
@@ -153,41 +157,47 @@ class ShardedParams:
         return mine
 
     def unshard(self, bucket: Bucket) -> torch.Tensor:
-        """``bucket``'s gathered storage with its bytes back (uninitialised: the all-gather's output); every view
-        of it, the parameters' and any autograd saved, sees what is written into it."""
-        buf = self.storage[bucket.index]
-        store = buf.untyped_storage()
-        if store.nbytes() == 0:
-            store.resize_(bucket.numel * self.dtype.itemsize)
+        """``bucket``'s gathered storage with its bytes (uninitialised: the all-gather's output); every view of it,
+        the parameters' and any autograd saved, sees what is written into it."""
+        buf = self.storage.get(bucket.index)
+        if buf is None:  # the first gather (or the previous storage was left to numpy): make it, views into it
+            buf = self.storage[bucket.index] = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
+            self.view_into(bucket, buf)
+        elif buf.untyped_storage().nbytes() == 0:
+            buf.untyped_storage().resize_(bucket.numel * self.dtype.itemsize)
         return buf
 
     def gathered(self, bucket: Bucket) -> Optional[torch.Tensor]:
         """``bucket``'s gathered storage while it holds its bytes, else None."""
-        buf = self.storage[bucket.index]
-        return buf if buf.untyped_storage().nbytes() else None
+        buf = self.storage.get(bucket.index)
+        return buf if buf is not None and buf.untyped_storage().nbytes() else None
 
     def release(self, bucket: Bucket) -> None:
         """Free ``bucket``'s full values: its storage shrinks to zero bytes, for every view of it.
 
         A storage numpy shares (``param.detach().numpy()`` while gathered) can no longer be resized: it is left
-        to the array, and the bucket gets a new storage (a saved view of the old one keeps reading the values it
-        saw, which are the bucket's until the next step)."""
-        store = self.storage[bucket.index].untyped_storage()
-        if not store.resizable():
-            self._new_storage(bucket)
-            store = self.storage[bucket.index].untyped_storage()
-        store.resize_(0)
+        to the array, and the parameters become poison views until the next gather makes a new storage (a saved
+        view of the old one keeps reading the values it saw, which are the bucket's until the next step)."""
+        buf = self.storage.get(bucket.index)
+        if buf is None:
+            return
+        if buf.untyped_storage().resizable():
+            buf.untyped_storage().resize_(0)
+        else:
+            self.forget(bucket)
 
     def gathered_bytes(self) -> int:
         """Bytes the gathered storages hold now: every full parameter value alive on this rank."""
         return sum(buf.untyped_storage().nbytes() for buf in self.storage.values())
 
     def misplaced(self, params: Sequence[torch.Tensor]) -> Optional[int]:
-        """The index of a parameter that is no longer a view of its bucket's gathered storage (the model was moved,
-        cast or given new tensors after the optimizer was built), else None."""
+        """The index of a parameter that is neither its poison view nor a view of its bucket's gathered storage (the
+        model was moved, cast or given new tensors after the optimizer was built), else None."""
+        poison = self.poison.untyped_storage()._cdata
         with torch._C.DisableTorchFunctionSubclass():
             for slot, p in zip(self.layout.slots, params):
-                mine = self.storage[slot.bucket].untyped_storage()._cdata
+                buf = self.storage.get(slot.bucket)
+                mine = poison if buf is None else buf.untyped_storage()._cdata
                 if (
                     p.device != self.device
                     or p.dtype != self.dtype
