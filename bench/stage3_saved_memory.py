@@ -92,10 +92,12 @@ def measure(rank: int, world: int, device, name: str, reshard: bool) -> dict:
     kept = 2 * harness.kept_for_backward_numel(opt, first_in_backward, 1) if reshard else 0
     return {
         "model": name, "world": world, "reshard_after_forward": reshard,
-        "model_bytes": sum(p.numel() * 2 for p in model.parameters()), "buckets": sum(len(g.layout.buckets) for g in opt.sharded_state.groups),
+        "model_bytes": sum(p.numel() * 2 for p in model.parameters()),
+        "buckets": sum(len(g.layout.buckets) for g in opt.sharded_state.groups),
         "saved_param_bytes_end_of_forward": alive,
         "window_peak": report.window_peak, "window_bound": report.window_bound,
-        "all_gather_bytes_per_step": ag, "expected_all_gather_bytes": (2 if reshard else 1) * padded - kept,
+        "all_gather_bytes_per_step": ag,
+        "expected_all_gather_bytes": (2 if reshard else 1) * padded - kept,
     }  # fmt: skip
 
 
@@ -129,9 +131,9 @@ def main() -> None:
           f"{r['all_gather_bytes_per_step'] / MIB:.2f} ({r['expected_all_gather_bytes'] / MIB:.2f})"] for r in rows],
     )  # fmt: skip
     body = (
-        f"Engine: `{meta['engine']}`. Parameter bytes autograd's saved tensors keep allocated when forward returns (weighed on their storages), "
-        "against the window stage 3 declares; all-gather bytes of the third step against 2 Psi less the buckets "
-        f"kept for backward (Psi without resharding). All within: **{ok}**.\n\n{table}\n"
+        f"Engine: `{meta['engine']}`. Parameter bytes autograd's saved tensors keep allocated when forward returns "
+        "(weighed on their storages), against the window stage 3 declares; all-gather bytes of the third step "
+        f"against 2 Psi less the buckets kept for backward (Psi without resharding). All within: **{ok}**.\n\n{table}\n"
     )
     harness.write_results(args.name, meta, {"ok": ok, "rows": rows}, body, args.out_dir)
     print(body)

@@ -4,19 +4,19 @@ only while it is gathered.
 Each bucket has one flat tensor, its *gathered storage*, made at its first gather; from then on every parameter of
 the bucket is a view into it (``.data`` is not re-pointed again; before, a poison view: one NaN expanded to the
 parameter's shape). Released, the storage is resized to zero bytes (FSDP2's ``untyped_storage().resize_(0)``): the
-parameters keep their shape, dtype and device for any code that inspects them, and cost nothing. Gathered again, the same storage is resized back and the all-gather writes into it. So a
-view autograd saved in forward (``F.linear`` saves ``weight.t()``) holds no copy of its own while the bucket is
-released, and reads the refilled values in backward: freed means freed, and backward never needs a second copy.
-Reading a released storage would read freed memory, so nothing may: every data access through a parameter whose
-bucket is not gathered is checked, and the gather scheduler (param_gather.py) gathers a bucket before any backward
-that reads a saved view of it.
+parameters keep their shape, dtype and device for any code that inspects them, and cost nothing. Gathered again, the
+same storage is resized back and the all-gather writes into it. So a view autograd saved in forward (``F.linear``
+saves ``weight.t()``) holds no copy of its own while the bucket is released, and reads the refilled values in
+backward: freed means freed, and backward never needs a second copy. Reading a released storage would read freed
+memory, so nothing may: every data access through a parameter whose bucket is not gathered is checked, and the
+gather scheduler (param_gather.py) gathers a bucket before any backward that reads a saved view of it.
 
-The check: the parameter's class becomes a subclass of its own class whose ``__torch_function__`` (which torch calls for every op on the parameter) first
-makes sure the bucket is gathered: inside forward and backward it gathers it on demand (a module reading a weight
-it does not own, ``F.linear(x, self.wte.weight)``), outside them it raises a clear error instead of a collective
-one rank might make alone. Metadata (shape, dtype, device, ``.grad``, ``.data`` assignment) never triggers
-anything. Once its bucket's gather is complete a parameter gets its own class back (param_gather.py), so the ops of
-forward pay nothing for the checks; ``close()`` restores the class for good.
+The check: the parameter's class becomes a subclass of its own class whose ``__torch_function__`` (which torch calls
+for every op on the parameter) first makes sure the bucket is gathered: inside forward and backward it gathers it on
+demand (a module reading a weight it does not own, ``F.linear(x, self.wte.weight)``), outside them it raises a clear
+error instead of a collective one rank might make alone. Metadata (shape, dtype, device, ``.grad``, ``.data``
+assignment) never triggers anything. Once its bucket's gather is complete a parameter gets its own class back
+(param_gather.py), so the ops of forward pay nothing for the checks; ``close()`` restores the class for good.
 """
 
 from __future__ import annotations
