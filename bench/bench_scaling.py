@@ -13,7 +13,8 @@ step, from the engine's own counters (``comm_stats()``) against the padded size 
   buckets backward needs first, which forward keeps: ``harness.kept_for_backward_numel``), or 2 Psi
   with reshard_after_forward=False, every step after the first (the first forward has no learned order yet and
   frees after every use: it is reported, not checked).
-Counted are the elements each rank hands to the collective, not wire bytes (a ring moves (N-1)/N of them per rank).
+Counted are the elements each rank hands to the collective, not wire bytes (a ring moves (N-1)/N of them per rank);
+the all-gather's bytes are checked too (its elements in the param dtype: nothing gathered twice, nothing wider).
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ def comm_check(run: dict) -> dict:
     every_step_same = all(c == step for c in checked)
     kept = run.get("kept_for_backward_numel", 0)
     expected_rs, expected_ag = (padded, gathers * padded - kept) if world > 1 else (0, 0)
-    ok = rs == expected_rs and ag == expected_ag and every_step_same and padded >= psi
+    itemsize = getattr(torch, run["config"]["param_dtype"]).itemsize
+    ag_bytes_ok = step["all_gather_bytes"] == expected_ag * itemsize
+    ok = rs == expected_rs and ag == expected_ag and ag_bytes_ok and every_step_same and padded >= psi
     return {
         "ok": ok,
         "psi": psi,
@@ -58,6 +61,7 @@ def comm_check(run: dict) -> dict:
         "reduce_scatter_bytes_per_step": step["reduce_scatter_bytes"],
         "all_gather_elems_per_step": ag,
         "all_gather_bytes_per_step": step["all_gather_bytes"],
+        "expected_all_gather_bytes_per_step": expected_ag * itemsize,
         "all_reduce_bytes_per_step": step["all_reduce_bytes"],
         "first_step_all_gather_elems": by_step[0]["all_gather_elements"],
         "every_step_same": every_step_same,

@@ -166,6 +166,18 @@ def test_scaling_tiny(tmp_path):
                 kept = c["kept_for_backward_elems"]
                 assert (kept > 0) == (r["recipe"] == "zero3") and kept <= c["padded_psi"]
                 assert rs == c["padded_psi"] and rs + ag == psi_per_step[r["recipe"]] * c["padded_psi"] - kept
+            assert c["all_gather_bytes_per_step"] == c["expected_all_gather_bytes_per_step"], r["recipe"]
+
+
+def test_stage3_saved_memory(tmp_path):
+    """What autograd's saved tensors keep alive at the end of forward is within stage 3's window, on every row."""
+    run("stage3_saved_memory.py", "--worlds", "2", "--out-dir", str(tmp_path))
+    res = result(tmp_path / "stage3_saved_memory.json")
+    assert res["ok"] is True and len(res["rows"]) == 4
+    for r in res["rows"]:
+        assert r["saved_param_bytes_end_of_forward"] <= r["window_peak"] <= r["window_bound"] <= r["model_bytes"] + 4096
+        if r["reshard_after_forward"]:
+            assert r["window_bound"] < r["model_bytes"] / 2
 
 
 def test_collectives_tiny(tmp_path):

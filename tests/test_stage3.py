@@ -153,6 +153,7 @@ def _communication(rank, world, reshard):
         if step > 0:
             gathered = 2 * padded - kept if reshard else padded  # forward, and again in backward unless kept
             assert c["all_gather_elements"] == gathered, (step, c)
+            assert c["all_gather_bytes"] == 2 * gathered, (step, c)  # bf16: nothing gathered wider, or twice
             assert c["reduce_scatter_elements"] == padded, (step, c)
     with torch.no_grad():  # eval: gathers, nothing reduced
         before = opt.comm_stats()

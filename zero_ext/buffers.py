@@ -12,6 +12,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from .bucket_runtime import BucketRuntime, Key
 from .comm import Communicator
 from .layout import Bucket, Layout, OwnedPiece
 from .param_edits import ParamEdits
@@ -113,6 +114,11 @@ class ShardedState:
         self.step_count = torch.zeros((), dtype=torch.float32, device=self.update_device)
         self.skipped = torch.zeros((), dtype=torch.float32, device=self.update_device)
         self.step_counts = StepCounts([gidx for _, gidx, _ in self.members()], self.update_device)
+        # Every bucket's runtime (its gradients and parameters in flight), the one record of each: the reducer, the
+        # parameter gathers and stage 3's scheduler act on these objects. ``order``: the launch order.
+        self.runtime: dict[Key, BucketRuntime] = {
+            (g.index, b.index): BucketRuntime(g, b, order) for order, (g, b) in enumerate(self.launch_order())
+        }
         self.staging: Optional[StagingPool] = None  # the gradient staging pool, set by the reducer
         self.window = None  # stage 3: the ParamGather (its window of gathered buckets), for the memory ledger
         self.model = None  # the model's names and state outside the optimizer (model_state.ModelState), with module=

@@ -86,7 +86,7 @@ class MemoryReport:
     widths: dict[str, int] = field(default_factory=dict)
     rank: int = 0
     window_bound: int = 0  # stage 3: bytes of gathered buckets the window may hold at once (not persistent)
-    window_peak: int = 0  # stage 3: the most it held so far
+    window_peak: int = 0  # stage 3: the most bytes the gathered storages held at once so far (measured on them)
     where: dict[str, str] = field(default_factory=dict)  # kind -> "device", "host" or "disk"
     on_disk: dict[str, int] = field(default_factory=dict)  # offload="nvme": bytes of state files, by kind
     offload_buffers: int = 0  # offload: the landing ring, parameter staging and disk window (bounded)
@@ -225,10 +225,9 @@ def report(state: "ShardedState") -> MemoryReport:
         out.grad_shard_fp32 += (buffer_width - gw) * psi if buffer_width > gw else 0
         out.widths = {"param_bytes": pw, "grad_bytes": gw, "optimizer_state_bytes": sw}
     out.staging = state.staging.nbytes if state.staging is not None else 0
-    if state.window is not None:  # stage 3: buckets live at once, at the largest bucket's size
-        largest = max((b.numel * g.flat_params.dtype.itemsize for g, b in state.buckets()), default=0)
-        out.window_bound = state.window.window_bound * largest
-        out.window_peak = state.window.peak_live * largest
+    if state.window is not None:  # stage 3: bytes of gathered storages (param_gather.ParamGather.window_bound)
+        out.window_bound = state.window.window_bound
+        out.window_peak = state.window.peak_bytes
     alloc["staging"] = out.staging
     out.allocated = {k: v for k, v in alloc.items() if v or k not in ("master", *OPTIMIZER_KINDS)}
     out.where = {k: where.get(k, "device") for k in list(out.allocated) + list(out.on_disk)}

@@ -211,7 +211,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._grad_sync = GradSync(self._state, strategy, staging_buffers)
         if stage == 3:
             self._param_sync = self._state.window = ParamGather(self._state, module, reshard_after_forward, prefetch)
-            self._grad_sync.on_ready = self._param_sync.bucket_reduced
+            self._grad_sync.on_ready = self._param_sync.bucket_ready
             self._grad_sync.on_round_end = self._param_sync.backward_done
             if on_meta:
                 initialise_shards(self._state, module, param_init, plan.device)
@@ -292,7 +292,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         host synchronisation on CUDA). Needed before reading parameters outside forward when
         ``defer_all_gather_to`` is set, or the shards of :attr:`sharded_state`. At stages 1 and 2 this rank's fp32
         master then follows parameters changed in place since the last step (:mod:`zero_ext.param_edits`)."""
-        self._param_sync.finish_param_sync()
+        self._param_sync.settle()
         self._grad_sync.finish_grad_sync()
         if self._state.param_edits is not None:  # the shards follow parameters changed in place (stages 1, 2)
             self._state.param_edits.adopt(checked=False)
@@ -318,7 +318,7 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     def wait_for_params(self) -> None:
         """Make the current stream wait for every parameter all-gather still in flight (``defer_all_gather_to``)."""
-        self._param_sync.finish_param_sync()
+        self._param_sync.settle()
 
     @torch.no_grad()
     @torch.compiler.disable
@@ -344,11 +344,11 @@ class ZeroAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._param_sync.finish_param_sync()
+        self._param_sync.settle()
         if self._stepper.step(self.param_groups):
             self._has_stepped = True
             if not self._param_sync.deferred:
-                self._param_sync.finish_param_sync()
+                self._param_sync.settle()
         return loss
 
     @torch.no_grad()
@@ -368,7 +368,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             )
         if not (isinstance(max_norm, (int, float)) and max_norm > 0):
             raise ValueError(f"zero_ext.ZeroAdamW.clip_grad_norm_: `max_norm` must be a number > 0, got {max_norm!r}")
-        self._param_sync.finish_param_sync()
+        self._param_sync.settle()
         return self._stepper.clip_grad_norm_(self.param_groups, max_norm)
 
     clip_grad_norm = clip_grad_norm_  # the name trainers look for on sharded optimizers

@@ -1,69 +1,65 @@
-"""Stage 3: parameters gathered bucket by bucket just before a module uses them, and freed after.
+"""Stage 3: parameters gathered bucket by bucket just before a module uses them, and released after.
+
+Every bucket is a :class:`zero_ext.bucket_runtime.BucketRuntime`; its parameter phase moves SHARDED ->
+GATHERING (``start_param_sync``: the bucket's one storage gets its bytes back, the all-gather writes into it) ->
+GATHERED (``finish_param_sync``: the parameters become plain tensors again) -> SHARDED (``reshard``: the storage
+shrinks to zero bytes; autograd's saved views of it hold nothing until it is refilled). This file decides when.
 
 Forward: a pre-hook on every module that owns parameters gathers their buckets (waiting for those already in
-flight) and pins them while the module runs; it then prefetches up to ``prefetch`` buckets ahead, in the execution
-order learned from the previous forward. The post-hook unpins and frees a bucket once the uses the previous forward
-made of it are done (the first forward frees after every use; a module met again gathers again). A bucket held for
-a later use is evicted (and gathered again later) when the window would exceed its bound.
-The buckets backward needs first (the root's, then the last modules', ``prefetch + 1`` of them) are kept from
-forward into backward instead of freed and gathered again at once. ``reshard_after_forward=False`` keeps every
-bucket until its backward is done (no second gather). Under ``torch.no_grad()`` buckets are always freed after use.
+flight) and counts itself among their ``forward_users`` while it runs; it then prefetches up to ``prefetch``
+buckets ahead (hold AHEAD), in the execution order learned from the previous forward. The post-hook releases a
+bucket once the uses the previous forward made of it are done (the first forward releases after every use; a
+module met again gathers again), except the first ``prefetch + 1`` buckets backward needs (the root's, then the
+last modules'), held BACKWARD from forward into backward instead of released and gathered again at once.
+``reshard_after_forward=False`` keeps every bucket until its backward is done. Under ``torch.no_grad()`` buckets
+are always released after use. A bucket that would not fit in the window evicts the held bucket needed farthest
+ahead (gathered again at its next use).
 
 Backward: the post-hook puts a hook on the module's outputs and an identity autograd function on its inputs. When
-the outputs' gradient arrives (before the module's backward runs) its buckets are gathered again and those of the
-modules before it prefetched; when the inputs' gradient has been computed (the module's backward is done) a
-bucket whose backward uses are all done is freed. Whatever has no such hook (an input that needs no gradient) is
-freed when all its bucket's gradients have arrived (the reducer's READY), or at the end of backward.
+the outputs' gradient arrives (before the module's backward runs) its buckets are gathered again unless present
+(``backward_users``), and those of the modules before it prefetched; when the inputs' gradient has been computed
+(the module's backward is done) a bucket whose backward uses are all done is released. A bucket with no such hook
+(its module's outputs need no gradient) or gathered for a forward that activation checkpointing recomputes is held
+UNTIL_READY / RECOMPUTED: released when all its gradients have arrived (the reducer's READY), or at the end of
+backward. Every bucket is released before ``step()`` updates the shards.
 
 Any other read of a parameter goes through ``sharded_params``' check: inside forward or backward its bucket is
 gathered on demand and remembered for the reading module (gathered with it from then on, so a parent reading a
 child's weight works from the first step); outside, a clear error. The order is relearned every forward: control
 flow that changes between steps costs extra gathers, never correctness. Every rank must run the same modules in
 the same order (the gathers are collectives), as with any ZeRO-3.
+
+[Note: stage 3 timeline]
+``nn.Sequential`` of three Linear layers, one bucket each, ``prefetch=1``, ``reshard_after_forward=True``, a step
+after the first (the order is known); traced from the engine. ``[`` start_param_sync (the storage gets its bytes
+back, the all-gather is in flight: ``.``), ``|`` finish_param_sync (GATHERED: plain tensors, ``=``), ``r`` READY
+(the bucket's gradients all arrived: its reduce-scatter is launched in turn), ``]`` reshard (zero bytes)::
+
+              fwd: root L1          L2            L3         bwd: L3           L2           L1         step()
+    b1 (L1)         [....|=======]                                 [..............................|===r]
+    b2 (L2)                 [.......|========== held BACKWARD ====================r]
+    b3 (L3)                               [.......|== held BACKWARD ======r]
+                    root's pre-hook prefetches b1; each module's pre-hook waits for its bucket and prefetches the
+                    next; backward's first module prefetches the one after the held ones. Nothing is gathered in
+                    step(): every bucket is SHARDED, the shards are updated in place, the next forward gathers.
+
+At most the deepest module chain's buckets plus the prefetched and held ones are gathered at once, and these
+storages are the only full parameter values alive: autograd's saved views point into them, so what is alive is
+what is drawn.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
-from typing import Optional
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .backward_hooks import Call, hook_outputs, in_backward, wrap_inputs
+from .bucket_runtime import BucketRuntime, Hold, Key, ParamState
 from .buffers import ShardedState
-from .comm import Pending
 from .sharded_params import shard_class
 
-Key = tuple[int, int]  # (flat group index, bucket index)
-
-
-class _Call:
-    """One call of a module: its backward pre-hook must run once, however many outputs carry a gradient."""
-
-    __slots__ = ("module", "started")
-
-    def __init__(self, module):
-        self.module, self.started = module, False
-
-
-class _AfterBackward(torch.autograd.Function):
-    """Identity on a module's inputs; its backward runs once the module's backward has produced their gradients."""
-
-    @staticmethod
-    def forward(ctx, gather, call, *inputs):
-        ctx.gather, ctx.call = gather, call
-        ctx.set_materialize_grads(False)
-        return inputs if len(inputs) > 1 else inputs[0]
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.gather._post_backward(ctx.call)
-        return (None, None, *grads)
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
+SHARDED, GATHERING, GATHERED = ParamState.SHARDED, ParamState.GATHERING, ParamState.GATHERED
 
 
 class ParamGather:
@@ -72,26 +68,19 @@ class ParamGather:
     def __init__(self, state: ShardedState, module: torch.nn.Module, reshard_after_forward: bool, prefetch: int):
         self.state, self.comm, self.module = state, state.comm, module
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
-        self.bucket_of = {(g.index, b.index): (g, b) for g, b in state.buckets()}
-        self.live: dict[Key, Optional[Pending]] = {}  # gathered buckets (None) or in flight (their Pending)
-        self.pins: Counter = Counter()  # modules running forward (and gathered_params) that use a bucket
-        self.in_backward: Counter = Counter()  # module calls whose backward runs and uses a bucket
-        self.keep: set[Key] = set()  # needed in backward and nothing tells us when: freed at READY
-        self.recomputed: set[Key] = set()  # gathered for a forward recomputed in backward: freed at READY
-        self.peak_live = 0
-        self._ahead: set[Key] = set()  # prefetched and not yet used: at most `prefetch` of them
+        self.runtime: dict[Key, BucketRuntime] = state.runtime
+        self.live: dict[Key, BucketRuntime] = {}  # the window: buckets not SHARDED (changed by _gather, _release)
+        self.peak_bytes = 0  # the most bytes the gathered storages held at once (gathered_params() aside)
         self._stack: list[torch.nn.Module] = []
         self._trace: list[torch.nn.Module] = []  # this forward's module order
         self._last: list[torch.nn.Module] = []  # the previous forward's
-        self._uses_left: Counter = Counter()  # forward uses still to come (from the previous forward)
-        self._backward_uses: Counter = Counter()  # backward uses still to come (from this forward)
         self._pos = 0  # where this forward is in the previous one's order
-        self._tail: list[Key] = []  # used first in backward: kept from their last use in forward (predicted)
+        self._tail: list[Key] = []  # used first in backward: held from their last use in forward (predicted)
         self._manual = 0  # gathered_params() depth
         where = {}
-        # Each bucket's parameters with their two classes: the checking one while the bucket is not gathered (or
-        # its gather is in flight), their own once it is: a gathered parameter is an ordinary tensor, and the ops
-        # of forward and backward on it pay nothing for the checks (about 600 calls per step on the benchmark GPT).
+        # Each bucket's parameters with their two classes: the checking one while the bucket is not GATHERED,
+        # their own once it is: a gathered parameter is an ordinary tensor, and the ops of forward and backward
+        # on it pay nothing for the checks (about 600 calls per step on the benchmark GPT).
         self.classes: dict[Key, list[tuple[torch.Tensor, type, type]]] = {}
         for group in state.groups:
             for slot, p in zip(group.layout.slots, group.params):
@@ -101,7 +90,6 @@ class ParamGather:
                 original = type(p)
                 p.__class__ = shard_class(original)
                 self.classes.setdefault(key, []).append((p, original, type(p)))
-        self._exposed: set[Key] = set()
         self.keys: dict[int, set[Key]] = {}  # id(module) -> buckets it uses (own parameters, then learned reads)
         self._hooks = []
         for m in module.modules():
@@ -111,95 +99,119 @@ class ParamGather:
                 self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
                 self._hooks.append(m.register_forward_hook(self._post_forward))
         self._static_bound = self._bound()
-        self._recompute_peak = 0  # the most buckets a recomputed (checkpointed) forward held at once
+        self._recompute_peak = 0  # the most bytes a recomputed (checkpointed) forward held gathered at once
 
+    # ---------------------------------------------------------------- the window
     @property
     def window_bound(self) -> int:
-        """Buckets the window may hold at once: the static bound, plus the largest segment activation
-        checkpointing recomputed so far (a recompute needs its whole segment gathered)."""
-        return min(len(self.bucket_of), self._static_bound + self._recompute_peak)
+        """Bytes of gathered buckets the window may hold at once (``memory_report().window_bound``): the bytes of
+        the buckets the deepest chain of nested modules uses (a module runs inside its parents, whose buckets stay
+        in use), plus the ``prefetch + 1`` largest buckets (the prefetched ones, and one more: gathered on demand,
+        or still waiting for its gradients), plus the largest segment activation checkpointing recomputed so far;
+        every bucket with ``reshard_after_forward=False``. ``peak_bytes`` (``window_peak``) is the most bytes the
+        gathered storages held at once, measured on them each time one is refilled (``gathered_params()`` aside:
+        it gathers everything on purpose)."""
+        return min(self._every_bucket(), self._static_bound + self._recompute_peak)
+
+    def _every_bucket(self) -> int:
+        return sum(rt.nbytes for rt in self.runtime.values())
 
     def _bound(self) -> int:
-        """Buckets live at once at most: those the deepest chain of nested modules pins, the prefetched ones, and
-        one more (a bucket gathered on demand, or one whose gradients are still arriving); every bucket when
-        nothing is freed in forward."""
         if not self.reshard_after_forward:
-            return len(self.bucket_of)
+            return self._every_bucket()
         deepest = 0
 
         def walk(m, held):
             nonlocal deepest
             held = held | self.keys.get(id(m), set())
-            deepest = max(deepest, len(held))
+            deepest = max(deepest, sum(self.runtime[k].nbytes for k in held))
             for child in m.children():
                 walk(child, held)
 
         walk(self.module, set())
-        return min(len(self.bucket_of), deepest + self.prefetch + 1)
+        ahead = sum(sorted((rt.nbytes for rt in self.runtime.values()), reverse=True)[: self.prefetch + 1])
+        return min(self._every_bucket(), deepest + ahead)
 
-    # ---------------------------------------------------------------- gather / free
-    def _gather(self, key: Key, wait: bool) -> None:
+    def gathered_bytes(self) -> int:
+        """Bytes the buckets' gathered storages hold now (measured on the storages, not counted here)."""
+        return sum(group.flat_params.gathered_bytes() for group in self.state.groups)
+
+    def _live_bytes(self) -> int:
+        return sum(rt.nbytes for rt in self.live.values())
+
+    # ---------------------------------------------------------------- the two transitions this file makes
+    def _gather(self, rt: BucketRuntime, wait: bool) -> None:
+        """Make ``rt`` present: start its all-gather unless it is gathered or in flight; with ``wait``, finish it
+        (its parameters then become plain tensors). Never a second gather of a bucket that is present."""
+        if rt.params is SHARDED:
+            self._make_room(rt.nbytes)
+            rt.start_param_sync(self.comm)
+            self.live[rt.key] = rt
+            if not self._manual:
+                self.peak_bytes = max(self.peak_bytes, self.gathered_bytes())
         if wait:
-            self._ahead.discard(key)
-        if key not in self.live:
-            self._make_room()
-            group, bucket = self.bucket_of[key]
-            full = group.flat_params.allocate(bucket)
-            self.live[key] = self.comm.start_all_gather(full, group.flat_params.gather_input(bucket, full))
-            if not self._manual:  # gathered_params() holds everything on purpose: not the window
-                self.peak_live = max(self.peak_live, len(self.live))
-        if wait and self.live[key] is not None:
-            self.live[key].wait()
-            self.live[key] = None
-        if wait and key not in self._exposed:
-            self._exposed.add(key)
-            for p, original, _ in self.classes[key]:
-                p.__class__ = original
+            if rt.hold is Hold.AHEAD:
+                rt.hold = Hold.NONE
+            if rt.params is GATHERING:
+                rt.finish_param_sync()
+                for p, original, _ in self.classes[rt.key]:
+                    p.__class__ = original
 
-    def _free(self, key: Key) -> None:
-        if key in self.live and not self.pins[key] and not self.in_backward[key] and key not in self.recomputed:
-            pending = self.live.pop(key)
-            self._ahead.discard(key)
-            if pending is not None:
-                pending.wait()  # the gather must be done before its buffer can be reused
-            if key in self._exposed:
-                self._exposed.discard(key)
-                for p, _, checking in self.classes[key]:
-                    p.__class__ = checking
-            group, bucket = self.bucket_of[key]
-            group.flat_params.release(bucket)
+    def _release(self, rt: BucketRuntime) -> None:
+        """The one path that frees a gathered bucket: when nothing uses it now and nothing holds it (the caller
+        clears the holds its trigger ends). Waits for a gather in flight first (it writes into the storage)."""
+        if rt.params is SHARDED or rt.forward_users or rt.backward_users or rt.hold is not Hold.NONE:
+            return
+        if rt.params is GATHERING:
+            rt.finish_param_sync()
+        else:
+            for p, _, checking in self.classes[rt.key]:
+                p.__class__ = checking
+        rt.reshard()
+        del self.live[rt.key]
 
-    def _make_room(self) -> None:
-        """Evict held buckets (gathered again at their next use) while the window is full, the one needed
-        farthest ahead first; never one in use, needed in backward with nothing to gather it again, or prefetched."""
-        while len(self.live) >= self.window_bound and not self._manual:
-            held = [k for k in self.live if not self.pins[k] and not self.in_backward[k] and k not in self._ahead
-                    and k not in self.keep and k not in self.recomputed]  # fmt: skip
+    def _make_room(self, incoming: int) -> None:
+        """Evict held buckets (gathered again at their next use) while ``incoming`` bytes would not fit, the one
+        needed farthest ahead first; never one in use, prefetched, or that backward could not gather again."""
+        while self._live_bytes() + incoming > self.window_bound and not self._manual:
+            held = [rt for rt in self.live.values() if not rt.forward_users and not rt.backward_users
+                    and rt.hold in (Hold.NONE, Hold.BACKWARD)]  # fmt: skip
             if not held:
                 return
             upcoming = self._last[self._pos :]
-            next_use = {k: next((i for i, m in enumerate(upcoming) if k in self.keys[id(m)]), len(upcoming))
-                        for k in held}  # fmt: skip
-            self._free(max(held, key=next_use.__getitem__))
+            next_use = {rt.key: next((i for i, m in enumerate(upcoming) if rt.key in self.keys[id(m)]), len(upcoming))
+                        for rt in held}  # fmt: skip
+            victim = max(held, key=lambda rt: next_use[rt.key])
+            victim.hold = Hold.NONE
+            self._release(victim)
 
-    def release_all(self) -> None:
-        """Free every gathered bucket (before step() updates the shards they were gathered from)."""
-        self._stack.clear()
-        self.recomputed.clear()
-        self.keep.clear()
-        for key in list(self.live):
-            self.pins[key] = self.in_backward[key] = 0
-            self._free(key)
-        self._ahead.clear()
+    def _release_everything(self, forward_too: bool) -> None:
+        """Release every bucket but those a running forward uses (all of them with ``forward_too``)."""
+        for rt in list(self.live.values()):
+            rt.backward_users = 0
+            if forward_too:
+                rt.forward_users = 0
+            rt.hold = Hold.NONE
+            self._release(rt)
+
+    # ---------------------------------------------------------------- what step() and finish_sync() call
+    def bucket_updated(self, group, bucket) -> None:
+        """Nothing to gather: every bucket was released before the update, and the next use gathers the new
+        values (this rank's slice, rounded from the master, goes straight into the all-gather)."""
+
+    def settle(self) -> None:
+        """Outside forward and backward nothing stays gathered: release every bucket (before ``step()`` updates
+        the shards they were gathered from, and for ``finish_sync()``)."""
+        if not self._stack and not self._manual:
+            self._release_everything(forward_too=True)
 
     def ensure(self, param, func) -> None:
-        """A read of ``param`` (torch op ``func``): its bucket must be gathered."""
-        key = param._zero_ext_key
-        if key in self.live:
-            if self.live[key] is not None:
-                self._gather(key, wait=True)
+        """A read of ``param`` (torch op ``func``) while its bucket is not GATHERED: gather it (on demand)."""
+        rt = self.runtime[param._zero_ext_key]
+        if rt.params is not SHARDED:
+            self._gather(rt, wait=True)
             return
-        if not (self._stack or self._manual or _in_backward()):
+        if not (self._stack or self._manual or in_backward()):
             name = getattr(func, "__name__", str(func))
             raise RuntimeError(
                 f"zero_ext.ZeroAdamW(stage=3): parameter {param._zero_ext_name!r} is sharded here (outside forward "
@@ -207,23 +219,26 @@ class ParamGather:
                 "(on every rank: it gathers them), change them (e.g. `model.load_state_dict`) inside "
                 "`with opt.gathered_params(modifier_rank=r):`, or get a full copy with zero_ext.checkpoint.consolidate."
             )
-        self._gather(key, wait=True)
+        self._gather(rt, wait=True)
         if self._stack:  # remembered for the reading module: gathered with it from now on
             owner = self._stack[-1]
-            if key not in self.keys[id(owner)]:
-                self.keys[id(owner)].add(key)
-                self.pins[key] += 1  # pinned like its own parameters until the module's post-hook
+            if rt.key not in self.keys[id(owner)]:
+                self.keys[id(owner)].add(rt.key)
+                rt.forward_users += 1  # in use like its own parameters until the module's post-hook
 
     # ---------------------------------------------------------------- forward
     @torch.compiler.disable
     def _pre_forward(self, module, args):
-        if _in_backward():
+        if in_backward():
             # Activation checkpointing recomputing a forward inside backward (and perhaps stopping it early, so
-            # no post-hook may follow): gather, and keep until the bucket's gradients are in.
+            # no post-hook may follow): gather, and hold until the module's backward or the bucket's READY.
             for key in self.keys[id(module)]:
-                self.recomputed.add(key)
-                self._recompute_peak = max(self._recompute_peak, len(self.recomputed))
-                self._gather(key, wait=True)
+                rt = self.runtime[key]
+                if rt.hold is not Hold.UNTIL_READY:
+                    rt.hold = Hold.RECOMPUTED
+                self._gather(rt, wait=True)
+            recomputed = sum(rt.nbytes for rt in self.live.values() if rt.hold is Hold.RECOMPUTED)
+            self._recompute_peak = max(self._recompute_peak, recomputed)
             return None
         if module is self.module and (not self._stack or self._stack[0] is module):
             self._begin_forward()  # (a stack left over means the previous forward raised: start clean)
@@ -231,56 +246,80 @@ class ParamGather:
         if self._stack[0] is self.module:
             self._trace.append(module)
         for key in self.keys[id(module)]:
-            self.pins[key] += 1
-            self._gather(key, wait=True)
+            rt = self.runtime[key]
+            rt.forward_users += 1
+            self._gather(rt, wait=True)
         self._prefetch_after(module)
-        if torch.is_grad_enabled() and not _in_backward() and self.keys[id(module)]:
-            return self._wrap_inputs(module, args)
+        if torch.is_grad_enabled() and self.keys[id(module)]:
+            return wrap_inputs(module, args, self._post_backward)
         return None
 
     @torch.compiler.disable
     def _post_forward(self, module, _args, output) -> None:
-        if _in_backward():
+        if in_backward():
             return
         self._stack.pop()
         keys = self.keys[id(module)]
-        for key in keys:
-            self.pins[key] -= 1
+        runtimes = [self.runtime[k] for k in keys]
+        for rt in runtimes:
+            rt.forward_users -= 1
         training = torch.is_grad_enabled()
-        if training and keys and not self._hook_outputs(module, output):
-            self.keep |= keys  # nothing will tell us when its backward starts: keep them until their READY
+        if training and keys and not hook_outputs(module, output, self._pre_backward):
+            for rt in runtimes:  # nothing will tell us when its backward starts: hold until READY
+                rt.hold = Hold.UNTIL_READY
         if self.reshard_after_forward or not training:
-            for key in keys:
-                self._uses_left[key] -= 1
-                if self._uses_left[key] <= 0 and (not training or (key not in self.keep and key not in self._tail)):
-                    self._free(key)
+            for rt in runtimes:
+                rt.forward_uses_left -= 1
+                if rt.forward_uses_left > 0 or rt.hold is Hold.UNTIL_READY:
+                    continue
+                if training and rt.key in self._tail:
+                    rt.hold = Hold.BACKWARD
+                else:
+                    self._release(rt)
         if not self._stack and module is self.module:
             self._end_forward(training)
 
     def _begin_forward(self) -> None:
-        for module in self._stack:  # a forward that raised left these pinned
+        for module in self._stack:  # a forward that raised left these in use
             for key in self.keys[id(module)]:
-                self.pins[key] = max(0, self.pins[key] - 1)
+                rt = self.runtime[key]
+                rt.forward_users = max(0, rt.forward_users - 1)
         self._stack.clear()
         self._last, self._trace, self._pos = self._trace or self._last, [], 0
-        self._uses_left = Counter(key for m in self._last for key in self.keys[id(m)])
+        for rt in self.runtime.values():
+            rt.forward_uses_left = 0
+            if rt.hold in (Hold.BACKWARD, Hold.UNTIL_READY):  # from a forward whose backward never came
+                rt.hold = Hold.NONE
+        for m in self._last:
+            for key in self.keys[id(m)]:
+                self.runtime[key].forward_uses_left += 1
         self._tail = self._backward_head(self._last)
-        self.keep.clear()
 
     def _end_forward(self, training: bool) -> None:
-        self._backward_uses = Counter(key for m in self._trace for key in self.keys[id(m)])
+        for rt in self.runtime.values():
+            rt.backward_uses_left = 0
+        for m in self._trace:
+            for key in self.keys[id(m)]:
+                self.runtime[key].backward_uses_left += 1
         tail = self._backward_head(self._trace) if training else []
         if self.reshard_after_forward or not training:
-            for key in list(self.live):
-                if not training or (key not in self.keep and key not in tail):
-                    self._free(key)
+            for rt in list(self.live.values()):
+                if rt.hold is Hold.AHEAD:  # prefetched for a module that did not run this time
+                    rt.hold = Hold.NONE
+                if not training:
+                    rt.hold = Hold.NONE
+                elif rt.key in tail and rt.hold is Hold.NONE:
+                    rt.hold = Hold.BACKWARD
+                elif rt.key not in tail and rt.hold is Hold.BACKWARD:
+                    rt.hold = Hold.NONE
+                self._release(rt)
         self._tail = []
 
     def _backward_head(self, trace) -> list[Key]:
         """The first ``prefetch + 1`` buckets backward gathers: the root's (its output's gradient arrives first),
-        then those of the last modules of ``trace``. Freeing them at the end of forward only to gather them again
-        at once, with nothing to overlap that gather, is waste (the benchmark GPT, fp32, 2 gloo ranks: 1.196x ->
-        1.120x DDP, bench/results/engine_step_before_after_stage3.md); they are kept, as FSDP2 keeps its root's
+        then those of the last modules of ``trace``. Releasing them at the end of forward only to gather them
+        again at once, with nothing to overlap that gather, is waste (the benchmark GPT, fp32, 2 gloo ranks: 1.196x
+        -> 1.120x DDP, bench/results/engine_step_before_after_stage3.md); they are held, as FSDP2 keeps its root's
         parameters. The window bound holds: ``prefetch + 1`` is within it, and eviction may still free them."""
         head: list[Key] = []
         for m in ([self.module] if trace else []) + list(reversed(trace)):
@@ -301,107 +340,77 @@ class ParamGather:
         self._prefetch(self._last[self._pos :])
 
     def _prefetch(self, upcoming) -> None:
-        """Start gathering the first buckets ``upcoming`` modules use that are not gathered, keeping at most
+        """Start gathering the first buckets ``upcoming`` modules use that are not present, keeping at most
         ``prefetch`` gathered ahead of use and the window within its bound."""
+        ahead = sum(rt.hold is Hold.AHEAD for rt in self.live.values())
         for m in upcoming:
             for key in sorted(self.keys[id(m)]):
-                if len(self._ahead) >= self.prefetch:
+                if ahead >= self.prefetch:
                     return
-                if key not in self.live:
-                    if len(self.live) >= self.window_bound:
+                rt = self.runtime[key]
+                if rt.params is SHARDED:
+                    if self._live_bytes() + rt.nbytes > self.window_bound:
                         return
-                    self._gather(key, wait=False)
-                    self._ahead.add(key)
+                    self._gather(rt, wait=False)
+                    rt.hold = Hold.AHEAD
+                    ahead += 1
 
     # ---------------------------------------------------------------- backward
-    def _wrap_inputs(self, module, args):
-        flat, spec = tree_flatten(args)
-        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not idx:
-            return None
-        call = _Call(module)
-        module._zero_ext_call = call  # the post-hook's outputs belong to this call
-        wrapped = _AfterBackward.apply(self, call, *(flat[i] for i in idx))
-        for i, t in zip(idx, wrapped if len(idx) > 1 else (wrapped,)):
-            flat[i] = t
-        return tree_unflatten(flat, spec)
-
-    def _hook_outputs(self, module, output) -> bool:
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        call = getattr(module, "_zero_ext_call", None) or _Call(module)
-        module._zero_ext_call = None
-        for t in tensors:
-            t.register_hook(lambda grad, c=call: self._pre_backward(c) or grad)
-        return bool(tensors)
-
     @torch.compiler.disable
-    def _pre_backward(self, call: _Call) -> None:
+    def _pre_backward(self, call: Call) -> None:
         if call.started:
             return
         call.started = True
         module = call.module
         for key in self.keys[id(module)]:
-            self.in_backward[key] += 1
-            self._gather(key, wait=True)
+            rt = self.runtime[key]
+            rt.backward_users += 1
+            self._gather(rt, wait=True)
         if self.prefetch and module in self._trace:  # the modules before it run their backward next
             # ... except the root: its outputs' gradient arrives first, so its pre-backward has run already, and a
-            # bucket of its own freed since (all its gradients in) is needed by no one (prefetching it again was a
-            # second gather of the bucket holding a root parameter such as `pos`, measured with small buckets).
+            # bucket of its own released since (all its gradients in) is needed by no one.
             before = self._trace[: self._trace.index(module)]
             self._prefetch(m for m in reversed(before) if m is not self.module)
 
     @torch.compiler.disable
-    def _post_backward(self, call: _Call) -> None:
+    def _post_backward(self, call: Call) -> None:
         for key in self.keys[id(call.module)]:
-            if call.started and self.in_backward[key] > 0:
-                self.in_backward[key] -= 1
-            self._backward_uses[key] -= 1
-            if self._backward_uses[key] <= 0 and key not in self.keep:
-                self.recomputed.discard(key)
-                self._free(key)
+            rt = self.runtime[key]
+            if call.started and rt.backward_users > 0:
+                rt.backward_users -= 1
+            rt.backward_uses_left -= 1
+            if rt.backward_uses_left <= 0 and rt.hold is not Hold.UNTIL_READY:
+                rt.hold = Hold.NONE
+                self._release(rt)
 
-    def bucket_reduced(self, group_index: int, bucket_index: int) -> None:
-        """All gradients of the bucket arrived (the reducer's READY): its parameters are not needed any more."""
-        key = (group_index, bucket_index)
-        self.keep.discard(key)
-        self.recomputed.discard(key)
-        self.in_backward[key] = 0
-        self._free(key)
+    def bucket_ready(self, rt: BucketRuntime) -> None:
+        """All gradients of the bucket arrived (the reducer's READY): backward needs its parameters no more."""
+        rt.backward_users = 0
+        rt.hold = Hold.NONE
+        self._release(rt)
 
     def backward_done(self) -> None:
-        self.recomputed.clear()
-        for key in list(self.live):
-            self.in_backward[key] = 0
-            self.keep.discard(key)
-            self._free(key)
-
-    # ---------------------------------------------------------------- the ParamSync interface
-    def start_param_sync(self, group, bucket) -> None:
-        pass  # the shard is updated in place; the next use gathers it
-
-    def finish_param_sync(self, keys=None) -> None:
-        if not self._stack and not self._manual:
-            self.release_all()
+        """The end of a backward pass (the reducer's round end): release what backward still held."""
+        self._release_everything(forward_too=False)
 
     @contextlib.contextmanager
     def gathered(self):
-        """Every bucket gathered and pinned for the duration (collective)."""
+        """Every bucket gathered and in use for the duration (collective)."""
         self._manual += 1
         try:
-            for key in self.bucket_of:
-                self.pins[key] += 1
-                self._gather(key, wait=True)
+            for rt in self.runtime.values():
+                rt.forward_users += 1
+                self._gather(rt, wait=True)
             yield
         finally:
-            for key in self.bucket_of:
-                self.pins[key] -= 1
+            for rt in self.runtime.values():
+                rt.forward_users -= 1
             self._manual -= 1
-            if not self._manual and not self._stack:
-                self.release_all()
+            self.settle()
 
     def restore(self) -> None:
         """Undo what construction did to the model: every parameter a full tensor of its own again (collective),
-        its original class back, the hooks gone."""
+        its original class back, the hooks gone; the gathered storages are then released for good."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -413,8 +422,7 @@ class ParamGather:
                     p.data = full
                     p.__class__ = original
                     del p._zero_ext_gather, p._zero_ext_key, p._zero_ext_name
-            self.live.clear()
-            self._exposed.clear()
+            self.classes = {key: [] for key in self.classes}  # released below without touching them again
 
     def remove_hooks(self) -> None:
         self.restore()

@@ -1,5 +1,5 @@
-"""Parameter all-gathers: ``start_param_sync`` after a bucket's update, ``finish_param_sync`` before its
-parameters are read.
+"""Stages 1 and 2: parameter all-gathers, ``start_param_sync`` after a bucket's update, ``finish_param_sync``
+before its parameters are read (each bucket's all-gather in flight is its BucketRuntime's, state GATHERING).
 
 By default ``step()`` finishes every gather before it returns. With ``defer_all_gather_to=model`` it returns at
 once and the waits move into the next forward: a forward pre-hook on each module waits for the buckets of the
@@ -17,40 +17,37 @@ from typing import Iterable, Optional
 
 import torch
 
+from .bucket_runtime import Key, ParamState
 from .buffers import FlatGroup, ShardedState
-from .comm import Pending
 from .layout import Bucket
 from .param_edits import master_follows
 from .weak_hooks import remove_with, weak_call
-
-Key = tuple[int, int]  # (flat group index, bucket index)
 
 
 class ParamSync:
     def __init__(self, state: ShardedState):
         self.state, self.comm = state, state.comm
-        self._pending: dict[Key, Pending] = {}
+        self.runtime = state.runtime
         self._hooks = []
         self.deferred = False
         self._claimed: set[Key] = set()  # buckets some module's pre-hook waited for in the last forward
         self._claiming: set[Key] = set()
 
-    def start_param_sync(self, group: FlatGroup, bucket: Bucket) -> None:
-        """Gather every rank's slice of ``bucket`` into the full param buffer (in place)."""
-        pending = self.comm.start_all_gather(group.flat_params.gathered(bucket), group.flat_params.rank_slice(bucket))
-        if not pending.done:
-            self._pending[(group.index, bucket.index)] = pending
+    def bucket_updated(self, group: FlatGroup, bucket: Bucket) -> None:
+        """``step()`` queued the update of this rank's slice of ``bucket``: gather every rank's into the full param
+        buffer (in place)."""
+        self.runtime[(group.index, bucket.index)].start_param_sync(self.comm)
 
     def finish_param_sync(self, keys: Optional[Iterable[Key]] = None) -> None:
         """The current stream waits for the gathers of ``keys`` (default: all in flight)."""
-        for key in list(self._pending) if keys is None else keys:
-            pending = self._pending.pop(key, None)
-            if pending is not None:
-                pending.wait()
+        for rt in self.runtime.values() if keys is None else (self.runtime[k] for k in keys):
+            if rt.params is ParamState.GATHERING:
+                rt.finish_param_sync()
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._pending)
+    settle = finish_param_sync  # what step() and finish_sync() call: nothing of the parameters left in flight
+
+    def _in_flight(self) -> list[Key]:
+        return [k for k, rt in self.runtime.items() if rt.params is ParamState.GATHERING]
 
     # ---------------------------------------------------------------- deferred waits
     def defer_to(self, module: torch.nn.Module) -> None:
@@ -78,7 +75,7 @@ class ParamSync:
     def _root_pre_hook(self, own_keys: list[Key], _module, _args) -> None:
         self._claiming = set()
         self.finish_param_sync(own_keys)
-        self.finish_param_sync([k for k in list(self._pending) if k not in self._claimed])
+        self.finish_param_sync([k for k in self._in_flight() if k not in self._claimed])
 
     @torch.compiler.disable
     def _root_post_hook(self, _module, _args, _output) -> None:

@@ -19,6 +19,7 @@ class FullParams:
     """Stages 1 and 2: the whole flat param buffer, persistent; parameters are views into it."""
 
     gathers_after_update = True  # every rank's slice must be gathered back into the full buffer
+    shards_params = False  # the full values always exist (a bucket is never SHARDED)
 
     def __init__(self, layout: Layout, rank: int, dtype: torch.dtype, device: torch.device):
         self.layout, self.rank, self.dtype = layout, rank, dtype
@@ -56,6 +57,14 @@ class FullParams:
     def gathered(self, bucket: Bucket) -> torch.Tensor:
         """The whole of ``bucket``: the all-gather's output."""
         return bucket.bucket_range.of(self.buffer)
+
+    def unshard(self, bucket: Bucket) -> torch.Tensor:
+        """The all-gather's output for ``bucket``: its part of the flat buffer (always there)."""
+        return self.gathered(bucket)
+
+    def gather_input(self, bucket: Bucket, full: torch.Tensor) -> torch.Tensor:
+        """The all-gather's input: this rank's slice, inside ``full`` (an in-place all-gather)."""
+        return self.rank_slice(bucket)
 
     def rank_values(self, bucket: Bucket) -> torch.Tensor:
         """This rank's slice of ``bucket`` in the param dtype (to read: a checkpoint's ``param`` section)."""

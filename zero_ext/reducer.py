@@ -7,47 +7,25 @@ predecessors), so the collectives of all ranks always pair up, whatever order gr
 each backward pass (autograd's final callback) the buckets still open are launched too, their missing gradients
 counting as zero. ``finish_grad_sync`` makes every reduction so far visible in the grad shards.
 
-A bucket's status describes the current round (one synchronised backward pass)::
-
-    EMPTY --first gradient--> FILLING --last gradient--> READY --its turn--> SYNCING --finish_grad_sync--> SYNCED
-      |______________________ end of backward (missing gradients are zero) __^
-
-Collectives of an earlier round still in flight when a new round starts are tracked by the staging pool.
+Each bucket's gradient phase is its :class:`zero_ext.bucket_runtime.BucketRuntime`'s ``grad`` (one round = one
+synchronised backward pass; the diagram and the legal moves are there): EMPTY, FILLING, READY, SYNCING (its
+reduce-scatter in flight, held by the bucket), SYNCED. A reduction of an earlier round still in flight when the
+bucket launches again is waited for first, so each bucket's reductions land in order.
 """
 
 from __future__ import annotations
 
-import enum
-from typing import Optional
-
 import torch
 
-from .buffers import FlatGroup, ShardedState
-from .comm import Pending
+from .bucket_runtime import BucketRuntime, GradState
+from .buffers import ShardedState
 from .grads import GradStrategy
-from .layout import Bucket
-from .staging import StagingEntry, StagingPool
+from .staging import StagingPool
 from .weak_hooks import remove_all, remove_with, weak_call
 
-
-class BucketStatus(enum.Enum):
-    EMPTY = "empty"  # no gradient of this round has arrived
-    FILLING = "filling"  # some have
-    READY = "ready"  # all have (or the round is closing); launched when every bucket before it in order is
-    SYNCING = "syncing"  # its reduce-scatter is in flight
-    SYNCED = "synced"  # its mean is in the grad shard
-
-
-class GradBucket:
-    """One bucket's gradient reduction: its place in the launch order and its status this round."""
-
-    __slots__ = ("group", "bucket", "order", "status", "arrived", "staging")
-
-    def __init__(self, group: FlatGroup, bucket: Bucket, order: int):
-        self.group, self.bucket, self.order = group, bucket, order
-        self.status = BucketStatus.EMPTY
-        self.arrived = 0  # gradients counted this round
-        self.staging: Optional[StagingEntry] = None  # the pool entry it fills or sends from
+# The names the gradient strategies (grads.py) and older code know these by.
+GradBucket = BucketRuntime
+BucketStatus = GradState
 
 
 class GradSync:
@@ -55,7 +33,7 @@ class GradSync:
 
     def __init__(self, state: ShardedState, strategy: GradStrategy, pool_capacity: int = 2):
         self.state, self.strategy, self.comm = state, strategy, state.comm
-        self.buckets = [GradBucket(g, b, order) for order, (g, b) in enumerate(state.launch_order())]
+        self.buckets = sorted(state.runtime.values(), key=lambda b: b.order)  # launch order
         send = max((gb.bucket.numel * strategy.send_bytes(gb.group) for gb in self.buckets), default=0)
         workspace = 0
         if self.comm.communicates:
@@ -68,13 +46,12 @@ class GradSync:
         self.pool = StagingPool(send, workspace, min(pool_capacity, len(self.buckets)), state.device)
         strategy.pool = state.staging = self.pool
         self.sync_enabled = True
-        self.on_ready = None  # called with each bucket whose gradients have all arrived (stage 3 frees its params)
+        self.on_ready = None  # called with each BucketRuntime whose gradients have all arrived (stage 3 frees it)
         self.on_round_end = None  # called at the end of every backward pass
         self.epoch = 0  # changes whenever the gradients may have: the step's agreement is cached per epoch
         self._round_open = False
         self._next = 0  # position in launch order of the next bucket to launch this round
-        self._inflight: list[Pending] = []  # collectives with no staging entry to track them
-        by_key = {(gb.group.index, gb.bucket.index): gb for gb in self.buckets}
+        by_key = state.runtime
         self._hooks = []
         for group in state.groups:
             for slot, p in zip(group.layout.slots, group.params):
@@ -87,16 +64,14 @@ class GradSync:
 
     # ---------------------------------------------------------------- backward
     @torch.compiler.disable
-    def _on_grad(self, gb: GradBucket, slot, param: torch.Tensor) -> None:
+    def _on_grad(self, gb: BucketRuntime, slot, param: torch.Tensor) -> None:
         self.epoch += 1
         if not self.strategy.on_grad(gb, slot, param, self.sync_enabled):
             return
         self._open_round()
-        gb.arrived += 1
-        gb.status = BucketStatus.READY if gb.arrived >= len(gb.bucket.slots) else BucketStatus.FILLING
-        if gb.status is BucketStatus.READY:
+        if gb.grad_arrived():  # READY
             if self.on_ready is not None:
-                self.on_ready(gb.group.index, gb.bucket.index)
+                self.on_ready(gb)
             self._launch_ready()
 
     def _open_round(self) -> None:
@@ -104,12 +79,13 @@ class GradSync:
             return
         self._round_open = True
         for gb in self.buckets:
-            gb.status, gb.arrived = BucketStatus.EMPTY, 0
+            gb.move_grad(GradState.EMPTY)
+            gb.arrived = 0
         self._next = 0
         torch.autograd.Variable._execution_engine.queue_callback(self._close_round)
 
     def _launch_ready(self) -> None:
-        while self._next < len(self.buckets) and self.buckets[self._next].status is BucketStatus.READY:
+        while self._next < len(self.buckets) and self.buckets[self._next].grad is GradState.READY:
             self.start_grad_sync(self.buckets[self._next])
             self._next += 1
 
@@ -117,7 +93,8 @@ class GradSync:
     def _close_round(self) -> None:
         """End of a backward pass: launch every bucket not launched yet (missing gradients are zero)."""
         for gb in self.buckets[self._next :]:
-            gb.status = BucketStatus.READY
+            if gb.grad is not GradState.READY:
+                gb.move_grad(GradState.READY)
         self._launch_ready()
         self._round_open = False
         self.strategy.end_round()
@@ -126,9 +103,11 @@ class GradSync:
         if getattr(self.strategy, "waits_at_round_end", False):
             self.wait_inflight()
 
-    def start_grad_sync(self, gb: GradBucket) -> None:
+    def start_grad_sync(self, gb: BucketRuntime) -> None:
         """Launch ``gb``'s reduce-scatter into its grad shard (the strategy says what goes on the wire)."""
+        gb.wait_grad()  # its reduction of an earlier round, if still in flight, lands first
         send = self.strategy.send(gb)
+        pending = None
         if send is not None:
             entry = gb.staging
             placement = gb.group.state
@@ -142,12 +121,8 @@ class GradSync:
             )
             if not direct:
                 placement.landed(gb.bucket, target, pending, self.strategy.accumulate)
-            if entry is None:
-                self._inflight.append(pending)
-            else:
-                self.pool.launched(entry, pending)
-        gb.staging = None
-        gb.status = BucketStatus.SYNCING
+            self.pool.launched(entry, pending)
+        gb.start_grad_sync(pending)
 
     def finish_grad_sync(self) -> None:
         """Make every reduction of the gradients so far visible in the grad shards (the current stream waits)."""
@@ -159,21 +134,21 @@ class GradSync:
 
     def _open_round_without_backward(self) -> None:
         for gb in self.buckets:
-            gb.status, gb.arrived = BucketStatus.READY, 0
+            gb.move_grad(GradState.READY)
+            gb.arrived = 0
         self._next = 0
         self._launch_ready()
         self.strategy.end_round()
 
     def wait_inflight(self) -> None:
-        self.pool.wait_all()
-        for pending in self._inflight:
-            pending.wait()
-        self._inflight.clear()
+        self.pool.wait_all()  # in launch order: each entry is reused only once its collective is done
+        for gb in self.buckets:
+            if gb.grad is GradState.SYNCING:
+                gb.finish_grad_sync()
+            else:
+                gb.wait_grad()  # a reduction of an earlier round (SYNCING when its round ended)
         for group in self.state.groups:
             group.state.finish_landing()
-        for gb in self.buckets:
-            if gb.status is BucketStatus.SYNCING:
-                gb.status = BucketStatus.SYNCED
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.finish_grad_sync()

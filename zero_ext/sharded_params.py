@@ -1,20 +1,22 @@
 """Stage 3's parameter storage: each rank keeps only its shard of every bucket; a bucket's full parameters exist
 only while it is gathered.
 
-At rest a parameter's ``.data`` is a poison view: a single NaN expanded to the parameter's shape, so its shape,
-dtype and device stay right for any code that inspects them, it costs no memory, and nothing can read stale or
-freed memory through it. Gathered, ``.data`` is a view into the bucket's gathered buffer, as at stages 1 and 2.
+Each bucket has one flat tensor, its *gathered storage*, made at its first gather; from then on every parameter of
+the bucket is a view into it (``.data`` is not re-pointed again; before, a poison view: one NaN expanded to the
+parameter's shape). Released, the storage is resized to zero bytes (FSDP2's ``untyped_storage().resize_(0)``): the
+parameters keep their shape, dtype and device for any code that inspects them, and cost nothing. Gathered again, the
+same storage is resized back and the all-gather writes into it. So a view autograd saved in forward (``F.linear``
+saves ``weight.t()``) holds no copy of its own while the bucket is released, and reads the refilled values in
+backward: freed means freed, and backward never needs a second copy. Reading a released storage would read freed
+memory, so nothing may: every data access through a parameter whose bucket is not gathered is checked, and the
+gather scheduler (param_gather.py) gathers a bucket before any backward that reads a saved view of it.
 
-Every data access through a parameter whose bucket is not gathered is checked: the parameter's class becomes a
-subclass of its own class whose ``__torch_function__`` (which torch calls for every op on the parameter) first
-makes sure the bucket is gathered: inside forward and backward it gathers it on demand (a module reading a weight
-it does not own, ``F.linear(x, self.wte.weight)``), outside them it raises a clear error instead of a collective
-one rank might make alone. Metadata (shape, dtype, device, ``.grad``, ``.data`` assignment) never triggers
-anything. Once its bucket's gather is complete a parameter gets its own class back (param_gather.py), so the ops of
-forward pay nothing for the checks; ``close()`` restores the class for good.
-
-On the CPU a released bucket's buffer is kept for the next gather of a bucket of its size (a fresh allocation
-would be page-faulted in by every gather), unless something (a view autograd saved) still holds it.
+The check: the parameter's class becomes a subclass of its own class whose ``__torch_function__`` (which torch calls
+for every op on the parameter) first makes sure the bucket is gathered: inside forward and backward it gathers it on
+demand (a module reading a weight it does not own, ``F.linear(x, self.wte.weight)``), outside them it raises a clear
+error instead of a collective one rank might make alone. Metadata (shape, dtype, device, ``.grad``, ``.data``
+assignment) never triggers anything. Once its bucket's gather is complete a parameter gets its own class back
+(param_gather.py), so the ops of forward pay nothing for the checks; ``close()`` restores the class for good.
 """
 
 from __future__ import annotations
@@ -62,11 +64,6 @@ class ShardedParameter(torch.nn.Parameter):
             return func(*args, **kwargs)
 
 
-def _storage_uses(t: torch.Tensor) -> int:
-    """How many tensors share ``t``'s storage (views included)."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
 _CLASSES: dict[type, type] = {}
 
 
@@ -89,14 +86,16 @@ class ShardedParams:
     AdamW kernel would have written (both round to nearest even), and it saves 2 bytes per parameter / N."""
 
     gathers_after_update = False  # the next use gathers the updated shard
+    shards_params = True  # a bucket starts SHARDED (bucket_runtime.ParamState)
 
     def __init__(self, layout: Layout, rank: int, dtype: torch.dtype, device: torch.device):
         self.layout, self.rank, self.dtype, self.device = layout, rank, dtype, device
         self.shard: Optional[torch.Tensor] = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
         self.source: Optional[Callable[[Bucket], torch.Tensor]] = None  # bucket -> its fp32 master slice
-        self._spare: dict[int, list[torch.Tensor]] = {}  # numel -> released buffers to reuse (CPU)
-        self._sole_use = _storage_uses(torch.empty(1))  # the count of a storage held by one tensor only
-        self.buffers: dict[int, torch.Tensor] = {}  # bucket index -> its gathered buffer
+        # bucket index -> its gathered storage: made at the bucket's first gather, the bucket's parameters view it
+        # from then on; zero bytes while the bucket is released. (Not made here: a model built on meta would pay
+        # for every bucket at once, and the freed blocks fragment the heap.)
+        self.storage: dict[int, torch.Tensor] = {}
         self.params: Sequence[torch.Tensor] = ()
         self.poison = torch.full((1,), float("nan"), dtype=dtype, device=device)
 
@@ -111,7 +110,21 @@ class ShardedParams:
                 flat = self.params[piece.index].detach().reshape(-1)
                 piece.shard_range.of(self.shard).copy_(piece.param_range.of(flat))
         for bucket in self.layout.buckets:
-            self.release(bucket)
+            self.forget(bucket)
+
+    def forget(self, bucket: Bucket) -> None:
+        """``bucket``'s parameters become poison views, and it has no gathered storage (the next gather makes one)."""
+        self.storage.pop(bucket.index, None)
+        with torch._C.DisableTorchFunctionSubclass():  # metadata only
+            for i in bucket.slots:
+                self.params[i].data = self.poison.expand(self.params[i].shape)
+
+    def view_into(self, bucket: Bucket, buf: torch.Tensor) -> None:
+        """Make ``bucket``'s parameters views of ``buf`` (a flat tensor of the bucket's size)."""
+        with torch._C.DisableTorchFunctionSubclass():  # metadata only
+            for i in bucket.slots:
+                p = self.params[i]
+                p.data = bucket.slot_range(self.layout.slots[i]).of(buf).view(p.shape)
 
     def fill_shard(self, bucket: Bucket, full: torch.Tensor) -> None:
         """This rank's slice of ``full`` (the whole bucket) into the shard (before :meth:`cast_from`)."""
@@ -143,47 +156,52 @@ class ShardedParams:
             mine.copy_(self.source(bucket))
         return mine
 
-    def allocate(self, bucket: Bucket) -> torch.Tensor:
-        """A buffer for ``bucket`` (the all-gather's output), with the bucket's parameters viewing into it."""
-        spare = self._spare.get(bucket.numel)
-        buf = spare.pop() if spare else torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
-        self.buffers[bucket.index] = buf
-        with torch._C.DisableTorchFunctionSubclass():  # metadata only: no need for the checks' dispatch
-            for i in bucket.slots:
-                p = self.params[i]
-                p.data = bucket.slot_range(self.layout.slots[i]).of(buf).view(p.shape)
+    def unshard(self, bucket: Bucket) -> torch.Tensor:
+        """``bucket``'s gathered storage with its bytes (uninitialised: the all-gather's output); every view of it,
+        the parameters' and any autograd saved, sees what is written into it."""
+        buf = self.storage.get(bucket.index)
+        if buf is None:  # the first gather (or the previous storage was left to numpy): make it, views into it
+            buf = self.storage[bucket.index] = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
+            self.view_into(bucket, buf)
+        elif buf.untyped_storage().nbytes() == 0:
+            buf.untyped_storage().resize_(bucket.numel * self.dtype.itemsize)
         return buf
 
     def gathered(self, bucket: Bucket) -> Optional[torch.Tensor]:
-        return self.buffers.get(bucket.index)
+        """``bucket``'s gathered storage while it holds its bytes, else None."""
+        buf = self.storage.get(bucket.index)
+        return buf if buf is not None and buf.untyped_storage().nbytes() else None
 
     def release(self, bucket: Bucket) -> None:
-        """Free ``bucket``'s buffer; its parameters go back to poison views."""
-        buf = self.buffers.pop(bucket.index, None)
-        with torch._C.DisableTorchFunctionSubclass():
-            for i in bucket.slots:
-                p = self.params[i]
-                p.data = self.poison.expand(p.shape)
-        # On the CPU, keep the buffer for the next gather of a bucket of its size (at most the window's peak of
-        # them), as CUDA's caching allocator does: a fresh one is page-faulted in by every gather (~2.5 ms a
-        # step on the benchmark GPT at N=2). Only when nothing else holds a view of it (autograd may have saved
-        # a slice of a parameter): else it is left to be freed with that view.
-        if buf is not None and self.device.type == "cpu" and _storage_uses(buf) == self._sole_use:
-            self._spare.setdefault(buf.numel(), []).append(buf)
+        """Free ``bucket``'s full values: its storage shrinks to zero bytes, for every view of it.
+
+        A storage numpy shares (``param.detach().numpy()`` while gathered) can no longer be resized: it is left
+        to the array, and the parameters become poison views until the next gather makes a new storage (a saved
+        view of the old one keeps reading the values it saw, which are the bucket's until the next step)."""
+        buf = self.storage.get(bucket.index)
+        if buf is None:
+            return
+        if buf.untyped_storage().resizable():
+            buf.untyped_storage().resize_(0)
+        else:
+            self.forget(bucket)
+
+    def gathered_bytes(self) -> int:
+        """Bytes the gathered storages hold now: every full parameter value alive on this rank."""
+        return sum(buf.untyped_storage().nbytes() for buf in self.storage.values())
 
     def misplaced(self, params: Sequence[torch.Tensor]) -> Optional[int]:
-        """The index of a parameter whose ``.data`` is neither its poison view nor its view of a gathered buffer
-        (the model was moved, cast or given new tensors after the optimizer was built), else None."""
+        """The index of a parameter that is neither its poison view nor a view of its bucket's gathered storage (the
+        model was moved, cast or given new tensors after the optimizer was built), else None."""
+        poison = self.poison.untyped_storage()._cdata
         with torch._C.DisableTorchFunctionSubclass():
             for slot, p in zip(self.layout.slots, params):
-                buf = self.buffers.get(slot.bucket)
-                allowed = {self.poison.untyped_storage().data_ptr()}
-                if buf is not None:
-                    allowed.add(buf.untyped_storage().data_ptr())
+                buf = self.storage.get(slot.bucket)
+                mine = poison if buf is None else buf.untyped_storage()._cdata
                 if (
                     p.device != self.device
                     or p.dtype != self.dtype
-                    or (slot.numel and p.untyped_storage().data_ptr() not in allowed)
+                    or (slot.numel and p.untyped_storage()._cdata != mine)
                 ):
                     return slot.index
         return None

@@ -144,7 +144,7 @@ class Stepper:
                 updated = self._update(group, unit, s, active, grad_scale) if update else []
                 group.state.unit_done(unit, updated)
                 if unit.last and unit.bucket.index in moving:
-                    self.param_sync.start_param_sync(group, unit.bucket)
+                    self.param_sync.bucket_updated(group, unit.bucket)
             group.state.step_done()
         self.grad_sync.after_step()
         return True

@@ -1,0 +1,66 @@
+"""Stage 3's two signals from autograd about one module call: its backward is about to run (a hook on the
+gradient of its outputs), and its backward is done (an identity autograd function on its inputs, whose backward
+runs once the module's backward has produced their gradients). param_gather.py decides what they do."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+
+class Call:
+    """One call of a module: its backward pre-hook must run once, however many outputs carry a gradient.
+    ``after``: whether its inputs were wrapped, so that a post-backward signal will come."""
+
+    __slots__ = ("module", "started", "after")
+
+    def __init__(self, module, after: bool = False):
+        self.module, self.started, self.after = module, False, after
+
+
+class _AfterBackward(torch.autograd.Function):
+    """Identity on a module's inputs; its backward runs once the module's backward has produced their gradients."""
+
+    @staticmethod
+    def forward(ctx, done, call, *inputs):
+        ctx.done, ctx.call = done, call
+        ctx.set_materialize_grads(False)
+        return inputs if len(inputs) > 1 else inputs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.done(ctx.call)
+        return (None, None, *grads)
+
+
+def in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def wrap_inputs(module: torch.nn.Module, args, done: Callable[[Call], None]):
+    """``args`` with every tensor that needs a gradient passed through :class:`_AfterBackward` (``done(call)``
+    when the module's backward is done), or None when none needs one. The call is left on the module for
+    :func:`hook_outputs`."""
+    flat, spec = tree_flatten(args)
+    idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not idx:
+        return None
+    call = Call(module, after=True)
+    module._zero_ext_call = call  # the post-hook's outputs belong to this call
+    wrapped = _AfterBackward.apply(done, call, *(flat[i] for i in idx))
+    for i, t in zip(idx, wrapped if len(idx) > 1 else (wrapped,)):
+        flat[i] = t
+    return tree_unflatten(flat, spec)
+
+
+def hook_outputs(module: torch.nn.Module, output, starts: Callable[[Call], None]) -> bool:
+    """Call ``starts(call)`` when a gradient of ``output`` arrives (before the module's backward runs); False when
+    no output needs a gradient (then nothing will signal the module's backward)."""
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    call = getattr(module, "_zero_ext_call", None) or Call(module)
+    module._zero_ext_call = None
+    for t in tensors:
+        t.register_hook(lambda grad, c=call: starts(c) or grad)
+    return bool(tensors)
