@@ -201,8 +201,10 @@ def summarize(launches: list[dict]) -> dict:
         iqr = [harness.summary(run["backward_s"][name]) for run in launches]
         rows[name] = {
             "backward_ms": statistics.median(bwd),
-            "backward_iqr_ms": [statistics.median(s["q1_s"] for s in iqr) * 1e3,
-                                statistics.median(s["q3_s"] for s in iqr) * 1e3],  # fmt: skip
+            "backward_iqr_ms": [
+                statistics.median(s["q1_s"] for s in iqr) * 1e3,
+                statistics.median(s["q3_s"] for s in iqr) * 1e3,
+            ],  # fmt: skip
             "iteration_ms": statistics.median(it),
             "us_per_param_vs_plain": statistics.median(vs_plain),
             "us_per_param_vs_plain_range": [min(vs_plain), max(vs_plain)],
@@ -268,8 +270,9 @@ def markdown(payload: dict, trees: dict) -> str:
         f"Model: {c['blocks']} x (Linear({c['width']}, {c['width']}) + LayerNorm({c['width']})), "
         f"{c['rows']} rows per rank; bucket {payload['bucket_size']} elements (DDP: the same bytes); one torch thread "
         f"per rank; {c['warmup']} warm-up + {c['reps']} timed iterations per launch, contenders round-robin with a "
-        f"barrier before each; {c['pairs']} launch(es) per engine, " + ("before and after alternately" if
-        "before" in trees else "this checkout only") + ".",  # fmt: skip
+        f"barrier before each; {c['pairs']} launch(es) per engine, "
+        + ("before and after alternately" if "before" in trees else "this checkout only")
+        + ".",  # fmt: skip
         "",
         "`µs/param` = (median backward − median backward of the baseline) / parameters, per launch; the table gives "
         "the median over launches and [min, max]. Backward and iteration are host wall times (ms), medians.",
