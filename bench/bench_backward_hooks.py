@@ -10,6 +10,8 @@ same weights and times them round-robin (a barrier before each call), every call
 forward, backward, step) with the backward timed on its own:
 
 - ``plain``: no hooks, no communication (torch AdamW on the local gradients): what backward costs by itself;
+- ``noop_hooks``: ``plain`` with a post-accumulate-grad hook doing nothing on every parameter (what calling
+  Python from autograd costs per parameter: the floor of any hook-based engine);
 - ``ddp``: DistributedDataParallel + torch AdamW, buckets as large as ZeroAdamW's;
 - ``zero1`` / ``zero2`` / ``zero3``: ZeroAdamW at that stage (stage 3 with ``module=model``).
 
@@ -39,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-CONTENDERS = ("plain", "ddp", "zero1", "zero2", "zero3")
+CONTENDERS = ("plain", "noop_hooks", "ddp", "zero1", "zero2", "zero3")
 BUCKET = 1 << 14  # elements per bucket, both engines (~9 buckets): the per-bucket costs are part of the picture
 
 
@@ -61,7 +63,10 @@ def _build(name: str, args, dtype: torch.dtype):
 
     torch.manual_seed(0)
     model = Blocks(args.blocks, args.width).to(dtype)
-    if name == "plain":
+    if name in ("plain", "noop_hooks"):
+        if name == "noop_hooks":  # the floor of any per-parameter Python hook: autograd calling into Python
+            for p in model.parameters():
+                p.register_post_accumulate_grad_hook(lambda _: None)
         return model, model, torch.optim.AdamW(model.parameters(), lr=1e-3)
     if name == "ddp":
         net = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=BUCKET * dtype.itemsize / 2**20)
