@@ -42,16 +42,32 @@ def test_flatten_into_is_cast_scale_of_each(device, out_dtype, src_dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("src_dtype", FLOATS)
-def test_accumulate_all_is_add_of_each(device, src_dtype, monkeypatch):
-    """Bit for bit ``acc + src.float()`` per pair, including sources past CPU_BLOCK (made small here)."""
-    monkeypatch.setattr(dispatch, "CPU_BLOCK", 64)
+def test_add_flattened_is_add_of_each(device, src_dtype, monkeypatch):
+    """Bit for bit ``acc + src.float()`` per range, given out of order, in several runs and one source larger than
+    a run (SCRATCH made small here); the gaps keep every bit (+0.0, -0.0, nan, inf: the scratch's -0.0 adds
+    nothing)."""
+    monkeypatch.setattr(dispatch, "SCRATCH", 2048)
     gen = torch.Generator().manual_seed(1)
-    srcs = [torch.randn(n, generator=gen).to(src_dtype).to(device) for n in SIZES]
-    accs = [torch.randn(n, generator=gen).to(device) for n in SIZES]
-    expected = [a + s.float() for a, s in zip(accs, srcs)]
-    dispatch.accumulate_all(accs, srcs)
-    for a, e in zip(accs, expected):
-        assert torch.equal(a, e)
+    srcs = [torch.randn(n, generator=gen).to(src_dtype).to(device) for n in SIZES]  # 4099 > SCRATCH: alone
+    srcs[3] = srcs[3][:96].reshape(8, 12)
+    offsets, at = [], 3
+    for src in srcs:
+        offsets.append(at)
+        at += src.numel() + 5
+    flat = torch.randn(at, generator=gen)
+    gaps = torch.ones(at, dtype=torch.bool)
+    for src, o in zip(srcs, offsets):
+        gaps[o : o + src.numel()] = False
+    gap_index = gaps.nonzero().flatten()
+    flat[gap_index[:4]] = torch.tensor([0.0, -0.0, float("nan"), float("inf")])
+    flat = flat.to(device)
+    expected = flat.clone()
+    for src, o in zip(srcs, offsets):
+        expected[o : o + src.numel()] += src.float().reshape(-1)
+    order = [4, 0, 2, 5, 1, 3]
+    dispatch.add_flattened(flat, [srcs[i] for i in order], [offsets[i] for i in order])
+    same = flat.cpu().view(torch.int32) == expected.cpu().view(torch.int32)  # bits: -0.0 and nan included
+    assert bool(same.all()), same.logical_not().nonzero()[:5]
 
 
 # ------------------------------------------------------------------------------------------------ engine
@@ -161,3 +177,24 @@ def test_stage1_fp32_accumulation_writes_once_per_bucket(world, case):
     for buckets, writes, held, leftover in run_on_ranks(world, _backward_writes, 1, case == "twice", False, True):
         assert leftover == [] and held <= BUCKET
         assert writes == buckets if case == "in_order" else buckets <= writes < 16, (writes, buckets)
+
+
+def test_bench_backward_hooks_tiny(tmp_path):
+    """The benchmark runs as a user runs it and writes every contender's µs/param (bench/README.md cites it)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "bench/bench_backward_hooks.py", "--worlds", "1", "--dtypes", "float32", "--pairs", "1",
+           "--blocks", "4", "--warmup", "1", "--reps", "2", "--components", "--out-dir", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads((tmp_path / "backward_hooks_cpu.json").read_text())
+    assert data["meta"]["commit"] and data["meta"]["command"]
+    row = data["results"]["1/float32"]
+    assert row["params"] == 16
+    for name in ("plain", "noop_hooks", "ddp", "zero1", "zero2", "zero3"):
+        assert row["after"]["summary"][name]["backward_ms"] > 0, name
+    assert data["components_us"]

@@ -26,7 +26,7 @@ import torch
 
 from .buffers import FlatGroup, ShardedState
 from .grad_hold import Arrival, GradHold, take_grads
-from .kernels.dispatch import accumulate_all, accumulate_into, cast_scale_into, flatten_into
+from .kernels.dispatch import accumulate_into, add_flattened, cast_scale_into, flatten_into
 from .layout import Slot
 from .staging import StagingPool
 
@@ -282,13 +282,6 @@ class Fp32GradBuffer(BufferedGrads):
         self._got.add(group.param_indices[slot.index])
         p.grad = None
 
-    def _target(self, group: FlatGroup, slot: Slot) -> torch.Tensor:
-        key = (group.index, slot.index)
-        view = self._views.get(key)
-        if view is None:
-            view = self._views[key] = slot.param_range.of(group.grad_buffer).view(group.params[slot.index].shape)
-        return view
-
     def got_grads(self) -> set[int]:
         return set(self._got)
 
@@ -311,7 +304,7 @@ class Fp32GradBuffer(BufferedGrads):
 
     def _write(self, gb, held) -> None:
         slots, grads = take_grads(held)
-        accumulate_all([self._target(gb.group, s) for s in slots], grads)
+        add_flattened(gb.group.grad_buffer, grads, [s.offset for s in slots])
 
     def end_round(self) -> None:
         self._hold.end_round()
@@ -386,20 +379,19 @@ class ShardGrads(ShardedGradStrategy):
 
     def __init__(self, state: ShardedState, reduce_dtype: torch.dtype):
         super().__init__(state, reduce_dtype)
-        self._targets: dict[tuple[int, int], torch.Tensor] = {}  # (group, slot) -> its run of the grad shard
+        self._starts: dict[tuple[int, int], int] = {}  # (group, slot) -> where it starts in the grad shard
         self._hold = GradHold(self._write)
 
     def send_bytes(self, group: FlatGroup) -> int:
         return 0
 
-    def _target(self, group: FlatGroup, slot: Slot) -> torch.Tensor:
-        """The parameter's run of the grad shard, shaped like it (no reshape per gradient), computed once."""
+    def _start(self, group: FlatGroup, slot: Slot) -> int:
+        """Where the parameter starts in the grad shard, computed once."""
         key = (group.index, slot.index)
-        target = self._targets.get(key)
-        if target is None:
-            run = group.layout.single_rank_shard_range(slot).of(group.state.grad)
-            target = self._targets[key] = run.view(group.params[slot.index].shape)
-        return target
+        start = self._starts.get(key)
+        if start is None:
+            start = self._starts[key] = group.layout.single_rank_shard_range(slot).start
+        return start
 
     def on_grad(self, gb, slot, param, syncing) -> bool:
         if param.grad.layout is not torch.strided:
@@ -407,13 +399,14 @@ class ShardGrads(ShardedGradStrategy):
         self.arrived(gb.group, slot)
         arrival = self._hold.arrive(gb, slot, param)
         if arrival is Arrival.AGAIN_WRITTEN:
-            accumulate_into(self._target(gb.group, slot).view(-1), param.grad)
+            start = self._start(gb.group, slot)
+            accumulate_into(gb.group.state.grad[start : start + slot.numel], param.grad)
             param.grad = None
         return arrival is Arrival.FIRST
 
     def _write(self, gb, held) -> None:
         slots, grads = take_grads(held)
-        accumulate_all([self._target(gb.group, s) for s in slots], grads)
+        add_flattened(gb.group.state.grad, grads, [self._start(gb.group, s) for s in slots])
 
     def send(self, gb) -> None:
         self._hold.flush(gb)
