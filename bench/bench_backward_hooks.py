@@ -109,7 +109,11 @@ def run_launch(rank: int, world: int, device, args_dict: dict) -> dict:
 
     out = harness.round_robin({n: contender(n) for n in args.contenders}, args.warmup, args.reps, dist.barrier)
     params = sum(1 for p in built[args.contenders[0]][0].parameters())
+    hook_path = {}
+    if world == 1:
+        hook_path = {n: hook_path_us(built[n][2]) for n in ("zero1", "zero2") if n in built}
     return {
+        "hook_path_us": hook_path,
         "params": params,
         "numel": sum(p.numel() for p in built[args.contenders[0]][0].parameters()),
         "backward_s": {n: [b for b, _ in v] for n, v in out.items()},
@@ -117,9 +121,39 @@ def run_launch(rank: int, world: int, device, args_dict: dict) -> dict:
     }
 
 
-def per_param_us(launch: dict, name: str, base: str, key: str = "backward_s") -> float:
+def per_param_us(launch: dict, name: str, base: str, key: str = "backward_s", stat=statistics.median) -> float:
     t = launch[key]
-    return (statistics.median(t[name]) - statistics.median(t[base])) / launch["params"] * 1e6
+    return (stat(t[name]) - stat(t[base])) / launch["params"] * 1e6
+
+
+def hook_path_us(opt, reps: int = 50) -> float:
+    """Microseconds per gradient of ZeroAdamW's own hook path on one rank, without autograd around it: every
+    parameter's hook called directly (its ``.grad`` set beforehand) and the round closed, as backward would; the
+    best of ``reps`` rounds. Reaches into the engine's private reducer (a benchmark's licence; both engines have
+    these names): the calls a backward pass makes, with none of the load-sensitive compute between them."""
+    import time
+
+    from zero_ext.weak_hooks import weak_call
+
+    sync = opt._grad_sync
+    by_key = {(gb.group.index, gb.bucket.index): gb for gb in sync.buckets}
+    items = [(by_key[(g.index, slot.bucket)], slot, p) for g in sync.state.groups
+             for slot, p in zip(g.layout.slots, g.params)]  # fmt: skip
+    items.sort(key=lambda item: -item[1].offset)  # the order backward produces them in: layout order
+    grads = [torch.randn_like(p) for _, _, p in items]
+    hooks = [weak_call(sync._on_grad, gb, slot) for gb, slot, _ in items]
+    best = float("inf")
+    for _ in range(reps):
+        for (_, _, p), grad in zip(items, grads):
+            p.grad = grad
+        sync._round_open = True  # opened by the first gradient of a real backward (its callback needs one)
+        start = time.perf_counter()
+        for hook, (_, _, p) in zip(hooks, items):
+            hook(p)
+        sync._close_round()
+        best = min(best, time.perf_counter() - start)
+        opt.zero_grad()
+    return best / len(items) * 1e6
 
 
 # ------------------------------------------------------------------------------------------------ components
@@ -203,6 +237,7 @@ def summarize(launches: list[dict]) -> dict:
         it = [statistics.median(run["iteration_s"][name]) * 1e3 for run in launches]
         vs_plain = [per_param_us(run, name, "plain") for run in launches]
         vs_ddp = [per_param_us(run, name, "ddp") for run in launches]
+        fastest = [per_param_us(run, name, "plain", stat=min) for run in launches]
         iqr = [harness.summary(run["backward_s"][name]) for run in launches]
         rows[name] = {
             "backward_ms": statistics.median(bwd),
@@ -215,6 +250,11 @@ def summarize(launches: list[dict]) -> dict:
             "us_per_param_vs_plain_range": [min(vs_plain), max(vs_plain)],
             "us_per_param_vs_ddp": statistics.median(vs_ddp),
             "us_per_param_vs_ddp_range": [min(vs_ddp), max(vs_ddp)],
+            # from each contender's fastest backward of a launch: the least disturbed by other work on the machine
+            "us_per_param_vs_plain_fastest": statistics.median(fastest),
+            "hook_path_us": statistics.median(hp)
+            if (hp := [r["hook_path_us"][name] for r in launches if name in r.get("hook_path_us", {})])
+            else None,
         }
     return rows
 
@@ -279,18 +319,46 @@ def markdown(payload: dict, trees: dict) -> str:
         + ("before and after alternately" if "before" in trees else "this checkout only")
         + ".",  # fmt: skip
         "",
-        "`µs/param` = (median backward − median backward of the baseline) / parameters, per launch; the table gives "
-        "the median over launches and [min, max]. Backward and iteration are host wall times (ms), medians.",
+        "`µs/param` = (median backward − median backward of the baseline) / parameters, per launch; the tables give "
+        "the median over launches and [min, max]; `fastest`: from each contender's fastest backward of a launch "
+        "instead of its median (less disturbed by other work on the machine). Backward and iteration are host wall "
+        "times (ms), medians. `plain`: no hooks; `noop_hooks`: a do-nothing Python hook per parameter.",
         "",
         "Engines: " + ", ".join(f"{tag} = `{sha}`" for tag, sha in payload["commits"].items()),
     ]
-    for key, res in payload["results"].items():
+    tags = list(trees)
+    lines += ["", "## Summary: host µs added per parameter (median over launches)", ""]
+    head = ["ranks", "params", "contender"]
+    head += [f"{t}: vs plain" for t in tags] + [f"{t}: vs plain, fastest" for t in tags]
+    head += [f"{t}: vs DDP" for t in tags]
+    rows = []
+    for res in payload["results"].values():
+        for name in CONTENDERS[1:]:
+            s = {t: res[t]["summary"][name] for t in tags}
+            rows.append([res["world"], res["dtype"], name]
+                        + [f"{s[t]['us_per_param_vs_plain']:.1f}" for t in tags]
+                        + [f"{s[t]['us_per_param_vs_plain_fastest']:.1f}" for t in tags]
+                        + [f"{s[t]['us_per_param_vs_ddp']:.1f}" for t in tags])  # fmt: skip
+    lines.append(harness.markdown_table(head, rows))
+    hook_rows = []
+    for res in payload["results"].values():
+        for name in ("zero1", "zero2"):
+            values = [res[t]["summary"][name]["hook_path_us"] for t in tags]
+            if all(v is not None for v in values):
+                hook_rows.append([res["dtype"], name] + [f"{v:.2f}" for v in values])
+    if hook_rows:
+        lines += ["", "## ZeroAdamW's own hook path on one rank, µs per gradient (direct calls, best of 50 rounds)",
+                  "", "Every parameter's hook called in layout order with its `.grad` set, then the round closed: "
+                  "what the engine adds per gradient without autograd's own cost around it (`noop_hooks` − `plain` "
+                  "above is that part).", ""]  # fmt: skip
+        lines.append(harness.markdown_table(["params", "contender"] + tags, hook_rows))
+    for res in payload["results"].values():
         lines += ["", f"## {res['world']} rank(s), {res['dtype']} parameters ({res['params']} parameters, "
                   f"{res['numel']} elements)", ""]  # fmt: skip
         head = ["contender"]
         for tag in trees:
-            head += [f"{tag}: backward ms [IQR]", f"{tag}: iteration ms", f"{tag}: µs/param vs plain",
-                     f"{tag}: µs/param vs DDP"]  # fmt: skip
+            head += [f"{tag}: backward ms [IQR]", f"{tag}: iteration ms", f"{tag}: µs/param vs plain [range]",
+                     f"{tag}: µs/param vs DDP [range]"]  # fmt: skip
         rows = []
         for name in CONTENDERS:
             row = [name]

@@ -36,7 +36,9 @@ class Arrival(enum.Enum):
     AGAIN_WRITTEN = "again_written"  # again, after the first was written: the caller adds it
 
 
-Held = list[tuple[Slot, torch.Tensor]]  # (slot, parameter): the gradient is the parameter's .grad
+# (slot, parameter, its .grad): the gradient is kept beside the parameter so the write does not read .grad again (at
+# stage 3 a parameter is a tensor subclass, and each .grad access goes through its __torch_function__: ~1 us)
+Held = list[tuple[Slot, torch.Tensor, torch.Tensor]]
 
 
 class GradHold:
@@ -51,19 +53,23 @@ class GradHold:
         self._held_slots: set[int] = set()
         self._seen: dict[int, set[int]] = {}  # bucket order -> slot indices with a gradient this round
 
-    def arrive(self, gb: "GradBucket", slot: Slot, param: torch.Tensor) -> Arrival:
+    def arrive(self, gb: "GradBucket", slot: Slot, param: torch.Tensor, grad: torch.Tensor) -> Arrival:
+        """``param``'s gradient (``grad``, its ``.grad``) arrived."""
         seen = self._seen.get(gb.order)
         if seen is None:
             seen = self._seen[gb.order] = set()
         if slot.index in seen:
             if gb is self.bucket and slot.index in self._held_slots:
+                # autograd added the second into .grad, in place or as a new tensor: keep what .grad is now
+                at = next(i for i, (s, _, _) in enumerate(self.held) if s.index == slot.index)
+                self.held[at] = (slot, param, grad)
                 return Arrival.AGAIN_HELD
             return Arrival.AGAIN_WRITTEN
         seen.add(slot.index)
         if gb is not self.bucket:
             self.flush()
             self.bucket = gb
-        self.held.append((slot, param))
+        self.held.append((slot, param, grad))
         self._held_slots.add(slot.index)
         return Arrival.FIRST
 
@@ -84,12 +90,9 @@ class GradHold:
 
 def take_grads(held: Held) -> tuple[list[Slot], list[torch.Tensor]]:
     """The held gradients, contiguous, and their slots; each parameter's ``.grad`` is freed (the list keeps the
-    gradient for the write). A ``.grad`` set to None meanwhile (by other code) is no gradient: left out."""
+    gradient for the write)."""
     slots, grads = [], []
-    for slot, param in held:
-        grad = param.grad
-        if grad is None:
-            continue
+    for slot, param, grad in held:
         slots.append(slot)
         grads.append(grad if grad.is_contiguous() else grad.contiguous())
         param.grad = None

@@ -5,12 +5,13 @@
   dtype is the gradient's and nothing is pre-scaled: gloo with an fp32 mean) or cast and pre-scaled into a
   staging buffer; the mean overwrites the bucket's grad shard. Inside ``no_sync()`` nothing is reduced; the
   next synchronised backward (or ``step()``) reduces the accumulated sum.
-- :class:`StagedGrads` (stages 2 and 3): no full-size buffer. Each gradient is cast and pre-scaled into its
-  bucket's staging buffer the moment autograd produces it, then freed (``param.grad = None``); the mean is
-  added to the grad shard in fp32, so several backward passes before ``step()`` accumulate. There is no buffer
-  to accumulate a full gradient in, so ``no_sync()`` still reduces every backward pass (as DeepSpeed's ZeRO-2).
-- :class:`ShardGrads` (stages 2 and 3 on one process): nothing to communicate, so each gradient is added
-  straight into its place in the grad shard.
+- :class:`StagedGrads` (stages 2 and 3): no full-size buffer. A bucket's gradients are cast and pre-scaled into
+  its staging buffer, all in one call when the bucket launches (``grad_hold.py``: at most one bucket's gradients
+  wait, in ``param.grad``), then freed (``param.grad = None``); the mean is added to the grad shard in fp32, so
+  several backward passes before ``step()`` accumulate. There is no buffer to accumulate a full gradient in, so
+  ``no_sync()`` still reduces every backward pass (as DeepSpeed's ZeRO-2).
+- :class:`ShardGrads` (stages 2 and 3 on one process): nothing to communicate, so a bucket's gradients are added
+  straight into their places in the grad shard, in one call when it launches.
 
 A strategy answers three things for :class:`zero_ext.reducer.GradSync`: what to do when a gradient arrives
 (:meth:`on_grad`), what to send when a bucket launches (:meth:`send`), and whether the result overwrites or is
@@ -289,7 +290,8 @@ class Fp32GradBuffer(BufferedGrads):
         ShardedGradStrategy.check_no_foreign_grads(self)
 
     def on_grad(self, gb, slot, param, syncing) -> bool:
-        if param.grad.layout is not torch.strided:
+        grad = param.grad
+        if grad.layout is not torch.strided:
             _dense(param, gb.group.names[slot.index])
         if not syncing:  # inside no_sync() no launch comes to write it: added now
             self._hold.flush()
@@ -297,7 +299,7 @@ class Fp32GradBuffer(BufferedGrads):
             self._unreduced = True
             return False
         self._got.add(gb.group.param_indices[slot.index])
-        arrival = self._hold.arrive(gb, slot, param)
+        arrival = self._hold.arrive(gb, slot, param, grad)
         if arrival is Arrival.AGAIN_WRITTEN:
             self._keep_early_grad(gb.group, slot, param)
         return arrival is Arrival.FIRST
@@ -344,12 +346,13 @@ class StagedGrads(ShardedGradStrategy):
         return gb.staging.send(self.wire_dtype(gb.group), gb.bucket.numel)
 
     def on_grad(self, gb, slot, param, syncing) -> bool:
-        if param.grad.layout is not torch.strided:
+        grad = param.grad
+        if grad.layout is not torch.strided:
             _dense(param, gb.group.names[slot.index])
         self.arrived(gb.group, slot)
-        arrival = self._hold.arrive(gb, slot, param)
+        arrival = self._hold.arrive(gb, slot, param, grad)
         if arrival is Arrival.AGAIN_WRITTEN:
-            self._add_again(gb, slot, param)
+            self._add_again(gb, slot, param, grad)
         return arrival is Arrival.FIRST
 
     def _write(self, gb, held) -> None:
@@ -357,11 +360,11 @@ class StagedGrads(ShardedGradStrategy):
         start = gb.bucket.offset
         flatten_into(self._send_buffer(gb), grads, [s.offset - start for s in slots], self.prescale(gb.group))
 
-    def _add_again(self, gb, slot, param) -> None:
+    def _add_again(self, gb, slot, param, grad) -> None:
         """A second gradient for a slot already written this round: added to what was written (wire dtype)."""
         view = gb.bucket.slot_range(slot).of(self._send_buffer(gb))
         scaled = torch.empty_like(view)
-        cast_scale_into(scaled, param.grad, self.prescale(gb.group))
+        cast_scale_into(scaled, grad, self.prescale(gb.group))
         view.add_(scaled)
         param.grad = None
 
@@ -394,13 +397,14 @@ class ShardGrads(ShardedGradStrategy):
         return start
 
     def on_grad(self, gb, slot, param, syncing) -> bool:
-        if param.grad.layout is not torch.strided:
+        grad = param.grad
+        if grad.layout is not torch.strided:
             _dense(param, gb.group.names[slot.index])
         self.arrived(gb.group, slot)
-        arrival = self._hold.arrive(gb, slot, param)
+        arrival = self._hold.arrive(gb, slot, param, grad)
         if arrival is Arrival.AGAIN_WRITTEN:
             start = self._start(gb.group, slot)
-            accumulate_into(gb.group.state.grad[start : start + slot.numel], param.grad)
+            accumulate_into(gb.group.state.grad[start : start + slot.numel], grad)
             param.grad = None
         return arrival is Arrival.FIRST
 
