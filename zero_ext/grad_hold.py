@@ -7,9 +7,11 @@ of one bucket at a time, where autograd left them, and writes them all with one 
 one CUDA launch however many tensors) when the bucket launches, or when a gradient of another bucket arrives
 first. Then it frees them (``param.grad = None``), as it did one by one before.
 
-Memory: the gradients of at most one bucket are held at any time, in the parameters' dtype, beyond the one autograd
-just produced: at most ``max(bucket_size, largest parameter)`` elements (a parameter larger than a bucket is alone
-in its bucket, and autograd produced its gradient whole anyway).
+Memory: the gradients of at most one bucket are held at any time, in the parameters' dtype, and at most
+``HOLD_ELEMENTS`` of them: the hold is written out when it reaches that, so what waits is at most
+``min(bucket_size, HOLD_ELEMENTS)`` elements plus the last gradient (a parameter larger than that is written at
+once; autograd produced its gradient whole anyway). The staging pool already holds two buckets in the wire dtype,
+so in bf16 with an fp32 wire this adds at most a quarter of the pool during backward, and nothing between steps.
 
 A parameter's gradient may arrive twice in one backward pass (reentrant activation checkpointing where the
 parameter is also used outside the checkpointed part). While held, autograd adds the second into ``param.grad``
@@ -30,6 +32,11 @@ if TYPE_CHECKING:
     from .reducer import GradBucket
 
 
+# NOTE: 2^24 elements (32 MiB of bf16): writing once per 16M elements is one call per many parameters for any model,
+# while the hold stays small next to a large model's buckets (the NCCL default cuts the model in 8).
+HOLD_ELEMENTS = 1 << 24
+
+
 class Arrival(enum.Enum):
     FIRST = "first"  # the slot's first gradient this round: held, counts towards its bucket
     AGAIN_HELD = "again_held"  # again, still held: autograd summed it into param.grad
@@ -44,13 +51,14 @@ Held = list[tuple[Slot, torch.Tensor, torch.Tensor]]
 class GradHold:
     """The bucket whose gradients are held and the slots of each bucket that got a gradient this round."""
 
-    __slots__ = ("_write", "bucket", "held", "_held_slots", "_seen")
+    __slots__ = ("_write", "bucket", "held", "_held_slots", "_held_numel", "_seen")
 
     def __init__(self, write: Callable[["GradBucket", Held], None]):
         self._write = write  # writes the held gradients of a bucket (then frees them)
         self.bucket: "GradBucket | None" = None
         self.held: Held = []
         self._held_slots: set[int] = set()
+        self._held_numel = 0
         self._seen: dict[int, set[int]] = {}  # bucket order -> slot indices with a gradient this round
 
     def arrive(self, gb: "GradBucket", slot: Slot, param: torch.Tensor, grad: torch.Tensor) -> Arrival:
@@ -71,6 +79,9 @@ class GradHold:
             self.bucket = gb
         self.held.append((slot, param, grad))
         self._held_slots.add(slot.index)
+        self._held_numel += slot.numel
+        if self._held_numel >= HOLD_ELEMENTS:
+            self.flush()
         return Arrival.FIRST
 
     def flush(self, gb: "GradBucket | None" = None) -> None:
@@ -78,7 +89,7 @@ class GradHold:
         if self.bucket is None or (gb is not None and gb is not self.bucket):
             return
         bucket, held = self.bucket, self.held
-        self.bucket, self.held = None, []
+        self.bucket, self.held, self._held_numel = None, [], 0
         self._held_slots.clear()
         if held:
             self._write(bucket, held)
