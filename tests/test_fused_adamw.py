@@ -145,15 +145,16 @@ _FLAG_REFERENCES: dict = {}
 
 def torch_flag_reference(shard: Shard, grads, amsgrad: bool, maximize: bool):
     """torch.optim.AdamW(amsgrad=..., maximize=...) on a clone of the shard's initial master, fed `grads` (as fp32):
-    the final param and optimizer state. Cached like torch_reference (fused=True from 2^20 elements, the same
-    formula; its CPU kernel has amsgrad and maximize too)."""
+    the final param and optimizer state. Cached like torch_reference. The single-tensor path, foreach from 2^20
+    elements (the same ATen ops, so the same bits, and faster); not fused=True, whose CPU kernel rounds a few
+    elements per 10^5 differently from the other two."""
     n = shard.master.numel()
     key = (n, shard.grad.dtype, len(grads), amsgrad, maximize)
     if key not in _FLAG_REFERENCES:
         param = shard.master.detach().clone().requires_grad_()
         betas = (HYPER["beta1"], HYPER["beta2"])
         opt = torch.optim.AdamW([param], lr=HYPER["lr"], betas=betas, eps=HYPER["eps"], weight_decay=0.1,
-                                amsgrad=amsgrad, maximize=maximize, fused=n >= 2**20 or None)  # fmt: skip
+                                amsgrad=amsgrad, maximize=maximize, foreach=n >= 2**20)  # fmt: skip
         for g in grads:
             param.grad = g.float()
             opt.step()
@@ -167,9 +168,10 @@ def torch_flag_reference(shard: Shard, grads, amsgrad: bool, maximize: bool):
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n", SIZES)
 def test_amsgrad_and_maximize_match_torch_adamw(n, grad_dtype, amsgrad, maximize, isa):
-    """Every ISA path against torch.optim.AdamW(amsgrad, maximize): master and every moment at torch's default fp32
-    tolerance (the plain path's bar: torch's own CPU paths differ from each other in the last bits), param_out
-    bitwise the master rounded. Bitwise agreement between the ISA paths is test_every_isa_gives_the_same_bits."""
+    """Every ISA path against torch.optim.AdamW(amsgrad, maximize): exp_avg, exp_avg_sq and max_exp_avg_sq bitwise
+    torch's (adamw_math.h follows its roundings, FMAs included); master bitwise but for the few elements where
+    torch's fp32 sqrt is not correctly rounded (about 0.6% of its results on the dev VM's AVX-512 torch; ours is
+    IEEE sqrt), and within torch's default fp32 tolerance everywhere; param_out bitwise the master rounded."""
     steps = 12
     ops.cpu_isa(isa)
     shard = Shard(n, "cpu", grad_dtype, LOW_PRECISION[grad_dtype], amsgrad=amsgrad, maximize=maximize)
@@ -185,7 +187,11 @@ def test_amsgrad_and_maximize_match_torch_adamw(n, grad_dtype, amsgrad, maximize
             assert (shard.max_exp_avg_sq > shard.exp_avg_sq).float().mean() > 0.5
     assert ours.keys() == expected.keys()
     for name, t in ours.items():
-        torch.testing.assert_close(t, expected[name], msg=lambda m: f"{name}: {m}")
+        if name != "master":
+            assert_same_bits(t, expected[name])
+    torch.testing.assert_close(shard.master, expected["master"])
+    # NOTE: 50 of 3 x 100003 masters differed after 12 steps (0.017%); before the FMA form, 3617 (1.2%).
+    assert (shard.master != expected["master"]).sum().item() <= max(1, n // 1000)
     if shard.param_out is not None:
         assert_same_bits(shard.param_out, shard.master.to(shard.param_out.dtype))
 

@@ -3,8 +3,10 @@
 // elements).
 //
 // The scalar path is the reference: the SIMD paths perform the same IEEE operations in the same
-// order (no FMA), so every path gives bitwise the same result. Contraction into FMA is switched off
-// here too in case this file is ever built with -march flags that have FMA.
+// order (FMA exactly where adamw_math.h calls fmaf), so every path gives bitwise the same result.
+// Contraction into FMA is switched off here too in case this file is ever built with -march flags
+// that have FMA. Built without them, fmaf is a libm call (glibc picks the FMA instruction at run
+// time where the CPU has it): only tails (< 16 elements) and CPUs without AVX2 pay for it.
 #pragma GCC optimize("fp-contract=off")
 
 #include <algorithm>

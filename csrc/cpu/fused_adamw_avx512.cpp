@@ -2,10 +2,10 @@
 // the target pragma alone, so the rest of the library needs no -march flag and runs on any x86-64;
 // isa.cpp only calls this when cpuid reports AVX512F.
 //
-// Same operations in the same order as adamw_update (adamw_math.h) and no FMA (contraction is off),
-// so the result is bitwise that of the scalar path.
-// NOTE: without the fp-contract pragma GCC 12 fuses 45 of these mul+add pairs into VFMADD
-// (objdump), and the results stop matching the scalar path bit for bit.
+// Same operations in the same order as adamw_update (adamw_math.h): FMA exactly where it has fmaf,
+// nowhere else (contraction is off), so the result is bitwise that of the scalar path.
+// NOTE: without the fp-contract pragma GCC 12 fused 45 mul+add pairs of the non-FMA form of this
+// loop into VFMADD (objdump), and the results stopped matching the scalar path bit for bit.
 #pragma GCC target("avx512f")
 #pragma GCC optimize("fp-contract=off")
 
@@ -61,9 +61,10 @@ int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoeff
     __m512 m = _mm512_loadu_ps(b.exp_avg + i);
     __m512 v = _mm512_loadu_ps(b.exp_avg_sq + i);
     const __m512 diff = _mm512_sub_ps(g, m);
-    m = kSmallWeight ? _mm512_add_ps(m, _mm512_mul_ps(weight, diff))
-                     : _mm512_sub_ps(g, _mm512_mul_ps(diff, one_minus_weight));
-    v = _mm512_add_ps(_mm512_mul_ps(v, beta2), _mm512_mul_ps(_mm512_mul_ps(one_minus_beta2, g), g));
+    // fnmadd(a, b, c) = -(a*b) + c rounded once: fmaf(-diff, 1 - w, g) of lerp (adamw_math.h).
+    m = kSmallWeight ? _mm512_fmadd_ps(weight, diff, m)
+                     : _mm512_fnmadd_ps(diff, one_minus_weight, g);
+    v = _mm512_fmadd_ps(_mm512_mul_ps(one_minus_beta2, g), g, _mm512_mul_ps(v, beta2));
     __m512 v_hat = v;
     if constexpr (kAmsgrad) {
       __m512 v_max = _mm512_loadu_ps(b.max_exp_avg_sq + i);
@@ -75,7 +76,7 @@ int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoeff
       v_hat = v_max;
     }
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v_hat), bc2_sqrt), eps);
-    const __m512 p_new = _mm512_add_ps(p, _mm512_mul_ps(neg_step_size, _mm512_div_ps(m, denom)));
+    const __m512 p_new = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(neg_step_size, m), denom));
     _mm512_storeu_ps(b.master + i, p_new);
     _mm512_storeu_ps(b.exp_avg + i, m);
     _mm512_storeu_ps(b.exp_avg_sq + i, v);
