@@ -3,10 +3,10 @@
 No host sync with device scalars, found_inf read on the device, unaligned views (scalar fallback),
 CUDA vs CPU results (amsgrad and maximize too), one launch for many tensors, deterministic sums, > 2^31 elements.
 
-CUDA vs CPU: nvcc contracts ``a*b + c`` into one FMA (its default ``-fmad=true``; setup.py keeps
-it), while the CPU kernels are built with contraction off. The two can therefore differ in the last
-bit or two of master/exp_avg/exp_avg_sq; they are compared at a few-ulp tolerance, and param_out is
-checked bitwise against the CUDA master rounded by torch (``master.to(bf16)`` is round-to-nearest-even).
+CUDA vs CPU: adamw_math.h spells its FMAs out (fmaf, as torch's lerp_/addcmul_ round) and nvcc (default
+``-fmad=true``; setup.py keeps it) finds no other ``a*b + c`` to contract, so the CUDA kernel should give the
+CPU kernel's bits. Until that is seen on a GPU, master/exp_avg/exp_avg_sq are compared at a few-ulp tolerance;
+param_out is checked bitwise against the CUDA master rounded by torch (``master.to(bf16)`` is round-to-nearest-even).
 """
 
 import contextlib
@@ -158,7 +158,7 @@ def test_cuda_matches_cpu(n, grad_dtype, out_dtype):
     for name, c, h in zip(
         ("master", "exp_avg", "exp_avg_sq"), (cuda_state[0], *cuda_state[2:]), (cpu_state[0], *cpu_state[2:])
     ):
-        # FMA contraction (module docstring): a few ulp, nothing more.
+        # A few ulp at most (module docstring).
         torch.testing.assert_close(c.cpu(), h, rtol=1e-6, atol=1e-12, msg=name)
     assert_bitwise(cuda_out, cuda_state[0].to(out_dtype))
 
@@ -185,7 +185,7 @@ def test_cuda_matches_cpu_amsgrad_maximize(n, grad_dtype, amsgrad, maximize):
     pairs = [("master", cuda_state[0], cpu_state[0]), ("exp_avg", cuda_state[2], cpu_state[2])]
     pairs += [("exp_avg_sq", cuda_state[3], cpu_state[3])] + ([("max", cuda_max, cpu_max)] if amsgrad else [])
     for name, c, h in pairs:
-        torch.testing.assert_close(c.cpu(), h, rtol=1e-6, atol=1e-12, msg=name)  # FMA contraction: a few ulp
+        torch.testing.assert_close(c.cpu(), h, rtol=1e-6, atol=1e-12, msg=name)  # see the module docstring
     assert_bitwise(cuda_out, cuda_state[0].to(torch.bfloat16))
 
 

@@ -19,7 +19,7 @@ __device__ __forceinline__ double read_scalar(const DeviceScalar& s) {
 }
 
 // kAmsgrad: max_exp_avg_sq is read, updated and used (adamw_update<true>); otherwise it is null and
-// never touched, so the plain kernel is the one it was before amsgrad existed.
+// never touched, so the plain kernel pays nothing for it.
 template <typename G, typename P, bool kVectorized, bool kAmsgrad>
 __global__ void __launch_bounds__(kThreads)
     fused_adamw_kernel(float* __restrict__ master, const G* __restrict__ grad,
