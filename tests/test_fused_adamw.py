@@ -191,9 +191,12 @@ def test_amsgrad_and_maximize_match_torch_adamw(n, grad_dtype, amsgrad, maximize
             assert_same_bits(t, expected[name])
     torch.testing.assert_close(shard.master, expected["master"])
     # NOTE: 50 of 3 x 100003 masters differed after 12 steps (0.017%); before the FMA form, 3617 (1.2%).
-    assert (shard.master != expected["master"]).sum().item() <= max(1, n // 1000)
+    master_differs = shard.master != expected["master"]
+    assert master_differs.sum().item() <= max(1, n // 1000)
     if shard.param_out is not None:
         assert_same_bits(shard.param_out, shard.master.to(shard.param_out.dtype))
+        ref_param = expected["master"].to(shard.param_out.dtype)  # ref.to(bf16/fp16) wherever the masters agree
+        assert_same_bits(shard.param_out[~master_differs], ref_param[~master_differs])
 
 
 @pytest.mark.parametrize("isa", ISAS)
