@@ -1,12 +1,12 @@
 """CUDA-specific checks of the zero_ext ops, beyond the shared cpu/cuda op tests.
 
 No host sync with device scalars, found_inf read on the device, unaligned views (scalar fallback),
-CUDA vs CPU results, one launch for many tensors, deterministic sums, > 2^31 elements.
+CUDA vs CPU results (amsgrad and maximize too), one launch for many tensors, deterministic sums, > 2^31 elements.
 
-CUDA vs CPU: nvcc contracts ``a*b + c`` into one FMA (its default ``-fmad=true``; setup.py keeps
-it), while the CPU kernels are built with contraction off. The two can therefore differ in the last
-bit or two of master/exp_avg/exp_avg_sq; they are compared at a few-ulp tolerance, and param_out is
-checked bitwise against the CUDA master rounded by torch (``master.to(bf16)`` is round-to-nearest-even).
+CUDA vs CPU: adamw_math.h spells its FMAs out (fmaf, as torch's lerp_/addcmul_ round) and nvcc (default
+``-fmad=true``; setup.py keeps it) finds no other ``a*b + c`` to contract, so the CUDA kernel should give the
+CPU kernel's bits. Until that is seen on a GPU, master/exp_avg/exp_avg_sq are compared at a few-ulp tolerance;
+param_out is checked bitwise against the CUDA master rounded by torch (``master.to(bf16)`` is round-to-nearest-even).
 """
 
 import contextlib
@@ -158,9 +158,59 @@ def test_cuda_matches_cpu(n, grad_dtype, out_dtype):
     for name, c, h in zip(
         ("master", "exp_avg", "exp_avg_sq"), (cuda_state[0], *cuda_state[2:]), (cpu_state[0], *cpu_state[2:])
     ):
-        # FMA contraction (module docstring): a few ulp, nothing more.
+        # A few ulp at most (module docstring).
         torch.testing.assert_close(c.cpu(), h, rtol=1e-6, atol=1e-12, msg=name)
     assert_bitwise(cuda_out, cuda_state[0].to(out_dtype))
+
+
+@pytest.mark.parametrize("amsgrad,maximize", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("grad_dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("n", [1, 7, 97, 1025, 2**20 + 3])
+def test_cuda_matches_cpu_amsgrad_maximize(n, grad_dtype, amsgrad, maximize):
+    """The CUDA kernel's amsgrad/maximize (templated on amsgrad; maximize folded into grad_scale's sign) against the
+    CPU kernel, which tests/test_fused_adamw.py checks against torch.optim.AdamW. A gradient 2^-6 times smaller
+    on the later steps makes exp_avg_sq fall below amsgrad's running max."""
+    cuda_state = make_state(n, grad_dtype)
+    cuda_max = 0.01 * torch.rand(n, generator=torch.Generator().manual_seed(2)).cuda() if amsgrad else None
+    cpu_state = [t.cpu() for t in cuda_state]
+    cpu_max = cuda_max.cpu() if amsgrad else None
+    cuda_out = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    hp = dict(HP, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    for step in (1, 2, 3):
+        if step == 2:
+            cuda_state[1].mul_(2.0**-6), cpu_state[1].mul_(2.0**-6)
+        flags = dict(maximize=maximize)
+        ops.fused_adamw_(*cuda_state, **dict(hp, step=step), param_out=cuda_out, max_exp_avg_sq=cuda_max, **flags)
+        ops.fused_adamw_(*cpu_state, **dict(hp, step=step), max_exp_avg_sq=cpu_max, **flags)
+    pairs = [("master", cuda_state[0], cpu_state[0]), ("exp_avg", cuda_state[2], cpu_state[2])]
+    pairs += [("exp_avg_sq", cuda_state[3], cpu_state[3])] + ([("max", cuda_max, cpu_max)] if amsgrad else [])
+    for name, c, h in pairs:
+        torch.testing.assert_close(c.cpu(), h, rtol=1e-6, atol=1e-12, msg=name)  # see the module docstring
+    assert_bitwise(cuda_out, cuda_state[0].to(torch.bfloat16))
+
+
+def test_amsgrad_found_inf_on_device_changes_nothing():
+    state = make_state(1025)
+    v_max = torch.rand(1025, device="cuda")
+    before = clone_all(state + [v_max])
+    with no_host_sync():
+        ops.fused_adamw_(*state, **HP, max_exp_avg_sq=v_max, maximize=True, found_inf=torch.ones((), device="cuda"))
+    for a, b in zip(state + [v_max], before):
+        assert_bitwise(a, b)
+
+
+@pytest.mark.parametrize("shift", [1, 2, 3])
+def test_amsgrad_unaligned_max_exp_avg_sq_takes_the_scalar_path(shift):
+    """Only max_exp_avg_sq misaligned: the launcher must drop to the scalar loop, with the vector loop's bits."""
+    n = 4096 + 7
+    aligned, shifted = make_state(n), make_state(n)
+    max_aligned = torch.rand(n, device="cuda") * 0.01
+    max_shifted = torch.empty(n + shift, device="cuda")[shift:]
+    max_shifted.copy_(max_aligned)
+    ops.fused_adamw_(*aligned, **HP, max_exp_avg_sq=max_aligned)
+    ops.fused_adamw_(*shifted, **HP, max_exp_avg_sq=max_shifted)
+    for a, b in zip(aligned + [max_aligned], shifted + [max_shifted]):
+        assert_bitwise(a, b)
 
 
 def count_kernels(fn):

@@ -22,11 +22,17 @@ def _adamw_args(device, n=97):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("variant", ["plain", "param_out", "found_inf", "tensor_scalars", "everything"])
+@pytest.mark.parametrize(
+    "variant", ["plain", "param_out", "found_inf", "tensor_scalars", "amsgrad", "maximize", "everything"]
+)
 def test_fused_adamw_opcheck(device, variant):
     kwargs = dict(SCALARS)
     if variant in ("param_out", "everything"):
         kwargs["param_out"] = torch.empty(97, device=device, dtype=torch.bfloat16)
+    if variant in ("amsgrad", "everything"):  # a fourth mutated tensor, Tensor(e!)? in the schema
+        kwargs["max_exp_avg_sq"] = torch.rand(97, device=device) * 0.01
+    if variant in ("maximize", "everything"):
+        kwargs["maximize"] = True
     if variant in ("found_inf", "everything"):
         kwargs["found_inf"] = torch.zeros((), device=device)
     if variant in ("tensor_scalars", "everything"):

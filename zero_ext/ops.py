@@ -37,22 +37,27 @@ def fused_adamw_(
     grad_scale: Scalar = 1.0,
     param_out: Optional[torch.Tensor] = None,
     found_inf: Optional[torch.Tensor] = None,
+    max_exp_avg_sq: Optional[torch.Tensor] = None,
+    maximize: bool = False,
 ) -> None:
     """One fused AdamW update of a contiguous shard, in place.
 
     ``master``, ``exp_avg`` and ``exp_avg_sq`` are fp32 and updated in place; ``grad`` is fp32, bf16
     or fp16 and is multiplied by ``grad_scale`` first. ``step`` is the step count including this
     update (>= 1). ``param_out`` (bf16/fp16, same numel) receives the new master rounded to nearest
-    even. A nonzero ``found_inf`` makes the call a no-op. The math and its order are those of
-    ``torch.optim.AdamW``, computed in fp32.
+    even. A nonzero ``found_inf`` makes the call a no-op (``max_exp_avg_sq`` untouched too). The math
+    and its order are those of ``torch.optim.AdamW``, computed in fp32, including its ``amsgrad`` and
+    ``maximize``: ``max_exp_avg_sq`` (fp32, same numel) makes the step amsgrad (it is updated to
+    ``maximum(max_exp_avg_sq, exp_avg_sq)``, NaN-propagating, and divides instead of ``exp_avg_sq``);
+    ``maximize=True`` negates the gradient.
 
     Scalars given as numbers or CPU tensors (read on the host, no device sync) are validated: lr, eps and
     weight_decay finite and >= 0, betas in [0, 1), step finite and >= 1, grad_scale finite. Scalars given as
     tensors on master's CUDA device are read by the kernel and not validated (that would synchronise with the
     host): the caller vouches for them, as the engine does. ``found_inf``'s value is never validated: any
     nonzero value, NaN included, skips the update.
-    No two of ``master``, ``grad``, ``exp_avg``, ``exp_avg_sq`` and ``param_out`` may share a byte. Every check
-    runs before anything is written.
+    No two of ``master``, ``grad``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` and ``param_out`` may share a
+    byte. Every check runs before anything is written.
     """
     values = (lr, beta1, beta2, eps, weight_decay, step, grad_scale)
     floats, tensors = zip(*(split_scalar("zero_ext.fused_adamw_", n, v) for n, v in zip(_ADAMW_SCALARS, values)))
@@ -65,6 +70,8 @@ def fused_adamw_(
         **{f"{n}_tensor": t for n, t in zip(_ADAMW_SCALARS, tensors)},
         param_out=param_out,
         found_inf=found_inf,
+        max_exp_avg_sq=max_exp_avg_sq,
+        maximize=bool(maximize),
     )
 
 
@@ -141,10 +148,11 @@ def _fused_adamw_fake(master, grad, exp_avg, exp_avg_sq, **kwargs) -> None:
                             ("exp_avg_sq", exp_avg_sq, (torch.float32,))):  # fmt: skip
         _check_dense("fused_adamw_", name, t, "master", master, dtypes)
         torch._check(t.numel() == master.numel(), lambda: f"zero_ext.fused_adamw_: `{name}` numel != master's")
-    out = kwargs.get("param_out")
-    if out is not None:
-        _check_dense("fused_adamw_", "param_out", out, "master", master, (torch.bfloat16, torch.float16))
-        torch._check(out.numel() == master.numel(), lambda: "zero_ext.fused_adamw_: `param_out` numel != master's")
+    for name, dtypes in (("param_out", (torch.bfloat16, torch.float16)), ("max_exp_avg_sq", (torch.float32,))):
+        t = kwargs.get(name)
+        if t is not None:
+            _check_dense("fused_adamw_", name, t, "master", master, dtypes)
+            torch._check(t.numel() == master.numel(), lambda: f"zero_ext.fused_adamw_: `{name}` numel != master's")
     _check_scalar_tensor("found_inf", kwargs.get("found_inf"), master)
     for name in _ADAMW_SCALARS:
         _check_scalar_tensor(name, kwargs.get(f"{name}_tensor"), master)

@@ -3,8 +3,10 @@
 // elements).
 //
 // The scalar path is the reference: the SIMD paths perform the same IEEE operations in the same
-// order (no FMA), so every path gives bitwise the same result. Contraction into FMA is switched off
-// here too in case this file is ever built with -march flags that have FMA.
+// order (FMA exactly where adamw_math.h calls fmaf), so every path gives bitwise the same result.
+// Contraction into FMA is switched off here too in case this file is ever built with -march flags
+// that have FMA. Built without them, fmaf is a libm call (glibc picks the FMA instruction at run
+// time where the CPU has it): only tails (< 16 elements) and CPUs without AVX2 pay for it.
 #pragma GCC optimize("fp-contract=off")
 
 #include <algorithm>
@@ -20,30 +22,42 @@ namespace {
 // 2-core dev VM, 64K elements take ~15 us on one thread, about the cost of waking the OpenMP team.
 constexpr int64_t kChunk = int64_t{1} << 16;
 
-template <DType kGrad, int kOut>  // kOut: 0 = no param_out, 1 = bf16, 2 = fp16
+template <DType kGrad, int kOut, bool kAmsgrad>  // kOut: 0 = no param_out, 1 = bf16, 2 = fp16
 void scalar_range(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c) {
   for (int64_t i = begin; i < end; ++i) {
     float p = b.master[i];
     float m = b.exp_avg[i];
     float v = b.exp_avg_sq[i];
-    adamw_update(p, load_as_float(b.grad, kGrad, i), m, v, c);
+    float v_max = kAmsgrad ? b.max_exp_avg_sq[i] : 0.0f;
+    adamw_update<kAmsgrad>(p, load_as_float(b.grad, kGrad, i), m, v, v_max, c);
     b.master[i] = p;
     b.exp_avg[i] = m;
     b.exp_avg_sq[i] = v;
+    if constexpr (kAmsgrad) b.max_exp_avg_sq[i] = v_max;
     if constexpr (kOut == 1) static_cast<uint16_t*>(b.param_out)[i] = float_to_bf16(p);
     if constexpr (kOut == 2) static_cast<uint16_t*>(b.param_out)[i] = float_to_fp16(p);
   }
 }
 
-template <DType kGrad>
+template <DType kGrad, bool kAmsgrad>
 void scalar_range_out(const AdamWBuffers& b, int64_t begin, int64_t end,
                       const AdamWCoefficients& c) {
   if (b.param_out == nullptr) {
-    scalar_range<kGrad, 0>(b, begin, end, c);
+    scalar_range<kGrad, 0, kAmsgrad>(b, begin, end, c);
   } else if (b.param_out_dtype == DType::kBFloat16) {
-    scalar_range<kGrad, 1>(b, begin, end, c);
+    scalar_range<kGrad, 1, kAmsgrad>(b, begin, end, c);
   } else {
-    scalar_range<kGrad, 2>(b, begin, end, c);
+    scalar_range<kGrad, 2, kAmsgrad>(b, begin, end, c);
+  }
+}
+
+template <DType kGrad>
+void scalar_range_amsgrad(const AdamWBuffers& b, int64_t begin, int64_t end,
+                          const AdamWCoefficients& c) {
+  if (b.max_exp_avg_sq == nullptr) {
+    scalar_range_out<kGrad, false>(b, begin, end, c);
+  } else {
+    scalar_range_out<kGrad, true>(b, begin, end, c);
   }
 }
 
@@ -63,21 +77,21 @@ int64_t fused_adamw_scalar(const AdamWBuffers& b, int64_t begin, int64_t end,
                            const AdamWCoefficients& c) {
   switch (b.grad_dtype) {
     case DType::kBFloat16:
-      scalar_range_out<DType::kBFloat16>(b, begin, end, c);
+      scalar_range_amsgrad<DType::kBFloat16>(b, begin, end, c);
       break;
     case DType::kFloat16:
-      scalar_range_out<DType::kFloat16>(b, begin, end, c);
+      scalar_range_amsgrad<DType::kFloat16>(b, begin, end, c);
       break;
     default:
-      scalar_range_out<DType::kFloat32>(b, begin, end, c);
+      scalar_range_amsgrad<DType::kFloat32>(b, begin, end, c);
       break;
   }
   return end;
 }
 
 void fused_adamw(float* master, const void* grad, DType grad_dtype, float* exp_avg,
-                 float* exp_avg_sq, void* param_out, DType param_out_dtype, int64_t n,
-                 const AdamWCoefficients& coeffs, int num_threads) {
+                 float* exp_avg_sq, float* max_exp_avg_sq, void* param_out, DType param_out_dtype,
+                 int64_t n, const AdamWCoefficients& coeffs, int num_threads) {
   if (n <= 0) return;
   // NOTE: non-temporal param_out stores (the SIMD paths) skip the write-allocate read of its lines.
   // On the 2-core dev VM (Zen 4, 2 MB L2, 32 MB L3), zero_ext / torch AdamW(fused=True) median
@@ -87,8 +101,15 @@ void fused_adamw(float* master, const void* grad, DType grad_dtype, float* exp_a
   // and dropped: software prefetch 128/256/1024 elements ahead (no consistent change), one
   // contiguous range per thread instead of 64K chunks (none), 16K chunks round-robin (worse),
   // non-temporal master/m/v stores too (1.7x slower: those lines are read first anyway).
-  const AdamWBuffers b{master,     grad,      grad_dtype,      exp_avg,
-                       exp_avg_sq, param_out, param_out_dtype, n >= (int64_t{1} << 20)};
+  const AdamWBuffers b{master,
+                       grad,
+                       grad_dtype,
+                       exp_avg,
+                       exp_avg_sq,
+                       max_exp_avg_sq,
+                       param_out,
+                       param_out_dtype,
+                       n >= (int64_t{1} << 20)};
   const Isa isa = active_isa();
   const int64_t chunks = (n + kChunk - 1) / kChunk;
   if (chunks <= 1 || num_threads <= 1) {

@@ -1,10 +1,10 @@
-// AVX2 (+F16C) body of cpu::fused_adamw, 8 floats per vector. Compiled for AVX2 by
+// AVX2 (+F16C, FMA) body of cpu::fused_adamw, 8 floats per vector. Compiled for AVX2 by
 // the target pragma alone, so the rest of the library needs no -march flag and runs on any x86-64;
-// isa.cpp only calls this when cpuid reports AVX2 and F16C.
+// isa.cpp only calls this when cpuid reports AVX2, F16C and FMA.
 //
-// Same operations in the same order as adamw_update (adamw_math.h) and no FMA (contraction is off),
-// so the result is bitwise that of the scalar path.
-#pragma GCC target("avx2,f16c")
+// Same operations in the same order as adamw_update (adamw_math.h): FMA exactly where it has fmaf,
+// nowhere else (contraction is off), so the result is bitwise that of the scalar path.
+#pragma GCC target("avx2,f16c,fma")
 #pragma GCC optimize("fp-contract=off")
 
 #include <immintrin.h>
@@ -41,7 +41,7 @@ inline __m128i float_to_bf16(__m256 x) {
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
-template <DType kGrad, int kOut, bool kSmallWeight, bool kStream>
+template <DType kGrad, int kOut, bool kAmsgrad, bool kSmallWeight, bool kStream>
 int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c) {
   const __m256 grad_scale = _mm256_set1_ps(c.grad_scale);
   const __m256 decay = _mm256_set1_ps(c.decay);
@@ -59,11 +59,22 @@ int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoeff
     __m256 m = _mm256_loadu_ps(b.exp_avg + i);
     __m256 v = _mm256_loadu_ps(b.exp_avg_sq + i);
     const __m256 diff = _mm256_sub_ps(g, m);
-    m = kSmallWeight ? _mm256_add_ps(m, _mm256_mul_ps(weight, diff))
-                     : _mm256_sub_ps(g, _mm256_mul_ps(diff, one_minus_weight));
-    v = _mm256_add_ps(_mm256_mul_ps(v, beta2), _mm256_mul_ps(_mm256_mul_ps(one_minus_beta2, g), g));
-    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2_sqrt), eps);
-    const __m256 p_new = _mm256_add_ps(p, _mm256_mul_ps(neg_step_size, _mm256_div_ps(m, denom)));
+    // fnmadd(a, b, c) = -(a*b) + c rounded once: fmaf(-diff, 1 - w, g) of lerp (adamw_math.h).
+    m = kSmallWeight ? _mm256_fmadd_ps(weight, diff, m)
+                     : _mm256_fnmadd_ps(diff, one_minus_weight, g);
+    v = _mm256_fmadd_ps(_mm256_mul_ps(one_minus_beta2, g), g, _mm256_mul_ps(v, beta2));
+    __m256 v_hat = v;
+    if constexpr (kAmsgrad) {
+      __m256 v_max = _mm256_loadu_ps(b.max_exp_avg_sq + i);
+      // nan_propagating_max(v_max, v) (adamw_math.h): v_max where v_max > v or v_max is NaN.
+      const __m256 keep = _mm256_or_ps(_mm256_cmp_ps(v_max, v, _CMP_GT_OQ),
+                                       _mm256_cmp_ps(v_max, v_max, _CMP_UNORD_Q));
+      v_max = _mm256_blendv_ps(v, v_max, keep);
+      _mm256_storeu_ps(b.max_exp_avg_sq + i, v_max);
+      v_hat = v_max;
+    }
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v_hat), bc2_sqrt), eps);
+    const __m256 p_new = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(neg_step_size, m), denom));
     _mm256_storeu_ps(b.master + i, p_new);
     _mm256_storeu_ps(b.exp_avg + i, m);
     _mm256_storeu_ps(b.exp_avg_sq + i, v);
@@ -82,29 +93,39 @@ int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoeff
   return i;
 }
 
-template <DType kGrad, int kOut, bool kStream>
+template <DType kGrad, int kOut, bool kAmsgrad, bool kStream>
 int64_t body_lerp(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c) {
   // The branch of torch's lerp (adamw_math.h) depends only on the weight: pick it once per call.
   return __builtin_fabsf(c.lerp_weight) < 0.5f
-             ? body<kGrad, kOut, true, kStream>(b, begin, end, c)
-             : body<kGrad, kOut, false, kStream>(b, begin, end, c);
+             ? body<kGrad, kOut, kAmsgrad, true, kStream>(b, begin, end, c)
+             : body<kGrad, kOut, kAmsgrad, false, kStream>(b, begin, end, c);
 }
 
 // Non-temporal stores for the write-only param_out stream of a large call (b.stream_out) when this
 // range of it is 16-byte aligned: they skip the read (write-allocate) of param_out's cache lines
 // (numbers in fused_adamw.cpp). Same values either way.
-template <DType kGrad, int kOut>
+template <DType kGrad, int kOut, bool kAmsgrad>
 int64_t body_store(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c) {
   const auto addr = reinterpret_cast<uintptr_t>(static_cast<uint16_t*>(b.param_out) + begin);
-  if (b.stream_out && addr % 16 == 0) return body_lerp<kGrad, kOut, true>(b, begin, end, c);
-  return body_lerp<kGrad, kOut, false>(b, begin, end, c);
+  if (b.stream_out && addr % 16 == 0)
+    return body_lerp<kGrad, kOut, kAmsgrad, true>(b, begin, end, c);
+  return body_lerp<kGrad, kOut, kAmsgrad, false>(b, begin, end, c);
 }
 
-template <DType kGrad>
+template <DType kGrad, bool kAmsgrad>
 int64_t body_out(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c) {
-  if (b.param_out == nullptr) return body_lerp<kGrad, 0, false>(b, begin, end, c);
-  if (b.param_out_dtype == DType::kBFloat16) return body_store<kGrad, 1>(b, begin, end, c);
-  return body_store<kGrad, 2>(b, begin, end, c);
+  if (b.param_out == nullptr) return body_lerp<kGrad, 0, kAmsgrad, false>(b, begin, end, c);
+  if (b.param_out_dtype == DType::kBFloat16)
+    return body_store<kGrad, 1, kAmsgrad>(b, begin, end, c);
+  return body_store<kGrad, 2, kAmsgrad>(b, begin, end, c);
+}
+
+// amsgrad is a template flag, so the plain path pays nothing for it (no load, no branch).
+template <DType kGrad>
+int64_t body_amsgrad(const AdamWBuffers& b, int64_t begin, int64_t end,
+                     const AdamWCoefficients& c) {
+  if (b.max_exp_avg_sq == nullptr) return body_out<kGrad, false>(b, begin, end, c);
+  return body_out<kGrad, true>(b, begin, end, c);
 }
 
 }  // namespace
@@ -113,11 +134,11 @@ int64_t fused_adamw_avx2(const AdamWBuffers& b, int64_t begin, int64_t end,
                          const AdamWCoefficients& c) {
   switch (b.grad_dtype) {
     case DType::kBFloat16:
-      return body_out<DType::kBFloat16>(b, begin, end, c);
+      return body_amsgrad<DType::kBFloat16>(b, begin, end, c);
     case DType::kFloat16:
-      return body_out<DType::kFloat16>(b, begin, end, c);
+      return body_amsgrad<DType::kFloat16>(b, begin, end, c);
     default:
-      return body_out<DType::kFloat32>(b, begin, end, c);
+      return body_amsgrad<DType::kFloat32>(b, begin, end, c);
   }
 }
 

@@ -2,10 +2,10 @@
 // the target pragma alone, so the rest of the library needs no -march flag and runs on any x86-64;
 // isa.cpp only calls this when cpuid reports AVX512F.
 //
-// Same operations in the same order as adamw_update (adamw_math.h) and no FMA (contraction is off),
-// so the result is bitwise that of the scalar path.
-// NOTE: without the fp-contract pragma GCC 12 fuses 45 of these mul+add pairs into VFMADD
-// (objdump), and the results stop matching the scalar path bit for bit.
+// Same operations in the same order as adamw_update (adamw_math.h): FMA exactly where it has fmaf,
+// nowhere else (contraction is off), so the result is bitwise that of the scalar path.
+// NOTE: without the fp-contract pragma GCC 12 fused 45 mul+add pairs of the non-FMA form of this
+// loop into VFMADD (objdump), and the results stopped matching the scalar path bit for bit.
 #pragma GCC target("avx512f")
 #pragma GCC optimize("fp-contract=off")
 
@@ -43,7 +43,7 @@ inline __m256i float_to_bf16(__m512 x) {
   return _mm512_cvtepi32_epi16(r);
 }
 
-template <DType kGrad, int kOut, bool kSmallWeight, bool kStream>
+template <DType kGrad, int kOut, bool kAmsgrad, bool kSmallWeight, bool kStream>
 int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c) {
   const __m512 grad_scale = _mm512_set1_ps(c.grad_scale);
   const __m512 decay = _mm512_set1_ps(c.decay);
@@ -61,11 +61,22 @@ int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoeff
     __m512 m = _mm512_loadu_ps(b.exp_avg + i);
     __m512 v = _mm512_loadu_ps(b.exp_avg_sq + i);
     const __m512 diff = _mm512_sub_ps(g, m);
-    m = kSmallWeight ? _mm512_add_ps(m, _mm512_mul_ps(weight, diff))
-                     : _mm512_sub_ps(g, _mm512_mul_ps(diff, one_minus_weight));
-    v = _mm512_add_ps(_mm512_mul_ps(v, beta2), _mm512_mul_ps(_mm512_mul_ps(one_minus_beta2, g), g));
-    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2_sqrt), eps);
-    const __m512 p_new = _mm512_add_ps(p, _mm512_mul_ps(neg_step_size, _mm512_div_ps(m, denom)));
+    // fnmadd(a, b, c) = -(a*b) + c rounded once: fmaf(-diff, 1 - w, g) of lerp (adamw_math.h).
+    m = kSmallWeight ? _mm512_fmadd_ps(weight, diff, m)
+                     : _mm512_fnmadd_ps(diff, one_minus_weight, g);
+    v = _mm512_fmadd_ps(_mm512_mul_ps(one_minus_beta2, g), g, _mm512_mul_ps(v, beta2));
+    __m512 v_hat = v;
+    if constexpr (kAmsgrad) {
+      __m512 v_max = _mm512_loadu_ps(b.max_exp_avg_sq + i);
+      // nan_propagating_max(v_max, v) (adamw_math.h): v_max where v_max > v or v_max is NaN.
+      const __mmask16 keep =
+          _mm512_cmp_ps_mask(v_max, v, _CMP_GT_OQ) | _mm512_cmp_ps_mask(v_max, v_max, _CMP_UNORD_Q);
+      v_max = _mm512_mask_blend_ps(keep, v, v_max);
+      _mm512_storeu_ps(b.max_exp_avg_sq + i, v_max);
+      v_hat = v_max;
+    }
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v_hat), bc2_sqrt), eps);
+    const __m512 p_new = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(neg_step_size, m), denom));
     _mm512_storeu_ps(b.master + i, p_new);
     _mm512_storeu_ps(b.exp_avg + i, m);
     _mm512_storeu_ps(b.exp_avg_sq + i, v);
@@ -84,29 +95,39 @@ int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoeff
   return i;
 }
 
-template <DType kGrad, int kOut, bool kStream>
+template <DType kGrad, int kOut, bool kAmsgrad, bool kStream>
 int64_t body_lerp(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c) {
   // The branch of torch's lerp (adamw_math.h) depends only on the weight: pick it once per call.
   return __builtin_fabsf(c.lerp_weight) < 0.5f
-             ? body<kGrad, kOut, true, kStream>(b, begin, end, c)
-             : body<kGrad, kOut, false, kStream>(b, begin, end, c);
+             ? body<kGrad, kOut, kAmsgrad, true, kStream>(b, begin, end, c)
+             : body<kGrad, kOut, kAmsgrad, false, kStream>(b, begin, end, c);
 }
 
 // Non-temporal stores for the write-only param_out stream of a large call (b.stream_out) when this
 // range of it is 32-byte aligned: they skip the read (write-allocate) of param_out's cache lines
 // (numbers in fused_adamw.cpp). Same values either way.
-template <DType kGrad, int kOut>
+template <DType kGrad, int kOut, bool kAmsgrad>
 int64_t body_store(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c) {
   const auto addr = reinterpret_cast<uintptr_t>(static_cast<uint16_t*>(b.param_out) + begin);
-  if (b.stream_out && addr % 32 == 0) return body_lerp<kGrad, kOut, true>(b, begin, end, c);
-  return body_lerp<kGrad, kOut, false>(b, begin, end, c);
+  if (b.stream_out && addr % 32 == 0)
+    return body_lerp<kGrad, kOut, kAmsgrad, true>(b, begin, end, c);
+  return body_lerp<kGrad, kOut, kAmsgrad, false>(b, begin, end, c);
 }
 
-template <DType kGrad>
+template <DType kGrad, bool kAmsgrad>
 int64_t body_out(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c) {
-  if (b.param_out == nullptr) return body_lerp<kGrad, 0, false>(b, begin, end, c);
-  if (b.param_out_dtype == DType::kBFloat16) return body_store<kGrad, 1>(b, begin, end, c);
-  return body_store<kGrad, 2>(b, begin, end, c);
+  if (b.param_out == nullptr) return body_lerp<kGrad, 0, kAmsgrad, false>(b, begin, end, c);
+  if (b.param_out_dtype == DType::kBFloat16)
+    return body_store<kGrad, 1, kAmsgrad>(b, begin, end, c);
+  return body_store<kGrad, 2, kAmsgrad>(b, begin, end, c);
+}
+
+// amsgrad is a template flag, so the plain path pays nothing for it (no load, no branch).
+template <DType kGrad>
+int64_t body_amsgrad(const AdamWBuffers& b, int64_t begin, int64_t end,
+                     const AdamWCoefficients& c) {
+  if (b.max_exp_avg_sq == nullptr) return body_out<kGrad, false>(b, begin, end, c);
+  return body_out<kGrad, true>(b, begin, end, c);
 }
 
 }  // namespace
@@ -115,11 +136,11 @@ int64_t fused_adamw_avx512(const AdamWBuffers& b, int64_t begin, int64_t end,
                            const AdamWCoefficients& c) {
   switch (b.grad_dtype) {
     case DType::kBFloat16:
-      return body_out<DType::kBFloat16>(b, begin, end, c);
+      return body_amsgrad<DType::kBFloat16>(b, begin, end, c);
     case DType::kFloat16:
-      return body_out<DType::kFloat16>(b, begin, end, c);
+      return body_amsgrad<DType::kFloat16>(b, begin, end, c);
     default:
-      return body_out<DType::kFloat32>(b, begin, end, c);
+      return body_amsgrad<DType::kFloat32>(b, begin, end, c);
   }
 }
 

@@ -9,13 +9,15 @@
 
 namespace zero_ext::cpu {
 
-// Arguments of one fused_adamw call; `param_out` is null when there is no low-precision copy.
+// Arguments of one fused_adamw call; `param_out` is null when there is no low-precision copy,
+// `max_exp_avg_sq` null unless amsgrad.
 struct AdamWBuffers {
   float* master;
   const void* grad;
   DType grad_dtype;
   float* exp_avg;
   float* exp_avg_sq;
+  float* max_exp_avg_sq;
   void* param_out;
   DType param_out_dtype;
   // Write param_out with non-temporal stores where aligned (a call too big for the caches).

@@ -11,7 +11,10 @@ Isa detect_isa() {
   __builtin_cpu_init();
   // The AVX-512 path uses only AVX512F instructions (F16C conversions included in it).
   if (__builtin_cpu_supports("avx512f")) return Isa::kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return Isa::kAvx2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
+      __builtin_cpu_supports("fma")) {
+    return Isa::kAvx2;  // FMA: the AdamW formula's lerp and addcmul are fused (adamw_math.h)
+  }
 #endif
   return Isa::kScalar;
 }

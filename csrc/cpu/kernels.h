@@ -16,11 +16,12 @@ Isa active_isa();         // what the kernels use now (best_isa() unless forced)
 void force_isa(Isa isa);  // kAuto restores best_isa(); forcing an unsupported isa clamps to best
 const char* isa_name(Isa isa);
 
-// One fused AdamW step over n elements (see adamw_math.h). grad has grad_dtype; param_out, when not
-// null, receives the updated master rounded to nearest-even in param_out_dtype (bf16 or fp16).
+// One fused AdamW step over n elements (see adamw_math.h). grad has grad_dtype; max_exp_avg_sq,
+// when not null, makes it an amsgrad step (maximize is in coeffs); param_out, when not null,
+// receives the updated master rounded to nearest-even in param_out_dtype (bf16 or fp16).
 void fused_adamw(float* master, const void* grad, DType grad_dtype, float* exp_avg,
-                 float* exp_avg_sq, void* param_out, DType param_out_dtype, int64_t n,
-                 const AdamWCoefficients& coeffs, int num_threads);
+                 float* exp_avg_sq, float* max_exp_avg_sq, void* param_out, DType param_out_dtype,
+                 int64_t n, const AdamWCoefficients& coeffs, int num_threads);
 
 // to_flat:  flat[s.offset + i] = convert(s.data[i] * scale)   (flatten)
 // !to_flat: s.data[i] = convert(flat[s.offset + i] * scale)   (unflatten)

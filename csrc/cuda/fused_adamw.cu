@@ -1,7 +1,8 @@
-// Fused AdamW step over one contiguous shard: fp32 master/exp_avg/exp_avg_sq updated in place,
-// bf16/fp16/fp32 grad, optional bf16/fp16 copy of the new master. One pass over memory: the step is
-// bandwidth-bound (16 B read + 12 B written per element for fp32 state + bf16 grad, plus 2 B if
-// param_out), so the kernel's only jobs are wide accesses and enough bytes in flight.
+// Fused AdamW step over one contiguous shard: fp32 master/exp_avg/exp_avg_sq (and max_exp_avg_sq
+// for amsgrad) updated in place, bf16/fp16/fp32 grad, optional bf16/fp16 copy of the new master.
+// One pass over memory: the step is bandwidth-bound (16 B read + 12 B written per element for fp32
+// state + bf16 grad, plus 2 B if param_out, plus 8 B with amsgrad), so the kernel's only jobs are
+// wide accesses and enough bytes in flight.
 #include <type_traits>
 
 #include "../adamw_math.h"
@@ -17,11 +18,14 @@ __device__ __forceinline__ double read_scalar(const DeviceScalar& s) {
   return s.ptr != nullptr ? static_cast<double>(*s.ptr) : s.value;
 }
 
-template <typename G, typename P, bool kVectorized>
+// kAmsgrad: max_exp_avg_sq is read, updated and used (adamw_update<true>); otherwise it is null and
+// never touched, so the plain kernel pays nothing for it.
+template <typename G, typename P, bool kVectorized, bool kAmsgrad>
 __global__ void __launch_bounds__(kThreads)
     fused_adamw_kernel(float* __restrict__ master, const G* __restrict__ grad,
                        float* __restrict__ exp_avg, float* __restrict__ exp_avg_sq,
-                       P* __restrict__ param_out, int64_t n, AdamWArgs args) {
+                       float* __restrict__ max_exp_avg_sq, P* __restrict__ param_out, int64_t n,
+                       AdamWArgs args) {
   // found_inf is read by every thread (one cached 4-byte load) so that a skipped step never needs
   // the host: nonzero (NaN included) => return before any write.
   if (args.found_inf != nullptr && *args.found_inf != 0.0f) return;
@@ -29,9 +33,10 @@ __global__ void __launch_bounds__(kThreads)
   // Coefficients in double from the scalars, once per thread, with the CPU kernel's host code
   // (adamw_coefficients). CUDA's double pow is within 2 ulp of glibc's, so the rounded float
   // coefficients agree unless a double lies within ~1e-16 of a float rounding boundary.
-  const AdamWCoefficients c = adamw_coefficients(
-      read_scalar(args.lr), read_scalar(args.beta1), read_scalar(args.beta2), read_scalar(args.eps),
-      read_scalar(args.weight_decay), read_scalar(args.step), read_scalar(args.grad_scale));
+  const AdamWCoefficients c =
+      adamw_coefficients(read_scalar(args.lr), read_scalar(args.beta1), read_scalar(args.beta2),
+                         read_scalar(args.eps), read_scalar(args.weight_decay),
+                         read_scalar(args.step), read_scalar(args.grad_scale), args.maximize);
 
   // 64-bit indices throughout: a shard may exceed 2^31 elements.
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -42,16 +47,18 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t nvec = n / kVec;
     for (int64_t i = tid; i < nvec; i += stride) {
       const int64_t base = i * kVec;
-      float p[kVec], g[kVec], m[kVec], v[kVec];
+      float p[kVec], g[kVec], m[kVec], v[kVec], v_max[kVec] = {};
       load4(master + base, p);
       load4(grad + base, g);
       load4(exp_avg + base, m);
       load4(exp_avg_sq + base, v);
+      if constexpr (kAmsgrad) load4(max_exp_avg_sq + base, v_max);
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) adamw_update(p[k], g[k], m[k], v[k], c);
+      for (int k = 0; k < kVec; ++k) adamw_update<kAmsgrad>(p[k], g[k], m[k], v[k], v_max[k], c);
       store4(master + base, p);
       store4(exp_avg + base, m);
       store4(exp_avg_sq + base, v);
+      if constexpr (kAmsgrad) store4(max_exp_avg_sq + base, v_max);
       if constexpr (!std::is_same_v<P, NoParamOut>) store4(param_out + base, p);
     }
     scalar_begin = nvec * kVec;  // the < kVec-element tail
@@ -61,51 +68,66 @@ __global__ void __launch_bounds__(kThreads)
     float p = master[i];
     float m = exp_avg[i];
     float v = exp_avg_sq[i];
-    adamw_update(p, to_float(grad[i]), m, v, c);
+    float v_max = 0.0f;
+    if constexpr (kAmsgrad) v_max = max_exp_avg_sq[i];
+    adamw_update<kAmsgrad>(p, to_float(grad[i]), m, v, v_max, c);
     master[i] = p;
     exp_avg[i] = m;
     exp_avg_sq[i] = v;
+    if constexpr (kAmsgrad) max_exp_avg_sq[i] = v_max;
     if constexpr (!std::is_same_v<P, NoParamOut>) param_out[i] = from_float<P>(p);
   }
 }
 
-template <typename G, typename P>
-cudaError_t launch_typed(float* master, const void* grad, float* exp_avg, float* exp_avg_sq,
-                         void* param_out, int64_t n, const AdamWArgs& args, cudaStream_t stream) {
-  const G* g = static_cast<const G*>(grad);
-  P* out = static_cast<P*>(param_out);
+// The buffers of one launch, typed by the dispatch below.
+struct Buffers {
+  float* master;
+  const void* grad;
+  float* exp_avg;
+  float* exp_avg_sq;
+  float* max_exp_avg_sq;  // null unless amsgrad
+  void* param_out;        // null when there is no low-precision copy
+};
+
+template <typename G, typename P, bool kAmsgrad>
+cudaError_t launch_typed(const Buffers& b, int64_t n, const AdamWArgs& args, cudaStream_t stream) {
+  const G* g = static_cast<const G*>(b.grad);
+  P* out = static_cast<P*>(b.param_out);
   // The vector path needs every stream aligned to its 4-element width (16 B fp32, 8 B bf16/fp16).
   // Views at odd offsets (possible through the op API, never for the engine's own flat buffers)
   // take the scalar path: correct, about half the bandwidth.
-  const bool vectorized = vec_aligned(master, 4) && vec_aligned(exp_avg, 4) &&
-                          vec_aligned(exp_avg_sq, 4) && vec_aligned(g, sizeof(G)) &&
-                          (out == nullptr || vec_aligned(out, 2));
+  const bool vectorized = vec_aligned(b.master, 4) && vec_aligned(b.exp_avg, 4) &&
+                          vec_aligned(b.exp_avg_sq, 4) && vec_aligned(b.max_exp_avg_sq, 4) &&
+                          vec_aligned(g, sizeof(G)) && (out == nullptr || vec_aligned(out, 2));
   cudaError_t err = cudaSuccess;
   const unsigned grid = grid_for(vectorized ? (n + kVec - 1) / kVec : n, &err);
   if (err != cudaSuccess) return err;
   if (vectorized) {
-    fused_adamw_kernel<G, P, true>
-        <<<grid, kThreads, 0, stream>>>(master, g, exp_avg, exp_avg_sq, out, n, args);
+    fused_adamw_kernel<G, P, true, kAmsgrad><<<grid, kThreads, 0, stream>>>(
+        b.master, g, b.exp_avg, b.exp_avg_sq, b.max_exp_avg_sq, out, n, args);
   } else {
-    fused_adamw_kernel<G, P, false>
-        <<<grid, kThreads, 0, stream>>>(master, g, exp_avg, exp_avg_sq, out, n, args);
+    fused_adamw_kernel<G, P, false, kAmsgrad><<<grid, kThreads, 0, stream>>>(
+        b.master, g, b.exp_avg, b.exp_avg_sq, b.max_exp_avg_sq, out, n, args);
   }
   return cudaGetLastError();
 }
 
+template <typename G, typename P>
+cudaError_t launch_for_amsgrad(const Buffers& b, int64_t n, const AdamWArgs& args,
+                               cudaStream_t stream) {
+  if (b.max_exp_avg_sq == nullptr) return launch_typed<G, P, false>(b, n, args, stream);
+  return launch_typed<G, P, true>(b, n, args, stream);
+}
+
 template <typename G>
-cudaError_t launch_for_grad(float* master, const void* grad, float* exp_avg, float* exp_avg_sq,
-                            void* param_out, DType param_out_dtype, int64_t n,
+cudaError_t launch_for_grad(const Buffers& b, DType param_out_dtype, int64_t n,
                             const AdamWArgs& args, cudaStream_t stream) {
-  if (param_out == nullptr) {
-    return launch_typed<G, NoParamOut>(master, grad, exp_avg, exp_avg_sq, nullptr, n, args, stream);
-  }
+  if (b.param_out == nullptr) return launch_for_amsgrad<G, NoParamOut>(b, n, args, stream);
   switch (param_out_dtype) {
     case DType::kBFloat16:
-      return launch_typed<G, __nv_bfloat16>(master, grad, exp_avg, exp_avg_sq, param_out, n, args,
-                                            stream);
+      return launch_for_amsgrad<G, __nv_bfloat16>(b, n, args, stream);
     case DType::kFloat16:
-      return launch_typed<G, __half>(master, grad, exp_avg, exp_avg_sq, param_out, n, args, stream);
+      return launch_for_amsgrad<G, __half>(b, n, args, stream);
     default:
       return cudaErrorInvalidValue;  // the binding allows only bf16/fp16 param_out
   }
@@ -114,19 +136,18 @@ cudaError_t launch_for_grad(float* master, const void* grad, float* exp_avg, flo
 }  // namespace
 
 cudaError_t launch_fused_adamw(float* master, const void* grad, DType grad_dtype, float* exp_avg,
-                               float* exp_avg_sq, void* param_out, DType param_out_dtype, int64_t n,
-                               const AdamWArgs& args, cudaStream_t stream) {
+                               float* exp_avg_sq, float* max_exp_avg_sq, void* param_out,
+                               DType param_out_dtype, int64_t n, const AdamWArgs& args,
+                               cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;  // nothing to launch
+  const Buffers b{master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out};
   switch (grad_dtype) {
     case DType::kFloat32:
-      return launch_for_grad<float>(master, grad, exp_avg, exp_avg_sq, param_out, param_out_dtype,
-                                    n, args, stream);
+      return launch_for_grad<float>(b, param_out_dtype, n, args, stream);
     case DType::kBFloat16:
-      return launch_for_grad<__nv_bfloat16>(master, grad, exp_avg, exp_avg_sq, param_out,
-                                            param_out_dtype, n, args, stream);
+      return launch_for_grad<__nv_bfloat16>(b, param_out_dtype, n, args, stream);
     case DType::kFloat16:
-      return launch_for_grad<__half>(master, grad, exp_avg, exp_avg_sq, param_out, param_out_dtype,
-                                     n, args, stream);
+      return launch_for_grad<__half>(b, param_out_dtype, n, args, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -20,15 +20,19 @@ struct DeviceScalar {
 struct AdamWArgs {
   DeviceScalar lr, beta1, beta2, eps, weight_decay, step, grad_scale;
   const float* found_inf;  // device fp32; nonzero => the whole call is a no-op. May be null.
+  bool maximize;           // torch's maximize: the gradient is negated (adamw_coefficients)
 };
 
-// One fused AdamW step over n elements; the CPU kernel's formula (adamw_math.h), except that nvcc
-// contracts a*b+c into FMA (its default -fmad=true), so master/exp_avg/exp_avg_sq may differ from
-// the CPU result by an ulp or two. param_out may be null; otherwise bf16 or fp16, rounded to
-// nearest-even from this kernel's master.
+// One fused AdamW step over n elements; the CPU kernel's formula (adamw_math.h). Its FMAs are
+// explicit fmaf and nvcc (default -fmad=true) finds no other mul+add pair to contract, so the
+// result should be the CPU kernel's bits; not yet checked on a GPU (the tests allow a few ulp).
+// max_exp_avg_sq may be null; otherwise it makes the step amsgrad (fp32, n elements, updated in
+// place). param_out may be null; otherwise bf16 or fp16, rounded to nearest-even from this kernel's
+// master.
 cudaError_t launch_fused_adamw(float* master, const void* grad, DType grad_dtype, float* exp_avg,
-                               float* exp_avg_sq, void* param_out, DType param_out_dtype, int64_t n,
-                               const AdamWArgs& args, cudaStream_t stream);
+                               float* exp_avg_sq, float* max_exp_avg_sq, void* param_out,
+                               DType param_out_dtype, int64_t n, const AdamWArgs& args,
+                               cudaStream_t stream);
 
 // Multi-tensor copy between a flat buffer and `count` tensors in ONE launch. `device_slices` is
 // device memory holding `count` TensorSlice records; max_numel is the largest slice (sizes the

@@ -87,6 +87,7 @@ void check_no_overlap(const char* op, const std::vector<ByteRange>& writes,
 
 void check_fused_adamw_args(const at::Tensor& master, const at::Tensor& grad,
                             const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                            const std::optional<at::Tensor>& max_exp_avg_sq,
                             const std::optional<at::Tensor>& param_out,
                             const std::optional<at::Tensor>& found_inf) {
   TORCH_CHECK(master.scalar_type() == at::kFloat,
@@ -102,6 +103,12 @@ void check_fused_adamw_args(const at::Tensor& master, const at::Tensor& grad,
   check_state_tensor(grad, master, "grad");
   check_state_tensor(exp_avg, master, "exp_avg");
   check_state_tensor(exp_avg_sq, master, "exp_avg_sq");
+  if (max_exp_avg_sq.has_value()) {
+    TORCH_CHECK(max_exp_avg_sq->scalar_type() == at::kFloat,
+                "zero_ext.fused_adamw_: `max_exp_avg_sq` (amsgrad) must be float32, got ",
+                max_exp_avg_sq->scalar_type());
+    check_state_tensor(*max_exp_avg_sq, master, "max_exp_avg_sq");
+  }
   if (param_out.has_value()) {
     TORCH_CHECK(param_out->scalar_type() == at::kBFloat16 || param_out->scalar_type() == at::kHalf,
                 "zero_ext.fused_adamw_: `param_out` must be bfloat16 or float16, got ",
@@ -113,6 +120,9 @@ void check_fused_adamw_args(const at::Tensor& master, const at::Tensor& grad,
   // read, and even an identical grad and master would be read after the write on some paths.
   std::vector<ByteRange> writes{byte_range(master, "`master`"), byte_range(exp_avg, "`exp_avg`"),
                                 byte_range(exp_avg_sq, "`exp_avg_sq`")};
+  if (max_exp_avg_sq.has_value()) {
+    writes.push_back(byte_range(*max_exp_avg_sq, "`max_exp_avg_sq`"));
+  }
   if (param_out.has_value()) writes.push_back(byte_range(*param_out, "`param_out`"));
   check_no_overlap("fused_adamw_", writes, {byte_range(grad, "`grad`")});
 }

@@ -36,10 +36,11 @@ void check_no_overlap(const char* op, const std::vector<ByteRange>& writes,
                       const std::vector<ByteRange>& reads);
 
 // Shapes, dtypes, devices, contiguity and numel of fused_adamw_'s tensors and found_inf's shape,
-// and that no two of master, grad, exp_avg, exp_avg_sq, param_out share a byte. The scalars are
-// checked by resolve_adamw_scalars (scalars.h).
+// and that no two of master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out share a byte.
+// The scalars are checked by resolve_adamw_scalars (scalars.h).
 void check_fused_adamw_args(const at::Tensor& master, const at::Tensor& grad,
                             const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                            const std::optional<at::Tensor>& max_exp_avg_sq,
                             const std::optional<at::Tensor>& param_out,
                             const std::optional<at::Tensor>& found_inf);
 

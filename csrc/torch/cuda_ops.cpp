@@ -51,11 +51,12 @@ void fused_adamw_cuda(const at::Tensor& master, const at::Tensor& grad, const at
                       const std::optional<at::Tensor>& step_tensor,
                       const std::optional<at::Tensor>& grad_scale_tensor,
                       const std::optional<at::Tensor>& param_out,
-                      const std::optional<at::Tensor>& found_inf) {
+                      const std::optional<at::Tensor>& found_inf,
+                      const std::optional<at::Tensor>& max_exp_avg_sq, bool maximize) {
   // --- validation: everything below this block may write ---
   TORCH_CHECK(master.is_cuda(), "zero_ext.fused_adamw_: `master` must be a CUDA tensor, got ",
               master.device());
-  check_fused_adamw_args(master, grad, exp_avg, exp_avg_sq, param_out, found_inf);
+  check_fused_adamw_args(master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out, found_inf);
   const AdamWScalars s = resolve_adamw_scalars({{lr, lr_tensor},
                                                 {beta1, beta1_tensor},
                                                 {beta2, beta2_tensor},
@@ -86,12 +87,14 @@ void fused_adamw_cuda(const at::Tensor& master, const at::Tensor& grad, const at
   args.weight_decay = device_scalar(s.weight_decay, keep);
   args.step = device_scalar(s.step, keep);
   args.grad_scale = device_scalar(s.grad_scale, keep);
+  args.maximize = maximize;
   args.found_inf =
       found_inf.has_value() && !found_inf_on_host ? device_fp32(*found_inf, keep) : nullptr;
   void* out = param_out.has_value() ? param_out->data_ptr() : nullptr;
+  float* v_max = max_exp_avg_sq.has_value() ? max_exp_avg_sq->data_ptr<float>() : nullptr;
   C10_CUDA_CHECK(cuda::launch_fused_adamw(
       master.data_ptr<float>(), grad.const_data_ptr(), grad_dtype, exp_avg.data_ptr<float>(),
-      exp_avg_sq.data_ptr<float>(), out, out_dtype, n, args, stream));
+      exp_avg_sq.data_ptr<float>(), v_max, out, out_dtype, n, args, stream));
 }
 
 // flatten_ (to_flat) and unflatten_: one H2D copy of the slice records, one kernel launch.
