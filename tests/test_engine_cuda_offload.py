@@ -12,15 +12,16 @@ What they catch:
 - the host overwriting the pinned fp32 master (the next update, a loaded state) while the host-to-device copy of the
   parameters from it is still queued.
 
-Not bitwise against the in-memory optimizer on the GPU: that one updates with the CUDA kernel, which nvcc builds
-with FMA contraction, and the offloaded update runs the CPU kernel (tests/test_cuda_ops.py: a few ulps apart). So
-each delayed run is compared bit for bit with the same offloaded run whose reduce-scatters are each followed by a
-device synchronisation (nothing can be read early there), and with the in-memory run at the reference tolerance.
+Each delayed run is compared bit for bit first with the same offloaded run whose reduce-scatters are each followed
+by a device synchronisation (nothing can be read early there: a difference is a stale read), then with the
+in-memory run, which updates with the CUDA kernel where offload runs the CPU kernel. Both spell out the same fused
+multiply-adds (csrc/adamw_math.h), so they should agree to the bit; a difference there alone (the first comparison
+passing) is the two kernels' rounding, not stream ordering: report it against adamw_math.h / fused_adamw.cu.
 """
 
 import pytest
 import torch
-from engine_reference import BF16_ULP, NEAR_ZERO, state_shards
+from engine_reference import state_shards
 from tiny_transformer import batch, build, loss_fn
 
 from zero_ext import ZeroAdamW
@@ -119,11 +120,11 @@ def test_offload_reads_finished_gradients(nccl_world, tmp_path, offload, stage, 
         for i, (a, b) in enumerate(zip(s_a, s_b)):
             assert torch.equal(a, b), f"step {step}: state tensor {i} differs from the synchronised run"
     in_memory = _train(path, "plain", None, stage, dtype, tmp_path)
+    kernels = "offload (CPU kernel) and in memory (CUDA kernel) round differently: see the module docstring"
     for step, ((p_a, s_a), (p_b, s_b)) in enumerate(zip(delayed, in_memory)):
-        for a, b in zip(p_a, p_b):
-            tol = {} if dtype == torch.float32 else dict(rtol=BF16_ULP, atol=NEAR_ZERO)
-            torch.testing.assert_close(a.float(), b.float(), **tol, msg=lambda m: f"step {step}: {m}")
-        torch.testing.assert_close(s_a[0], s_b[0], msg=lambda m: f"step {step}, master: {m}")
+        for i, (a, b) in enumerate(zip(p_a, p_b)):
+            assert torch.equal(a, b), f"step {step}: parameter {i}: {kernels}"
+        assert torch.equal(s_a[0], s_b[0]), f"step {step}, master: {kernels}"
 
 
 def test_the_fp32_master_is_written_only_after_its_copy_to_the_device(nccl_world):
