@@ -428,6 +428,31 @@ def test_a_full_disk_is_refused_on_every_rank_before_anything_is_built(tmp_path)
     assert _files(tmp_path) == [] and os.listdir(tmp_path) == []
 
 
+def _offload_dir(rank, world, root):
+    model = build(torch.bfloat16)
+    before = [p.data_ptr() for p in model.parameters()]
+    try:
+        opt = ZeroAdamW(model.named_parameters(), offload="nvme", offload_dir=root)
+    except ValueError as e:
+        assert [p.data_ptr() for p in model.parameters()] == before, "a refused construction re-pointed the model"
+        return str(e)
+    made = os.path.isdir(root)
+    opt.close()
+    return made
+
+
+def test_a_missing_offload_dir_is_created_and_a_file_in_the_way_fails_every_rank(tmp_path):
+    """offload_dir is created with its parents on every rank (they race to create it: no rank may fail for it);
+    a path that is a file fails every rank, naming it."""
+    missing = tmp_path / "not" / "yet"
+    assert run_on_ranks(2, _offload_dir, str(missing)) == [True, True]
+    assert os.listdir(missing) == []  # the ranks' own directories went with close()
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")
+    for error in run_on_ranks(2, _offload_dir, str(blocked / "sub")):
+        assert "cannot use `offload_dir`" in error and str(blocked) in error, error
+
+
 def test_bad_options_name_the_option(tmp_path):
     model = build(torch.bfloat16)
     named = list(model.named_parameters())
@@ -438,7 +463,6 @@ def test_bad_options_name_the_option(tmp_path):
         (dict(offload_dir=str(tmp_path)), "`offload_dir` is for offload='nvme'"),
         (dict(offload="cpu", offload_window=2**26), "`offload_window` is for offload='nvme'"),
         (dict(offload="nvme", offload_dir=str(tmp_path), offload_window=10), "`offload_window` must be an int >="),
-        (dict(offload="nvme", offload_dir=str(tmp_path / "missing")), "is not a directory"),
     ]
     for kwargs, needle in cases:
         with pytest.raises(ValueError) as info:

@@ -90,9 +90,11 @@ class ZeroAdamW(torch.optim.Optimizer):
             ``"nvme"`` (files in ``offload_dir``, streamed through ``offload_window`` bytes of host memory). Same
             results bit for bit as without; checkpoints cross freely. See :mod:`zero_ext.offload`. The CPU update
             uses torch's intra-op threads: under torchrun set ``OMP_NUM_THREADS`` to the cores per rank.
-        offload_dir: ``offload="nvme"``: a directory on a fast local disk (each rank makes its own subdirectory,
-            deleted by :meth:`close` or at exit; the files are working memory, not a checkpoint).
-        offload_window: ``offload="nvme"``: bytes of host memory the state streams through (default 64 MiB).
+        offload_dir: ``offload="nvme"``: a directory on a fast local disk, created with its parents when missing
+            (each rank makes its own subdirectory, deleted by :meth:`close` or at exit; the files are working memory,
+            not a checkpoint).
+        offload_window: ``offload="nvme"``: bytes of host memory the state streams through (default
+            ``zero_ext.offload.DEFAULT_WINDOW``, 128 MiB).
 
     The sharded state (flat groups, shards, counters) is :attr:`sharded_state`, the seam that
     :mod:`zero_ext.checkpoint`, :mod:`zero_ext.state_dict` and :mod:`zero_ext.memory` read.

@@ -94,7 +94,8 @@ def disk_bytes_needed(layouts: Sequence[Layout]) -> int:
 
 
 def prepare_offload(comm: Communicator, offload, offload_dir, layouts: Sequence[Layout]) -> Optional[str]:
-    """Collective for ``offload="nvme"``: create this rank's directory under ``offload_dir`` and check that the
+    """Collective for ``offload="nvme"``: create ``offload_dir`` when missing (with its parents) and this rank's
+    directory under it, and check that the
     disk has room for the state of every rank that shares it; raises on every rank if any rank failed. Returns the
     directory (None without nvme offload)."""
     if offload != "nvme":
@@ -103,6 +104,9 @@ def prepare_offload(comm: Communicator, offload, offload_dir, layouts: Sequence[
     need = disk_bytes_needed(layouts)
     try:
         parent = os.path.abspath(os.fspath(offload_dir))
+        # Created when missing, with its parents, as checkpoint directories are (DeepSpeed's swap folder too); every
+        # rank sharing it may create it at once (exist_ok). A file in the way fails here, and every rank with it.
+        os.makedirs(parent, exist_ok=True)
         if not os.path.isdir(parent):
             raise OSError(f"`offload_dir` {parent!r} is not a directory")
         directory = tempfile.mkdtemp(prefix=leftovers.dir_prefix(comm.rank), dir=parent)
