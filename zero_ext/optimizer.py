@@ -180,7 +180,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         if not isinstance(sync_module_states, bool):
             plan.error = plan.error or f"`sync_module_states` must be True or False, got {sync_module_states!r}"
         everything = [p for g in self.param_groups for p in g["params"]]
-        to_sync = tensors_to_sync(everything, module) if sync_module_states is True and not on_meta else []
+        owned = model.module if model is not None else None  # None where `module` was refused (an error already)
+        to_sync = tensors_to_sync(everything, owned) if sync_module_states is True and not on_meta else []
         device = plan.device or fallback_device(process_group)
         comm = communicator or communicator_for(process_group, device)
         trainable = sum(p.numel() for _, members in plan.groups for _, p in members)
