@@ -139,3 +139,13 @@ def test_a_non_bool_fails_every_rank_naming_it():
 def test_ranks_disagreeing_on_it_fail_every_rank():
     messages = run_on_ranks(2, _bad_value, [True, False])
     assert all("settings differ between ranks" in m for m in messages), messages
+
+
+def _not_a_module(rank, world):
+    model = _build(SEED)
+    with pytest.raises(ValueError, match="`module` must be a torch.nn.Module"):
+        ZeroAdamW(model.parameters(), module="model")
+
+
+def test_a_refused_module_is_reported_not_listed():
+    run_on_ranks(2, _not_a_module)
