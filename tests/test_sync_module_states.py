@@ -14,6 +14,8 @@ from engine_reference import params_digest
 from torch import nn
 
 from zero_ext import ZeroAdamW
+from zero_ext.comm import communicator_for
+from zero_ext.module_sync import broadcast_from_rank0
 
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 VOCAB, DIM, SEED = 37, 24, 1234
@@ -149,3 +151,25 @@ def _not_a_module(rank, world):
 
 def test_a_refused_module_is_reported_not_listed():
     run_on_ranks(2, _not_a_module)
+
+
+def _mixed_buckets(rank, world):
+    torch.manual_seed(SEED + rank)
+    base = torch.randn(6, 5)
+    tensors = [base, torch.randn(7).bfloat16(), torch.randint(0, 9, (4,)), base.t()[1:], torch.randn(300)]
+    expected = [t.clone() for t in tensors]
+    own_column = base[:, 0].clone()  # outside the view: not sent, stays this rank's
+    if rank != 0:
+        torch.manual_seed(SEED)
+        first = torch.randn(6, 5)
+        expected = [first, torch.randn(7).bfloat16(), torch.randint(0, 9, (4,)), first.t()[1:], torch.randn(300)]
+    # 64 bytes per bucket: the large vector travels alone and in place, the rest in several flat buckets, a
+    # non-contiguous view through a flat copy.
+    broadcast_from_rank0(communicator_for(None, torch.device("cpu")), tensors[1:], bucket_bytes=64)
+    for i, (t, e) in enumerate(zip(tensors[1:], expected[1:])):
+        assert t.dtype == e.dtype and torch.equal(t, e), f"tensor {i + 1} is not rank 0's"
+    assert torch.equal(base[:, 0], own_column)
+
+
+def test_broadcast_buckets_mixed_dtypes_and_views():
+    run_on_ranks(3, _mixed_buckets)
