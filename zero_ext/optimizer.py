@@ -19,6 +19,7 @@ from .hyperparams import check_hyperparameters
 from .layout import Layout
 from .meta_init import default_device, initialise_shards
 from .model_state import ModelState
+from .module_sync import broadcast_from_rank0, describe, tensors_to_sync
 from .offload import check_offload_options, placement_factory, prepare_offload, warn_if_one_thread
 from .options import check_options, check_process_group, check_stage3_options
 from .param_gather import ParamGather
@@ -69,6 +70,14 @@ class ZeroAdamW(torch.optim.Optimizer):
         module: the model. Parameters are then named after it (its ``state_dict`` keys); a model wrapped in, or
             running inside, ``DistributedDataParallel`` is refused; checkpoints hold its whole state (frozen
             parameters, buffers, tied names), so a consolidated checkpoint loads with ``load_state_dict(strict=True)``.
+        sync_module_states: every rank starts from rank 0's values, as ``DistributedDataParallel`` does (True, the
+            default): at construction rank 0 of the group broadcasts the parameters given (trainable and frozen)
+            and, with ``module=``, all of the model's parameters and buffers, before the shards and the fp32 master
+            are built from them; so per-rank seeding (``torch.manual_seed(seed + rank)``) only varies the data.
+            Each distinct tensor travels once (tied weights stay tied); ranks that already agree keep their bits.
+            False skips the broadcast (every rank loaded the same weights). A model on the ``meta`` device
+            (``param_init=``) is not broadcast: nothing is materialised yet, and its rule is identical seeds on
+            every rank.
         reshard_after_forward: stage 3: free a gathered bucket after its last use in forward (True; backward gathers
             it again: 3 Psi communicated per step, less the ``prefetch + 1`` buckets backward needs first, which are
             kept) or keep it until its gradients are reduced (False: 2 Psi, every bucket gathered at the end of
@@ -120,6 +129,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         grad_accum_dtype: Optional[torch.dtype] = None,
         max_grad_norm: Optional[float] = None,
         module: Optional[torch.nn.Module] = None,
+        sync_module_states: bool = True,
         reshard_after_forward: bool = True,
         prefetch: int = 1,
         param_init: Optional[Callable[[torch.nn.Module], None]] = None,
@@ -167,11 +177,17 @@ class ZeroAdamW(torch.optim.Optimizer):
             plan.device = torch.device(param_device) if param_device is not None else default_device()
         elif param_init is not None:
             plan.error = plan.error or "`param_init` is for a model built on the meta device (stage 3)"
+        if not isinstance(sync_module_states, bool):
+            plan.error = plan.error or f"`sync_module_states` must be True or False, got {sync_module_states!r}"
+        everything = [p for g in self.param_groups for p in g["params"]]
+        owned = model.module if model is not None else None  # None where `module` was refused (an error already)
+        to_sync = tensors_to_sync(everything, owned) if sync_module_states is True and not on_meta else []
         device = plan.device or fallback_device(process_group)
         comm = communicator or communicator_for(process_group, device)
         trainable = sum(p.numel() for _, members in plan.groups for _, p in members)
         self.bucket_size = bucket_size or default_bucket_size(trainable, comm)
         settings = f"stage={stage} reduce={reduce_dtype} bucket={self.bucket_size} offload={offload} {offload_window}"
+        settings += f" sync_module_states={sync_module_states} {describe(to_sync)}"  # the broadcast below matches
         agree_on_plan(comm, plan, settings)
         world, rank = comm.world_size, comm.rank
         layouts = [Layout([p.numel() for _, p in members], world, self.bucket_size) for _, members in plan.groups]
@@ -179,6 +195,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         placement = placement_factory(offload, directory, offload_window, rank, len(layouts))
 
         _take_over([p for _, members in plan.groups for _, p in members], self)
+        broadcast_from_rank0(comm, to_sync)  # after the agreement (a failed one fails every rank), before the shards
         groups = []
         params_cls = ShardedParams if stage == 3 else FullParams
         try:
@@ -207,7 +224,6 @@ class ZeroAdamW(torch.optim.Optimizer):
         warn_if_one_thread(offload)
         self._state = ShardedState(comm, stage, self.bucket_size, groups, plan.names, plan.device)
         self._state.model = model
-        everything = [p for g in self.param_groups for p in g["params"]]
         self._state.frozen = [(plan.names[i], p) for i, p in enumerate(everything) if not p.requires_grad]
         strategy = grads_for(self._state, reduce_dtype, grad_accum_dtype)
         self._grad_sync = GradSync(self._state, strategy, staging_buffers)
