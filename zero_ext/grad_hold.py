@@ -22,15 +22,12 @@ once written, the strategy adds it to what it wrote (:attr:`Arrival.AGAIN_WRITTE
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Optional
 
 import torch
 
+from .bucket_runtime import BucketRuntime
 from .layout import Slot
-
-if TYPE_CHECKING:
-    from .reducer import GradBucket
-
 
 # NOTE: 2^24 elements (32 MiB of bf16): writing once per 16M elements is one call per many parameters for any model,
 # while the hold stays small next to a large model's buckets (the NCCL default cuts the model in 8).
@@ -53,15 +50,15 @@ class GradHold:
 
     __slots__ = ("_write", "bucket", "held", "_held_slots", "_held_numel", "_seen")
 
-    def __init__(self, write: Callable[["GradBucket", Held], None]):
+    def __init__(self, write: Callable[[BucketRuntime, Held], None]):
         self._write = write  # writes the held gradients of a bucket (then frees them)
-        self.bucket: "GradBucket | None" = None
+        self.bucket: Optional[BucketRuntime] = None
         self.held: Held = []
         self._held_slots: set[int] = set()
         self._held_numel = 0
         self._seen: dict[int, set[int]] = {}  # bucket order -> slot indices with a gradient this round
 
-    def arrive(self, gb: "GradBucket", slot: Slot, param: torch.Tensor, grad: torch.Tensor) -> Arrival:
+    def arrive(self, gb: BucketRuntime, slot: Slot, param: torch.Tensor, grad: torch.Tensor) -> Arrival:
         """``param``'s gradient (``grad``, its ``.grad``) arrived."""
         seen = self._seen.get(gb.order)
         if seen is None:
@@ -84,7 +81,7 @@ class GradHold:
             self.flush()
         return Arrival.FIRST
 
-    def flush(self, gb: "GradBucket | None" = None) -> None:
+    def flush(self, gb: Optional[BucketRuntime] = None) -> None:
         """Write the held gradients (only if they are ``gb``'s, when given)."""
         if self.bucket is None or (gb is not None and gb is not self.bucket):
             return

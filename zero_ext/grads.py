@@ -21,18 +21,16 @@ added to the grad shard (``accumulate``).
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
+from .bucket_runtime import BucketRuntime
 from .buffers import FlatGroup, ShardedState
 from .grad_hold import Arrival, GradHold, take_grads
 from .kernels.dispatch import accumulate_into, add_flattened, cast_scale_into, flatten_into
 from .layout import Slot
 from .staging import StagingPool
-
-if TYPE_CHECKING:  # a type only: the reducer imports this module, not the other way round
-    from .reducer import GradBucket
 
 
 class GradStrategy:
@@ -52,11 +50,11 @@ class GradStrategy:
         """Staging bytes per element of a bucket of ``group`` (0: sent without staging)."""
         return self.wire_dtype(group).itemsize
 
-    def on_grad(self, gb: "GradBucket", slot: Slot, param: torch.Tensor, syncing: bool) -> bool:
+    def on_grad(self, gb: BucketRuntime, slot: Slot, param: torch.Tensor, syncing: bool) -> bool:
         """A gradient arrived in ``param.grad``; returns whether it counts towards launching its bucket now."""
         raise NotImplementedError
 
-    def send(self, gb: "GradBucket") -> Optional[torch.Tensor]:
+    def send(self, gb: BucketRuntime) -> Optional[torch.Tensor]:
         """The bucket's gradients as they go on the wire (``gb.staging`` holds the pool entry), or None when
         there is nothing to send."""
         raise NotImplementedError

@@ -23,10 +23,6 @@ from .grads import GradStrategy
 from .staging import StagingPool
 from .weak_hooks import remove_all, remove_with, weak_call
 
-# The names the gradient strategies (grads.py) and older code know these by.
-GradBucket = BucketRuntime
-BucketStatus = GradState
-
 
 class GradSync:
     """Hooks, rounds and the bucket launch order; what a gradient does on arrival is the strategy's business."""
