@@ -93,7 +93,29 @@ class ShardedGradStrategy(GradStrategy):
         super().__init__(state, reduce_dtype)
         self._clean = False  # the grad shards are zero and no gradient arrived since
         self._got: set[int] = set()  # parameters whose gradient arrived since the last step() or zero_grad()
+        self._hold = GradHold(self._write)  # a bucket's gradients wait in .grad and are written at once
         _drop_early_grads(state)
+
+    def on_grad(self, gb, slot, param, syncing) -> bool:
+        grad = param.grad
+        if grad.layout is not torch.strided:
+            _dense(param, gb.group.names[slot.index])
+        self.arrived(gb.group, slot)
+        arrival = self._hold.arrive(gb, slot, param, grad)
+        if arrival is Arrival.AGAIN_WRITTEN:
+            self._add_again(gb, slot, param, grad)
+        return arrival is Arrival.FIRST
+
+    def _write(self, gb: BucketRuntime, held) -> None:
+        """Write the held gradients of ``gb`` (``grad_hold.take_grads`` frees them)."""
+        raise NotImplementedError
+
+    def _add_again(self, gb: BucketRuntime, slot: Slot, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """A second gradient for a slot already written this round: add it to what was written, free ``.grad``."""
+        raise NotImplementedError
+
+    def end_round(self) -> None:
+        self._hold.end_round()
 
     def check_no_foreign_grads(self) -> None:
         for group in self.state.groups:
@@ -333,25 +355,11 @@ class StagedGrads(ShardedGradStrategy):
     """Stages 2 and 3: a bucket's gradients go into its staging buffer, cast and pre-scaled, in one write when the
     bucket launches (or when a gradient of another bucket arrives first: ``grad_hold.py``), then are freed."""
 
-    def __init__(self, state: ShardedState, reduce_dtype: torch.dtype):
-        super().__init__(state, reduce_dtype)
-        self._hold = GradHold(self._write)
-
     def _send_buffer(self, gb) -> torch.Tensor:
         if gb.staging is None:
             gb.staging = self.pool.acquire(gb)
             gb.staging.send(self.wire_dtype(gb.group), gb.bucket.numel).zero_()
         return gb.staging.send(self.wire_dtype(gb.group), gb.bucket.numel)
-
-    def on_grad(self, gb, slot, param, syncing) -> bool:
-        grad = param.grad
-        if grad.layout is not torch.strided:
-            _dense(param, gb.group.names[slot.index])
-        self.arrived(gb.group, slot)
-        arrival = self._hold.arrive(gb, slot, param, grad)
-        if arrival is Arrival.AGAIN_WRITTEN:
-            self._add_again(gb, slot, param, grad)
-        return arrival is Arrival.FIRST
 
     def _write(self, gb, held) -> None:
         slots, grads = take_grads(held)
@@ -359,7 +367,7 @@ class StagedGrads(ShardedGradStrategy):
         flatten_into(self._send_buffer(gb), grads, [s.offset - start for s in slots], self.prescale(gb.group))
 
     def _add_again(self, gb, slot, param, grad) -> None:
-        """A second gradient for a slot already written this round: added to what was written (wire dtype)."""
+        # in the wire dtype, as the first was written
         view = gb.bucket.slot_range(slot).of(self._send_buffer(gb))
         scaled = torch.empty_like(view)
         cast_scale_into(scaled, grad, self.prescale(gb.group))
@@ -370,9 +378,6 @@ class StagedGrads(ShardedGradStrategy):
         self._hold.flush(gb)
         return self._send_buffer(gb)  # zeros for a bucket none of whose parameters got a gradient
 
-    def end_round(self) -> None:
-        self._hold.end_round()
-
 
 class ShardGrads(ShardedGradStrategy):
     """Stages 2 and 3 on one process: the gradients are added straight into the grad shard (nothing to reduce), a
@@ -381,7 +386,6 @@ class ShardGrads(ShardedGradStrategy):
     def __init__(self, state: ShardedState, reduce_dtype: torch.dtype):
         super().__init__(state, reduce_dtype)
         self._starts: dict[tuple[int, int], int] = {}  # (group, slot) -> where it starts in the grad shard
-        self._hold = GradHold(self._write)
 
     def send_bytes(self, group: FlatGroup) -> int:
         return 0
@@ -394,28 +398,18 @@ class ShardGrads(ShardedGradStrategy):
             start = self._starts[key] = group.layout.single_rank_shard_range(slot).start
         return start
 
-    def on_grad(self, gb, slot, param, syncing) -> bool:
-        grad = param.grad
-        if grad.layout is not torch.strided:
-            _dense(param, gb.group.names[slot.index])
-        self.arrived(gb.group, slot)
-        arrival = self._hold.arrive(gb, slot, param, grad)
-        if arrival is Arrival.AGAIN_WRITTEN:
-            start = self._start(gb.group, slot)
-            accumulate_into(gb.group.state.grad[start : start + slot.numel], grad)
-            param.grad = None
-        return arrival is Arrival.FIRST
-
     def _write(self, gb, held) -> None:
         slots, grads = take_grads(held)
         add_flattened(gb.group.state.grad, grads, [self._start(gb.group, s) for s in slots])
 
+    def _add_again(self, gb, slot, param, grad) -> None:
+        start = self._start(gb.group, slot)
+        accumulate_into(gb.group.state.grad[start : start + slot.numel], grad)
+        param.grad = None
+
     def send(self, gb) -> None:
         self._hold.flush(gb)
         return None
-
-    def end_round(self) -> None:
-        self._hold.end_round()
 
 
 def _drop_early_grads(state: ShardedState) -> None:
