@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 import torch
-import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .comm import Communicator
@@ -42,7 +41,7 @@ def describe(tensors: list[torch.Tensor]) -> str:
 def broadcast_from_rank0(comm: Communicator, tensors: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> None:
     """Collective: every tensor becomes rank 0's (rank 0 of ``comm``'s group), in place. One broadcast per bucket
     of up to ``bucket_bytes`` of one device and dtype (a tensor that fills a bucket alone travels in place)."""
-    if comm.world_size == 1:
+    if comm.world_size == 1:  # nothing to send (and no buckets to flatten)
         return
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
@@ -50,13 +49,12 @@ def broadcast_from_rank0(comm: Communicator, tensors: list[torch.Tensor], bucket
     for (device, _), same in by_kind.items():
         # Host tensors next to an NCCL group travel over its gloo side group.
         group = comm.cpu_group if device.type == "cpu" else comm.group
-        src = dist.get_global_rank(group, 0) if group is not None else 0
         for bucket in _buckets(same, bucket_bytes):
             if len(bucket) == 1 and bucket[0].is_contiguous():
-                dist.broadcast(bucket[0], src=src, group=group)
+                comm.broadcast(bucket[0], 0, group)
                 continue
             flat = _flatten_dense_tensors(bucket)
-            dist.broadcast(flat, src=src, group=group)
+            comm.broadcast(flat, 0, group)
             for t, value in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
                 t.copy_(value)
 

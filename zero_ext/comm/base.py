@@ -170,11 +170,13 @@ class Communicator:
         collective = lambda: dist.all_reduce(tensor, group=self.group, async_op=True)  # noqa: E731
         return self._on_stream(self.all_gather_stream, "all_reduce", collective, None, (tensor,))
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        """Collective, synchronous: every rank's ``tensor`` becomes rank ``src``'s (a rank of this group)."""
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Optional[dist.ProcessGroup] = None) -> None:
+        """Collective, synchronous: every rank's ``tensor`` becomes rank ``src``'s (a rank of this group), over
+        ``group`` (default: this communicator's; :attr:`cpu_group` for host tensors beside an NCCL group)."""
         if self.world_size > 1:
-            src_global = dist.get_global_rank(self.group, src) if self.group is not None else src
-            dist.broadcast(tensor, src=src_global, group=self.group)
+            group = self.group if group is None else group
+            src_global = dist.get_global_rank(group, src) if group is not None else src
+            dist.broadcast(tensor, src=src_global, group=group)
 
     def reduce_step_stats(self, flags: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
         """Collective: sum ``flags`` (a small fp32 CPU vector the host reads: per-parameter "got a gradient", an
