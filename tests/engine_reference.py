@@ -84,7 +84,7 @@ def check_against_reference(opt, model, ref_params, rank: int, ref_in_opt_order=
                 p.float(), ref.detach().to(p.dtype).float(), rtol=BF16_ULP, atol=NEAR_ZERO, msg=lambda m: f"{name}: {m}"
             )
     for ref in opt.sharded_state.pieces():
-        if ref.group.master_is_param:
+        if ref.group.rule.master_is_param:
             continue
         mine = ref.group.state.read("master", ref.piece.shard_range).cpu()
         expected = ref_in_opt_order[ref.param_index].detach().reshape(-1)[ref.piece.start : ref.piece.end]
@@ -103,10 +103,11 @@ def check_grad_shard_is_mean(opt, means, rank: int) -> None:
 
 
 def state_shards(opt) -> list:
-    """Copies of this rank's whole shards of master, exp_avg and exp_avg_sq, flat group by flat group, on the host,
-    read through the documented seam (``state_dict()`` would first let the master follow changed parameters)."""
+    """Copies of this rank's whole shards of every kind of state (the master and the moments of each group's update
+    rule), flat group by flat group, on the host, read through the documented seam (``state_dict()`` would first
+    let the master follow changed parameters)."""
     return [g.state.read(k, Range(0, g.layout.shard_numel)).cpu().clone() for g in opt.sharded_state.groups
-            for k in ("master", "exp_avg", "exp_avg_sq")]  # fmt: skip
+            for k in g.rule.kind_names]  # fmt: skip
 
 
 def params_digest(model) -> str:

@@ -56,7 +56,7 @@ def _report(rank, world, stage, dtype_name, fp32_accumulation=False):
         params = kept.get("params")  # the full flat buffer; at stage 3 the rank's shard of it, if kept
         full = ([params] if stage < 3 else []) + ([group.grad_buffer] if group.grad_buffer is not None else [])
         st = group.state
-        shards = [st.exp_avg, st.exp_avg_sq, st.grad] + ([st.master] if st.master is not None else [])
+        shards = [*st.buffers.values(), st.grad]  # one buffer per kind of the update rule (no master for fp32)
         shards += [params] if stage == 3 and params is not None else []
         layout = group.layout
         real_full = _covered(layout.numel, [s.param_range for s in layout.slots])

@@ -1,8 +1,9 @@
 """The one owner of a rank's sharded state: :class:`ShardedState`, made of :class:`FlatGroup` s.
 
 ``ShardedState`` is the seam every other part of zero_ext reads (``state_dict``, ``checkpoint``, ``memory``, the
-tests): the flat groups with their parameters' global indices, names and param group, the step and skip counters
-(device scalars), the stage and the communicator. ``ZeroAdamW.sharded_state`` returns it.
+tests): the flat groups with their parameters' global indices, names, param group and update rule, the step and
+skip counters (device scalars), the stage and the communicator. ``ZeroAdamW.sharded_state`` returns it. It is built
+whole (:mod:`.state_builder`): nothing is assigned to it from outside afterwards.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from .params import FullParams
 from .placement import DeviceState
 from .staging import StagingPool
 from .step_counts import StepCounts
+from .update_rule import UpdateRule, rule_for_group
 
 
 class FlatGroup:
     """One (param group, dtype) of trainable parameters (``params``): their layout, where they live
-    (``flat_params``, per stage) and where their optimizer state lives (``state``, per placement)."""
+    (``flat_params``, per stage), the update rule that says what state they keep (``rule``) and where that state
+    lives (``state``, per placement). ``grad_buffer_dtype``: stage 1's persistent flat gradient buffer, else None."""
 
     def __init__(
         self,
@@ -38,6 +41,8 @@ class FlatGroup:
         params_cls=FullParams,
         device: Optional[torch.device] = None,
         placement=None,
+        rule: Optional[UpdateRule] = None,
+        grad_buffer_dtype: Optional[torch.dtype] = None,
     ):
         self.index = index  # position among the flat groups
         self.group_index = group_index  # the param group (optimizer.param_groups[group_index])
@@ -50,18 +55,16 @@ class FlatGroup:
         self.device = device or self.params[0].device  # (params built on meta live on `device`)
         self.flat_params = params_cls(layout, rank, self.dtype, self.device)
         self.flat_params.adopt(self.params)
+        self.rule = rule if rule is not None else rule_for_group(self.dtype, {})
         # where the optimizer state lives: in memory on the device (default), or offload's host memory or files
-        make = placement or (lambda layout, params, device, index: DeviceState(layout, params, device))
-        self.state = make(layout, self.flat_params, self.device, index)
+        make = placement or (lambda layout, params, device, rule, index: DeviceState(layout, params, device, rule))
+        self.state = make(layout, self.flat_params, self.device, self.rule, index)
         self.grad_buffer: Optional[torch.Tensor] = None  # stage 1's persistent flat gradient buffer
+        if grad_buffer_dtype is not None:
+            self.grad_buffer = torch.zeros(layout.numel, dtype=grad_buffer_dtype, device=self.device)
         self.pieces_by_bucket: dict[int, list[OwnedPiece]] = {b.index: [] for b in layout.buckets}
         for piece in self.owned_pieces():
             self.pieces_by_bucket[piece.bucket].append(piece)
-
-    @property
-    def master_is_param(self) -> bool:
-        """fp32 parameters are their own master copy."""
-        return self.state.master_is_param
 
     def owned_pieces(self) -> tuple[OwnedPiece, ...]:
         return self.layout.owned_pieces(self.rank)
@@ -101,6 +104,10 @@ class ShardedState:
         groups: Sequence[FlatGroup],
         names: dict[int, str],
         device: torch.device,
+        *,
+        model=None,
+        frozen: Sequence[tuple[str, torch.nn.Parameter]] = (),
+        staging_buffers: int = 2,
     ):
         self.comm = comm
         self.stage = stage
@@ -119,12 +126,12 @@ class ShardedState:
         self.runtime: dict[Key, BucketRuntime] = {
             (g.index, b.index): BucketRuntime(g, b, order) for order, (g, b) in enumerate(self.launch_order())
         }
-        self.staging: Optional[StagingPool] = None  # the gradient staging pool, set by the reducer
-        self.window = None  # stage 3: the ParamGather (its window of gathered buckets), for the memory ledger
-        self.model = None  # the model's names and state outside the optimizer (model_state.ModelState), with module=
+        # The gradient staging pool: its entries are sized by the reducer, which knows how buckets travel.
+        self.staging = StagingPool(min(staging_buffers, len(self.runtime)), device)
+        self.model = model  # the model's names and state outside the optimizer (model_state.ModelState), with module=
         # Parameters given to the optimizer with requires_grad=False: left alone, and not sharded (step() refuses
         # to go on if one becomes trainable: it would never be updated).
-        self.frozen: list[tuple[str, torch.nn.Parameter]] = []
+        self.frozen: list[tuple[str, torch.nn.Parameter]] = list(frozen)
         # Stages 1 and 2: in-place changes to the full parameters, which the master must follow (param_edits.py).
         self.param_edits = ParamEdits(self.groups) if stage < 3 else None
 
@@ -169,7 +176,7 @@ class ShardedState:
         with torch.no_grad():
             for group, bucket in self.buckets():
                 mine = group.flat_params.rank_slice(bucket)  # None: stage 3 casts the master at each gather
-                if not group.master_is_param and mine is not None:
+                if group.state.master_copy and mine is not None:
                     mine.copy_(group.state.read("master", bucket.shard_range))
                 if group.flat_params.gathers_after_update:
                     pending.append(self.comm.start_all_gather(group.flat_params.gathered(bucket), mine))
@@ -177,9 +184,3 @@ class ShardedState:
             p.wait()
         if self.param_edits is not None:
             self.param_edits.record()
-
-    def group_of(self, param: torch.Tensor) -> Optional[FlatGroup]:
-        for group in self.groups:
-            if any(p is param for p in group.params):
-                return group
-        return None

@@ -38,7 +38,7 @@ class GradStrategy:
 
     def __init__(self, state: ShardedState, reduce_dtype: torch.dtype):
         self.state, self.comm, self.reduce_dtype = state, state.comm, reduce_dtype
-        self.pool: Optional[StagingPool] = None  # sized from send_bytes(), then set by GradSync
+        self.pool: StagingPool = state.staging  # sized from send_bytes() by GradSync
 
     def wire_dtype(self, group: FlatGroup) -> torch.dtype:
         return self.comm.wire_dtype(group.dtype, self.reduce_dtype)
@@ -169,7 +169,10 @@ class BufferedGrads(GradStrategy):
         # reduced them; None while the buffers hold gradients no reduction has read yet.
         self._reduced_at: Optional[list[int]] = None
         for group in state.groups:
-            group.grad_buffer = torch.zeros(group.layout.numel, dtype=self.buffer_dtype(group), device=group.device)
+            if group.grad_buffer is None or group.grad_buffer.dtype != self.buffer_dtype(group):
+                raise AssertionError(
+                    f"{type(self).__name__}: flat group {group.index} was built without its grad buffer"
+                )
             for slot, p in zip(group.layout.slots, group.params):
                 if p.grad is not None:  # a gradient from before construction is kept (not yet reduced)
                     self._keep_early_grad(group, slot, p)
@@ -423,6 +426,14 @@ def _drop_early_grads(state: ShardedState) -> None:
             f"before the optimizer existed: stage {state.stage} reduces gradients while backward runs",
             stacklevel=4,
         )
+
+
+def grad_buffer_dtype(stage: int, grad_accum_dtype: Optional[torch.dtype], param_dtype: torch.dtype):
+    """The dtype of a flat group's persistent gradient buffer (stage 1: ``.grad``'s storage, or fp32 with
+    ``grad_accum_dtype=torch.float32``), None at stages 2 and 3 (no full gradient buffer)."""
+    if stage != 1:
+        return None
+    return torch.float32 if grad_accum_dtype == torch.float32 else param_dtype
 
 
 def grads_for(state: ShardedState, reduce_dtype: torch.dtype, grad_accum_dtype=None) -> GradStrategy:

@@ -1,5 +1,5 @@
-"""AdamW's scalars: the "Python number or one-element tensor" split, checked where they are set and resolved once
-per ``step()`` into the kernel's arguments.
+"""AdamW's scalars: the "Python number or one-element tensor" split, checked where they are set (the update rule,
+:mod:`.update_rule`, resolves them once per ``step()`` into the kernel's arguments).
 
 Values inside tensors are checked wherever reading them costs no device synchronisation: CPU tensors always, CUDA
 tensors at construction only (``read_device_values=True``). Inside ``step()`` a CUDA tensor's value is trusted.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from numbers import Real
-from typing import Any, NamedTuple, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -64,26 +64,3 @@ def check_hyperparameters(
         _check(where, f"betas[{i}]", b, lambda v: 0.0 <= v < 1.0, "in [0, 1)", device, read_device_values)
     _check(where, "eps", eps, finite_nonneg, "a finite number >= 0", device, read_device_values)
     _check(where, "weight_decay", weight_decay, finite_nonneg, "a finite number >= 0", device, read_device_values)
-
-
-class AdamWScalars(NamedTuple):
-    """One param group's AdamW scalars as the kernel takes them (numbers or tensors)."""
-
-    lr: Scalar
-    beta1: Scalar
-    beta2: Scalar
-    eps: Scalar
-    weight_decay: Scalar
-
-
-def resolve_groups(param_groups: Sequence[dict], device: torch.device) -> list[AdamWScalars]:
-    """Every param group's scalars, checked (without a device sync); raises before anything is changed."""
-    out = []
-    for gi, g in enumerate(param_groups):
-        check_hyperparameters(
-            f"zero_ext.ZeroAdamW: param group {gi}", g["lr"], g["betas"], g["eps"], g["weight_decay"],
-            device=device, read_device_values=False,
-        )  # fmt: skip
-        beta1, beta2 = g["betas"]
-        out.append(AdamWScalars(g["lr"], beta1, beta2, g["eps"], g["weight_decay"]))
-    return out

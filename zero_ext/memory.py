@@ -1,7 +1,8 @@
 """Model-state memory: the ZeRO formula, and the per-rank ledger of what the engine actually allocated.
 
-ZeRO (Rajbhandari et al., 2019) counts mixed-precision Adam as 2 (fp16/bf16 params) + 2 (grads) + 12
-(fp32 master, exp_avg, exp_avg_sq) bytes per parameter. Per rank, with N ranks and Psi parameters:
+ZeRO (Rajbhandari et al., 2019) counts mixed-precision Adam as 2 (fp16/bf16 params) + 2 (grads) + K bytes per
+parameter, K the optimizer state: the update rule's bytes per element (:mod:`.update_rule`; AdamW's fp32 master
+and two moments: K = 12). Per rank, with N ranks and Psi parameters, for K = 12:
 
     stage 0 (DDP)  16 Psi              stage 2   2 Psi + 14 Psi / N
     stage 1         4 Psi + 12 Psi / N  stage 3   16 Psi / N
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
+
+from .update_rule import MASTER, default_bytes_per_element
 
 if TYPE_CHECKING:  # a type only: buffers.py never imports this module back
     from .buffers import ShardedState
@@ -26,13 +29,16 @@ def estimate_breakdown(
     *,
     param_bytes: int = 2,
     grad_bytes: int = 2,
-    optimizer_state_bytes: int = 12,
+    optimizer_state_bytes: Optional[int] = None,
 ) -> dict[str, Fraction]:
     """Per-rank bytes of params, grads and optimizer states under ZeRO ``stage`` (exact fractions).
 
-    The defaults are the paper's mixed-precision Adam; fp32 training with the params as their own master
-    is ``param_bytes=4, grad_bytes=4, optimizer_state_bytes=8``.
+    The defaults are the paper's mixed-precision Adam (``optimizer_state_bytes``: the AdamW rule's bytes per
+    element, 12); fp32 training with the params as their own master is ``param_bytes=4, grad_bytes=4,
+    optimizer_state_bytes=8``.
     """
+    if optimizer_state_bytes is None:
+        optimizer_state_bytes = default_bytes_per_element()
     if not isinstance(num_params, int) or num_params < 0:
         raise ValueError(f"num_params must be an int >= 0, got {num_params!r}")
     if not isinstance(world_size, int) or world_size < 1:
@@ -59,7 +65,7 @@ def estimate(num_params: int, world_size: int, stage: int, **widths: int) -> flo
 class MemoryReport:
     """Every persistent byte one rank of a ZeroAdamW holds, by kind, and how it relates to the formula.
 
-    ``allocated`` maps each kind (params, grads, master, exp_avg, exp_avg_sq, grad_shard, staging) to the
+    ``allocated`` maps each kind (params, grads, each state kind of the update rule, grad_shard, staging) to the
     bytes of the tensors of that kind: the whole allocation, padding included. ``padding`` is how many of
     those bytes hold padding (bucket tails and alignment gaps), ``staging`` the gradient staging pool.
     ``grad_shard_fp32`` is what keeping the reduced gradient shard in fp32 (exact averaging and fp32
@@ -121,7 +127,8 @@ class MemoryReport:
             return f"({self.where[kind]})" if self.where.get(kind, "device") != "device" else ""
 
         w = self.widths
-        p, g, o = w.get("param_bytes", 2), w.get("grad_bytes", 2), w.get("optimizer_state_bytes", 12)
+        p, g = w.get("param_bytes", 2), w.get("grad_bytes", 2)
+        o = w.get("optimizer_state_bytes", default_bytes_per_element())
         formula = {1: f"{p} + {g} + {o}/N", 2: f"{p} + ({g} + {o})/N", 3: f"({p} + {g} + {o})/N"}.get(
             self.stage, ""
         ) + " B/param"
@@ -185,11 +192,14 @@ def human_bytes(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
-def report(state: "ShardedState") -> MemoryReport:
-    """Every persistent byte ``state`` holds on this rank, by kind, and how it relates to the formula."""
+def report(state: "ShardedState", window=None) -> MemoryReport:
+    """Every persistent byte ``state`` holds on this rank, by kind, and how it relates to the formula. ``window``:
+    stage 3's gather scheduler (``param_gather.ParamGather``), whose gathered buckets are bounded, not persistent."""
     stage, world, rank = state.stage, state.world_size, state.rank
     out = MemoryReport(stage, world, 0, 0, rank=rank)
-    alloc: dict[str, int] = dict.fromkeys(("params", "grads", "master", "exp_avg", "exp_avg_sq", "grad_shard"), 0)
+    state_kinds = [MASTER] + [k for g in state.groups for k in g.rule.kind_names if k != MASTER]
+    state_kinds = list(dict.fromkeys(state_kinds))  # every kind of every rule, once, in order
+    alloc: dict[str, int] = dict.fromkeys(("params", "grads", *state_kinds, "grad_shard"), 0)
     where: dict[str, str] = {}
     for group in state.groups:
         for key, t in group.tensors().items():
@@ -198,13 +208,14 @@ def report(state: "ShardedState") -> MemoryReport:
         where.update(group.state.where())
         disk = group.state.disk_bytes()
         if disk:
-            per_kind = disk // len(OPTIMIZER_KINDS)
-            for kind in OPTIMIZER_KINDS:
+            kinds = group.rule.kinds
+            per_kind = disk // len(kinds)  # one file per kind, each the same size (fp32 kinds)
+            for kind in group.rule.kind_names:
                 out.on_disk[kind] = out.on_disk.get(kind, 0) + per_kind
-            out.padding += disk - 12 * group.layout.shard_numel  # the files' last block
+            out.padding += disk - group.rule.bytes_per_element() * group.layout.shard_numel  # the files' last block
         pw = group.dtype.itemsize
         gw = pw  # the formula's gradients have the param dtype
-        sw = 8 if group.master_is_param else 12
+        sw = group.rule.bytes_per_element(master_copy=group.state.master_copy)
         psi, full = group.layout.real_numel, group.layout.numel
         owned, shard = group.layout.owned_real_numel(rank), group.layout.shard_numel
         out.num_params += psi
@@ -225,15 +236,14 @@ def report(state: "ShardedState") -> MemoryReport:
         out.grad_shard_fp32 += (buffer_width - gw) * psi if buffer_width > gw else 0
         out.widths = {"param_bytes": pw, "grad_bytes": gw, "optimizer_state_bytes": sw}
     out.staging = state.staging.nbytes if state.staging is not None else 0
-    if state.window is not None:  # stage 3: bytes of gathered storages (param_gather.ParamGather.window_bound)
-        out.window_bound = state.window.window_bound
-        out.window_peak = state.window.peak_bytes
+    if window is not None:  # stage 3: bytes of gathered storages (param_gather.ParamGather.window_bound)
+        out.window_bound = window.window_bound
+        out.window_peak = window.peak_bytes
     alloc["staging"] = out.staging
-    out.allocated = {k: v for k, v in alloc.items() if v or k not in ("master", *OPTIMIZER_KINDS)}
+    out.allocated = {k: v for k, v in alloc.items() if v or k not in state_kinds}
     out.where = {k: where.get(k, "device") for k in list(out.allocated) + list(out.on_disk)}
     out.offload_buffers = sum(alloc.get(k, 0) for k in OFFLOAD_BUFFER_KINDS)
     return out
 
 
-OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
 OFFLOAD_BUFFER_KINDS = ("landing", "landing_host", "param_out", "window")

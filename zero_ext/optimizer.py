@@ -12,24 +12,19 @@ import torch
 import torch.distributed as dist
 
 from . import memory
-from .buffers import FlatGroup, ShardedState
-from .comm import Communicator, communicator_for, fallback_device
+from .buffers import ShardedState
+from .comm import Communicator
 from .grads import grads_for
-from .hyperparams import check_hyperparameters
-from .layout import Layout
-from .meta_init import default_device, initialise_shards
-from .model_state import ModelState
-from .module_sync import broadcast_from_rank0, describe, tensors_to_sync
-from .offload import check_offload_options, placement_factory, prepare_offload, warn_if_one_thread
+from .meta_init import initialise_shards
+from .offload import check_offload_options, warn_if_one_thread
 from .options import check_options, check_process_group, check_stage3_options
 from .param_gather import ParamGather
 from .param_sync import ParamSync, write_back
-from .params import FullParams
-from .planning import agree_on_plan, default_bucket_size, name_by_model, plan_groups
 from .reducer import GradSync
-from .sharded_params import ShardedParams
+from .state_builder import BuildOptions, StateBuilder
 from .state_dict import load_local_state_dict, local_state_dict
 from .step import Stepper
+from .update_rule import MASTER, rule_for_group
 
 
 def _cuda_graph_capturing() -> bool:
@@ -45,10 +40,17 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     Args:
         params: parameters, ``(name, parameter)`` pairs (``model.named_parameters()``: names then appear in
-            checkpoints), or param-group dicts with per-group ``lr``, ``betas``, ``eps``, ``weight_decay``.
+            checkpoints), or param-group dicts with per-group ``lr``, ``betas``, ``eps``, ``weight_decay``,
+            ``amsgrad``, ``maximize``.
             Params may be fp32 (their own master copy), bf16 or fp16; all on one device. Params with
             ``requires_grad=False`` are left alone; one made trainable later makes ``step()`` raise (it has no
             shard: build the optimizer after changing which parameters train).
+        lr, betas, eps, weight_decay, amsgrad, maximize: ``torch.optim.AdamW``'s, with its meaning bit for bit
+            (the update rule, :mod:`zero_ext.update_rule`). ``amsgrad`` keeps a fourth fp32 kind of state
+            (``max_exp_avg_sq``) and is fixed per param group at construction; ``maximize`` may change between steps.
+        foreach, capturable, differentiable, fused: ``torch.optim.AdamW``'s implementation selectors, accepted so
+            that ``ZeroAdamW(**adamw_kwargs)`` works and kept in the param groups; the update is always one fused
+            kernel. ``differentiable=True`` is refused (the step is not an autograd graph).
         stage: 1 (shard optimizer state; a persistent flat grad buffer), 2 (also shard gradients; ``step()``
             consumes them: the next backward starts from zero) or 3 (also shard the parameters: each rank keeps
             1/N of them; a bucket is gathered just before a module that uses it runs and freed after; needs
@@ -57,7 +59,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             is not initialised).
         bucket_size: elements per bucket. Default: the model in 8 buckets on NCCL, 4 on gloo (so that even a small
             model overlaps reduction with backward; gloo's per-collective cost is higher), clamped to
-            [N * 2**16, max(2**22, N * 2**18)].
+            [N * 2**14, max(2**22, N * 2**18)] (``planning.default_bucket_size``).
         reduce_dtype: dtype of the gradient mean: float32 (default; exact) or bfloat16/float16 (half the bytes on
             NCCL, low-precision sums). On gloo with float32, bf16/fp16 gradients travel in their own dtype and
             are summed in fp32 after the transfer (exact, half the bytes).
@@ -94,7 +96,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         staging_buffers: initial size of the gradient staging pool (buckets in flight at once).
         communicator: a :class:`zero_ext.comm.Communicator` to use instead of the one chosen from
             ``process_group`` (e.g. ``NcclCommunicator`` on a one-rank group, to run the communicating path).
-        offload: where the fp32 master, exp_avg and exp_avg_sq live: None (default: on the params' device),
+        offload: where the optimizer state (the fp32 master and the moments) lives: None (default: on the params' device),
             ``"cpu"`` (host memory, pinned on CUDA, with the reduced-gradient shard; updated by the CPU kernel) or
             ``"nvme"`` (files in ``offload_dir``, streamed through ``offload_window`` bytes of host memory). Same
             results bit for bit as without; checkpoints cross freely. See :mod:`zero_ext.offload`. The CPU update
@@ -121,7 +123,13 @@ class ZeroAdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        amsgrad: bool = False,
         *,
+        maximize: bool = False,
+        foreach: Optional[bool] = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: Optional[bool] = None,
         stage: int = 2,
         process_group: Optional[dist.ProcessGroup] = None,
         bucket_size: Optional[int] = None,
@@ -141,113 +149,61 @@ class ZeroAdamW(torch.optim.Optimizer):
         offload_dir: Optional[str] = None,
         offload_window: Optional[int] = None,
     ):
+        defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps,
+                        weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, foreach=foreach,
+                        capturable=capturable, differentiable=differentiable, fused=fused)  # fmt: skip
+        # 1. every argument checked, before anything is built or any rank is waited for
         check_offload_options(offload, offload_dir, offload_window)
-        check_options(stage, lr, betas, eps, weight_decay, max_grad_norm, bucket_size, staging_buffers, reduce_dtype)
+        check_options(stage, defaults, max_grad_norm, bucket_size, staging_buffers, reduce_dtype, grad_accum_dtype)
         check_stage3_options(stage, module, reshard_after_forward, prefetch, defer_all_gather_to)
-        if grad_accum_dtype not in (None, torch.float32):
-            raise ValueError(
-                f"zero_ext.ZeroAdamW: `grad_accum_dtype` must be None or torch.float32, got {grad_accum_dtype}"
-            )
         check_process_group(process_group, communicator)
-        self._constructing = True
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        self._constructing = False
-        self.stage, self.max_grad_norm, self.reduce_dtype = stage, max_grad_norm, reduce_dtype
-
         if defer_all_gather_to is not None and module is not None and defer_all_gather_to is not module:
             raise ValueError("zero_ext.ZeroAdamW: `defer_all_gather_to` and `module` must be the same model")
         module = module if module is not None else defer_all_gather_to
-        # Local checks that could differ between ranks are collected, not raised, so that every rank reaches the
-        # agreement below and all ranks fail together instead of some hanging.
-        plan = plan_groups(self.param_groups)
-        model = None
-        if module is not None:
-            try:
-                model = ModelState(module)
-                name_by_model(plan, model)
-            except ValueError as e:
-                plan.error = plan.error or str(e).removeprefix("zero_ext.ZeroAdamW: ")
-        on_meta = plan.device is not None and plan.device.type == "meta"
-        if on_meta:
-            if stage != 3 or param_init is None:
-                plan.error = plan.error or (
-                    "the parameters are on the meta device: build the optimizer with stage=3 and param_init= (a "
-                    "function initialising one module's own parameters), which materialises only this rank's shard"
-                )
-            plan.device = torch.device(param_device) if param_device is not None else default_device()
-        elif param_init is not None:
-            plan.error = plan.error or "`param_init` is for a model built on the meta device (stage 3)"
-        if not isinstance(sync_module_states, bool):
-            plan.error = plan.error or f"`sync_module_states` must be True or False, got {sync_module_states!r}"
-        everything = [p for g in self.param_groups for p in g["params"]]
-        owned = model.module if model is not None else None  # None where `module` was refused (an error already)
-        to_sync = tensors_to_sync(everything, owned) if sync_module_states is True and not on_meta else []
-        device = plan.device or fallback_device(process_group)
-        comm = communicator or communicator_for(process_group, device)
-        trainable = sum(p.numel() for _, members in plan.groups for _, p in members)
-        self.bucket_size = bucket_size or default_bucket_size(trainable, comm)
-        settings = f"stage={stage} reduce={reduce_dtype} bucket={self.bucket_size} offload={offload} {offload_window}"
-        settings += f" sync_module_states={sync_module_states} {describe(to_sync)}"  # the broadcast below matches
-        agree_on_plan(comm, plan, settings)
-        world, rank = comm.world_size, comm.rank
-        layouts = [Layout([p.numel() for _, p in members], world, self.bucket_size) for _, members in plan.groups]
-        directory = prepare_offload(comm, offload, offload_dir, layouts)  # nvme: agreed before anything is built
-        placement = placement_factory(offload, directory, offload_window, rank, len(layouts))
-
-        _take_over([p for _, members in plan.groups for _, p in members], self)
-        broadcast_from_rank0(comm, to_sync)  # after the agreement (a failed one fails every rank), before the shards
-        groups = []
-        params_cls = ShardedParams if stage == 3 else FullParams
-        try:
-            for fi, ((gi, members), layout) in enumerate(zip(plan.groups, layouts)):
-                indices = [i for i, _ in members]
-                names = [plan.names[i] for i in indices]
-                groups.append(FlatGroup(fi, gi, [p for _, p in members], indices, names, layout, rank, params_cls,
-                                        plan.device, placement))  # fmt: skip
-        except BaseException as e:
-            for group in groups:  # files of the groups built so far
-                group.state.close()
-            if offload != "nvme":
-                raise
-            error = e
-        else:
-            error = None
-        if offload == "nvme":  # a disk that filled up since the check fails every rank, not just this one
-            failed = [r for r, f in enumerate(comm.agree(int(error is not None))) if f]
-            if error is not None:
-                raise error
-            if failed:
-                for group in groups:
-                    group.state.close()
-                raise RuntimeError(f"zero_ext.ZeroAdamW: creating the offload files failed on rank(s) {failed}")
-        self.offload = offload
+        # 2. torch's param groups (each group's hyperparameters checked as it is added)
+        self._constructing = True
+        super().__init__(params, defaults)
+        self._constructing = False
+        self.stage, self.max_grad_norm, self.reduce_dtype, self.offload = stage, max_grad_norm, reduce_dtype, offload
+        # 3. every rank plans its flat groups and agrees on them (collective; a failure anywhere fails every rank)
+        options = BuildOptions(stage, process_group, communicator, bucket_size, reduce_dtype, grad_accum_dtype,
+                               module, sync_module_states, param_init, param_device, staging_buffers, offload,
+                               offload_dir, offload_window)  # fmt: skip
+        builder = StateBuilder(self.param_groups, options)
+        self.bucket_size = builder.bucket_size
+        # 4. the sharded state: parameters re-pointed into flat buffers, optimizer state allocated
+        _take_over(builder.trainable, self)
+        self._state = builder.build()
         warn_if_one_thread(offload)
-        self._state = ShardedState(comm, stage, self.bucket_size, groups, plan.names, plan.device)
-        self._state.model = model
-        self._state.frozen = [(plan.names[i], p) for i, p in enumerate(everything) if not p.requires_grad]
-        strategy = grads_for(self._state, reduce_dtype, grad_accum_dtype)
-        self._grad_sync = GradSync(self._state, strategy, staging_buffers)
+        # 5. the engine around it: gradient reduction, parameter gathers, the step
+        self._grad_sync = GradSync(self._state, grads_for(self._state, reduce_dtype, grad_accum_dtype))
         if stage == 3:
-            self._param_sync = self._state.window = ParamGather(self._state, module, reshard_after_forward, prefetch)
-            self._grad_sync.on_ready = self._param_sync.bucket_ready
-            self._grad_sync.on_round_end = self._param_sync.backward_done
-            if on_meta:
-                initialise_shards(self._state, module, param_init, plan.device)
-            for group in self._state.groups:
-                if not group.master_is_param and group.state.resident:  # the fp32 master is on the device
-                    group.flat_params.cast_from(lambda bucket, g=group: g.state.read("master", bucket.shard_range))
+            self._param_sync = self._stage3_params(module, reshard_after_forward, prefetch, builder, param_init)
         else:
             self._param_sync = ParamSync(self._state)
         self._stepper = Stepper(self._state, self._grad_sync, self._param_sync, max_grad_norm)
         self._has_stepped = False
         self._closed = False
-        if model is not None:
-            model.install()
+        # 6. hooks on the model, and the parameters marked as this optimizer's
+        if builder.model is not None:
+            builder.model.install()
         if defer_all_gather_to is not None:
             self._param_sync.defer_to(defer_all_gather_to)
-        for _, members in plan.groups:
-            for _, p in members:
-                p._zero_ext_owner = weakref.ref(self)
+        for p in builder.trainable:
+            p._zero_ext_owner = weakref.ref(self)
+
+    def _stage3_params(self, module, reshard_after_forward, prefetch, builder: StateBuilder, param_init):
+        """Stage 3: the gather scheduler on the model's hooks; a meta model's shards initialised; the parameter
+        shards cast from the fp32 master where it is on the device."""
+        gather = ParamGather(self._state, module, reshard_after_forward, prefetch)
+        self._grad_sync.on_ready = gather.bucket_ready
+        self._grad_sync.on_round_end = gather.backward_done
+        if builder.on_meta:
+            initialise_shards(self._state, module, param_init, builder.device)
+        for group in self._state.groups:
+            if group.state.master_copy and group.state.resident:  # the fp32 master is on the device
+                group.flat_params.cast_from(lambda bucket, g=group: g.state.read(MASTER, bucket.shard_range))
+        return gather
 
     def close(self) -> None:
         """Detach from the model: finish the communication in flight and remove every hook this optimizer put on
@@ -281,7 +237,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         super().add_param_group(param_group)
         g = self.param_groups[-1]
         where = f"zero_ext.ZeroAdamW: param group {len(self.param_groups) - 1}"
-        check_hyperparameters(where, g["lr"], g["betas"], g["eps"], g["weight_decay"])
+        rule_for_group(torch.float32, g).check_group(where, g)
 
     @property
     def sharded_state(self) -> ShardedState:
@@ -425,7 +381,7 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     def memory_report(self) -> memory.MemoryReport:
         """Every persistent byte on this rank by kind; see :class:`zero_ext.memory.MemoryReport`."""
-        return memory.report(self._state)
+        return memory.report(self._state, window=self._param_sync if self.stage == 3 else None)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -8,16 +8,17 @@ import torch
 import torch.distributed as dist
 
 from .comm import Communicator
-from .hyperparams import check_hyperparameters
+from .update_rule import rule_for_group
 
 WHERE = "zero_ext.ZeroAdamW"
 
 
-def check_options(stage, lr, betas, eps, weight_decay, max_grad_norm, bucket_size, staging_buffers, reduce_dtype):
+def check_options(stage, defaults, max_grad_norm, bucket_size, staging_buffers, reduce_dtype, grad_accum_dtype):
+    """``defaults``: the param-group defaults (torch.optim.AdamW's keywords), checked by the update rule."""
     where = "zero_ext.ZeroAdamW"
     if stage not in (1, 2, 3):
         raise ValueError(f"{where}: `stage` must be 1, 2 or 3, got {stage!r}")
-    check_hyperparameters(where, lr, betas, eps, weight_decay)
+    rule_for_group(torch.float32, defaults).check_group(where, defaults)
     if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
         raise ValueError(f"{where}: `max_grad_norm` must be a number > 0 or None, got {max_grad_norm!r}")
     if bucket_size is not None and not (isinstance(bucket_size, int) and bucket_size > 0):
@@ -26,6 +27,8 @@ def check_options(stage, lr, betas, eps, weight_decay, max_grad_norm, bucket_siz
         raise ValueError(f"{where}: `staging_buffers` must be an int >= 1, got {staging_buffers!r}")
     if reduce_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"{where}: `reduce_dtype` must be float32, bfloat16 or float16, got {reduce_dtype}")
+    if grad_accum_dtype not in (None, torch.float32):
+        raise ValueError(f"{where}: `grad_accum_dtype` must be None or torch.float32, got {grad_accum_dtype}")
 
 
 def check_process_group(process_group, communicator) -> None:

@@ -22,7 +22,7 @@ import torch
 class ParamEdits:
     def __init__(self, groups: Sequence):
         # The groups whose master is not the parameters themselves (bf16/fp16 params, or offloaded state).
-        self.groups = [g for g in groups if not g.master_is_param]
+        self.groups = [g for g in groups if g.state.master_copy]
         self.versions: list[list[int]] = []
         self.unchecked = False  # adopted outside a step: the next step still checks every rank changed them
         self.record()

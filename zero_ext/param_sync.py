@@ -99,7 +99,7 @@ def write_back(state: ShardedState, modifier_rank: int) -> None:
             shard = group.flat_params.rank_slice(bucket)
             state.comm.broadcast(full, modifier_rank)
             mine = bucket.rank_range(state.rank).shifted(-bucket.offset).of(full)
-            if not group.master_is_param:
+            if group.state.master_copy:
                 # Against the master, not the values before the broadcast: at stages 1 and 2 the modifier's own
                 # shard is part of `full`, already edited.
                 master_follows(group, bucket, mine)

@@ -1,4 +1,4 @@
-"""Where a rank's optimizer state lives: the fp32 master, exp_avg, exp_avg_sq and grad shard of one flat group.
+"""Where a rank's optimizer state lives: one buffer per kind of the flat group's update rule, and the grad shard.
 
 :class:`DeviceState` keeps them in memory on the parameters' device (the default); ``zero_ext.offload`` has the
 host-memory and disk placements. Nobody else indexes these buffers: the reducer asks where a bucket's reduced
@@ -7,8 +7,9 @@ gradient goes (:meth:`grad_target`, then :meth:`landed`), the step asks for upda
 (:meth:`unit_done`), so a placement can move state in before an update and out after it, overlapping the next one.
 Serialisers read and write through :meth:`read` / :meth:`write` by shard range.
 
-Kinds: ``master`` (absent in memory for fp32 params kept with their parameters: the views then come from the
-param buffer), ``exp_avg``, ``exp_avg_sq``, ``grad`` (the reduced gradient shard).
+Kinds: those of the rule (:mod:`.update_rule`; the fp32 ``master`` first, absent in memory for fp32 params kept
+with their parameters: its views then come from the param buffer) and ``grad`` (the reduced gradient shard).
+``master_copy`` says whether this placement stores a master apart from the parameters.
 """
 
 from __future__ import annotations
@@ -18,18 +19,28 @@ from typing import Iterator, NamedTuple, Optional, Sequence
 import torch
 
 from .layout import Bucket, Layout, Range
-
-STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+from .update_rule import MASTER, UpdateRule
 
 
 class BucketState(NamedTuple):
-    """A run of a rank's optimizer state, as the AdamW kernel takes it."""
+    """A run of a rank's optimizer state, as the update rule takes it."""
 
-    master: torch.Tensor
+    state: dict[str, torch.Tensor]  # every kind of the rule (the master included), viewed over the run
     grad: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
     param_out: Optional[torch.Tensor]  # the low-precision param slice to write, None for fp32 params
+
+    @property
+    def master(self) -> torch.Tensor:
+        return self.state[MASTER]
+
+    def run(self, r: Range) -> "BucketState":
+        """Elements ``r`` (in this run's coordinates) of every view."""
+        out = None if self.param_out is None else r.of(self.param_out)
+        return BucketState({k: r.of(v) for k, v in self.state.items()}, r.of(self.grad), out)
+
+
+def views_of(buffers: dict[str, torch.Tensor], r: Range) -> dict[str, torch.Tensor]:
+    return {kind: r.of(t) for kind, t in buffers.items()}
 
 
 class Unit(NamedTuple):
@@ -48,23 +59,25 @@ class DeviceState:
     resident = True  # the reducer may add gradients straight into `grad`; the master is on the params' device
     location = "device"
 
-    def __init__(self, layout: Layout, params, device: torch.device):
+    def __init__(self, layout: Layout, params, device: torch.device, rule: UpdateRule):
         n = layout.shard_numel
-        self.layout, self.params = layout, params
+        self.layout, self.params, self.rule = layout, params, rule
         self.update_device = torch.device(device)  # where the update runs and the step's scalars live
-        self.master_is_param = params.dtype == torch.float32
-        fp32 = dict(dtype=torch.float32, device=device)
-        self.exp_avg = torch.zeros(n, **fp32)
-        self.exp_avg_sq = torch.zeros(n, **fp32)
-        self.grad = torch.zeros(n, **fp32)
-        self.master = None if self.master_is_param else torch.zeros(n, **fp32)
+        self.master_copy = not rule.master_is_param  # fp32 parameters are their own master here
+        # One buffer per kind of the rule (the state starts at zero; the master is set from the parameters below).
+        self.buffers = {
+            k.name: torch.zeros(n, dtype=k.dtype, device=device)
+            for k in rule.kinds
+            if k.name != MASTER or self.master_copy
+        }
+        self.grad = torch.zeros(n, dtype=torch.float32, device=device)
         self.reset_master()
 
     def reset_master(self) -> None:
         """The fp32 master := the (already adopted or initialised) parameters' values."""
-        if self.master is not None:
+        if self.master_copy:
             for bucket in self.layout.buckets:
-                bucket.shard_range.of(self.master).copy_(self.params.rank_slice(bucket))
+                bucket.shard_range.of(self.buffers[MASTER]).copy_(self.params.rank_slice(bucket))
 
     # ---------------------------------------------------------------- gradients
     def grad_target(self, bucket: Bucket) -> tuple[torch.Tensor, bool]:
@@ -81,11 +94,12 @@ class DeviceState:
     # ---------------------------------------------------------------- the update
     def bucket_state(self, bucket: Bucket) -> BucketState:
         r = bucket.shard_range
-        if self.master is None:
-            master, param_out = self.params.rank_slice(bucket), None
-        else:  # param_out None: stage 3 without a kept shard casts the master when it gathers
-            master, param_out = r.of(self.master), self.params.rank_slice(bucket)
-        return BucketState(master, r.of(self.grad), r.of(self.exp_avg), r.of(self.exp_avg_sq), param_out)
+        views = views_of(self.buffers, r)
+        if self.master_copy:  # param_out None: stage 3 without a kept shard casts the master when it gathers
+            param_out = self.params.rank_slice(bucket)
+        else:
+            views[MASTER], param_out = self.params.rank_slice(bucket), None
+        return BucketState(views, r.of(self.grad), param_out)
 
     def units(self, buckets: Sequence[Bucket]) -> Iterator[Unit]:
         """The step's updates in order: here one per bucket, on the buffers themselves."""
@@ -101,12 +115,12 @@ class DeviceState:
 
     # ---------------------------------------------------------------- serialisers
     def _buffer(self, kind: str) -> torch.Tensor:
-        return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "grad": self.grad}[kind]
+        return self.grad if kind == "grad" else self.buffers[kind]
 
     def _views(self, kind: str, shard_range: Range) -> list[tuple[Range, torch.Tensor]]:
         """``shard_range`` of ``kind`` as (sub-range, tensor view) runs: one run for a shard buffer; for fp32
         params' master, one run per bucket slice of the param buffer the range crosses."""
-        if kind != "master" or self.master is not None:
+        if kind != MASTER or self.master_copy:
             return [(shard_range, shard_range.of(self._buffer(kind)))]
         runs = []
         for bucket in self.layout.buckets:
@@ -138,14 +152,11 @@ class DeviceState:
     # ---------------------------------------------------------------- the ledger
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor this placement allocated in memory, by kind (the memory ledger's input)."""
-        out = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "grad_shard": self.grad}
-        if self.master is not None:
-            out["master"] = self.master
-        return out
+        return {**self.buffers, "grad_shard": self.grad}
 
     def where(self) -> dict[str, str]:
         """Each kind's medium: "device" (the params' device), "host" (host memory) or "disk"."""
-        return dict.fromkeys(("master", "exp_avg", "exp_avg_sq", "grad_shard"), self.location)
+        return dict.fromkeys((*self.rule.kind_names, "grad_shard"), self.location)
 
     def disk_bytes(self) -> int:
         return 0

@@ -20,14 +20,13 @@ import torch
 from .bucket_runtime import BucketRuntime, GradState
 from .buffers import ShardedState
 from .grads import GradStrategy
-from .staging import StagingPool
 from .weak_hooks import remove_all, remove_with, weak_call
 
 
 class GradSync:
     """Hooks, rounds and the bucket launch order; what a gradient does on arrival is the strategy's business."""
 
-    def __init__(self, state: ShardedState, strategy: GradStrategy, pool_capacity: int = 2):
+    def __init__(self, state: ShardedState, strategy: GradStrategy):
         self.state, self.strategy, self.comm = state, strategy, state.comm
         self.buckets = sorted(state.runtime.values(), key=lambda b: b.order)  # launch order
         send = max((gb.bucket.numel * strategy.send_bytes(gb.group) for gb in self.buckets), default=0)
@@ -39,8 +38,8 @@ class GradSync:
                 )
                 for gb in self.buckets
             )
-        self.pool = StagingPool(send, workspace, min(pool_capacity, len(self.buckets)), state.device)
-        strategy.pool = state.staging = self.pool
+        self.pool = state.staging
+        self.pool.size(send, workspace)
         self.sync_enabled = True
         self.on_ready = None  # called with each BucketRuntime whose gradients have all arrived (stage 3 frees it)
         self.on_round_end = None  # called at the end of every backward pass

@@ -5,7 +5,8 @@ to the wire dtype and pre-scaled, when the gradient strategy stages them) follow
 workspace (gloo's receive buffer, NCCL's output shard). Entries are sized once, for the largest bucket, and
 viewed in whatever dtype a bucket travels in, so fp32 and bf16 flat groups share one pool.
 
-The pool starts with ``capacity`` entries and reuses them in launch order: a bucket that needs an entry takes a
+The pool is made with the sharded state and sized once by the reducer (:meth:`StagingPool.size`), which knows the
+wire dtypes. It then holds ``capacity`` entries and reuses them in launch order: a bucket that needs an entry takes a
 free one, else waits for the oldest in flight (whose collective then has to finish first). Only when every entry
 is held by a bucket still filling (gradients arriving far out of layout order) does the pool grow by one; it
 never shrinks, so that happens in the first steps only, and ``nbytes`` is what the ledger reports.
@@ -45,11 +46,22 @@ class StagingEntry:
 
 
 class StagingPool:
-    def __init__(self, send_bytes: int, workspace_bytes: int, capacity: int, device: torch.device):
-        self.send_bytes, self.workspace_bytes, self.device = send_bytes, workspace_bytes, device
-        self.used = send_bytes + workspace_bytes > 0
-        self.entries = [StagingEntry(send_bytes, workspace_bytes, device) for _ in range(capacity if self.used else 0)]
+    def __init__(self, capacity: int, device: torch.device):
+        self.capacity, self.device = capacity, device
+        self.send_bytes = self.workspace_bytes = 0
+        self.used = False
+        self.entries: list[StagingEntry] = []
         self._inflight: list[StagingEntry] = []  # launched entries, oldest first
+
+    def size(self, send_bytes: int, workspace_bytes: int) -> None:
+        """Allocate the entries: ``send_bytes`` of send buffer and ``workspace_bytes`` of workspace each (the largest
+        bucket's). Once, before the first bucket is staged."""
+        if self.entries or self._inflight:
+            raise RuntimeError("StagingPool.size: the pool is already in use")
+        self.send_bytes, self.workspace_bytes = send_bytes, workspace_bytes
+        self.used = send_bytes + workspace_bytes > 0
+        self.entries = [StagingEntry(send_bytes, workspace_bytes, self.device) for _ in range(self.capacity)]
+        self.entries = self.entries if self.used else []
 
     @property
     def nbytes(self) -> int:

@@ -1,7 +1,8 @@
 """A rank's shard as a torch.optim-style state dict.
 
 ``state`` maps a parameter's index (its position across all param groups, as in torch.optim) to the part of its
-state this rank owns: ``exp_avg``, ``exp_avg_sq`` and, for bf16/fp16 params, the fp32 ``master``, each a 1-D tensor
+state this rank owns: every kind of its group's update rule under the rule's name for it (torch.optim.AdamW's names
+for the moments) and, for bf16/fp16 params, the fp32 ``master``, each a 1-D tensor
 holding elements ``shard_range = (start, end)`` of the flattened parameter, plus ``step``. Parameters this rank
 owns no element of have no entry. fp32 params are their own master, with or without offload (load the model's
 state dict with the optimizer's; an offloaded optimizer takes its master from the parameters), so a state dict
@@ -17,9 +18,11 @@ from typing import Any, Sequence
 import torch
 
 from .buffers import ShardedState
-from .hyperparams import check_hyperparameters
+from .update_rule import MASTER
 
-_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
+# Restored from a saved state dict: the scalars of the step (``amsgrad`` must match, it decides the kinds kept; the
+# implementation selectors stay as the optimizer has them).
+_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "maximize")
 _WHERE = "zero_ext.ZeroAdamW.load_state_dict"
 
 
@@ -33,12 +36,6 @@ def _layout_record(state: ShardedState) -> dict[str, Any]:
     }
 
 
-def _kinds(group) -> tuple[str, ...]:
-    # fp32 parameters are their own master in every placement (an offloaded copy equals them after each step): the
-    # model's state dict holds them, so the state dict is the same with and without offload.
-    return ("exp_avg", "exp_avg_sq") if group.dtype == torch.float32 else ("exp_avg", "exp_avg_sq", "master")
-
-
 def local_state_dict(state: ShardedState, param_groups: Sequence[dict]) -> dict[str, Any]:
     step = state.step_count.detach().to("cpu", copy=True)
     steps = state.step_counts.values()  # each parameter's own count, as torch keeps it
@@ -46,7 +43,9 @@ def local_state_dict(state: ShardedState, param_groups: Sequence[dict]) -> dict[
     for ref in state.pieces():
         own_step = torch.tensor(steps[ref.param_index], dtype=torch.float32)
         entry: dict[str, Any] = {"step": own_step, "shard_range": (ref.piece.start, ref.piece.end)}
-        for kind in _kinds(ref.group):
+        # fp32 parameters are their own master in every placement (an offloaded copy equals them after each step):
+        # the model's state dict holds them, so the state dict is the same with and without offload.
+        for kind in ref.group.rule.state_dict_names():
             entry[kind] = ref.group.state.read(kind, ref.piece.shard_range).clone()
         out[ref.param_index] = entry
     groups, base = [], 0
@@ -79,10 +78,11 @@ def _validate(state: ShardedState, param_groups: Sequence[dict], sd: Any) -> lis
         raise ValueError(
             f"{_WHERE}: saved {len(sd['param_groups'])} param groups, this optimizer has {len(param_groups)}"
         )
+    rules = {g.group_index: g.rule for g in state.groups}
     for gi, (group, saved) in enumerate(zip(param_groups, sd["param_groups"])):
-        merged = {**group, **{k: saved[k] for k in _HYPERPARAMETERS if k in saved}}
-        check_hyperparameters(f"{_WHERE}: saved param group {gi}", merged["lr"], merged["betas"], merged["eps"],
-                              merged["weight_decay"], device=state.device)  # fmt: skip
+        merged = {**group, **{k: saved[k] for k in (*_HYPERPARAMETERS, "amsgrad") if k in saved}}
+        if gi in rules:
+            rules[gi].check_group(f"{_WHERE}: saved param group {gi}", merged, device=state.device)
     writes, expected = [], set()
     for ref in state.pieces():
         gidx, piece = ref.param_index, ref.piece
@@ -93,11 +93,11 @@ def _validate(state: ShardedState, param_groups: Sequence[dict], sd: Any) -> lis
         if tuple(entry.get("shard_range", ())) != (piece.start, piece.end):
             raise ValueError(f"{_WHERE}: parameter {ref.name!r}: saved shard_range {entry.get('shard_range')} != "
                              f"expected {(piece.start, piece.end)}")  # fmt: skip
-        kinds = _kinds(ref.group)
-        if "master" not in kinds and entry.get("master") is not None:
+        kinds = ref.group.rule.state_dict_names()
+        if MASTER not in kinds and entry.get(MASTER) is not None:
             # fp32, from an offloaded optimizer of an earlier commit, whose state dict carried a copy of the
             # parameters: loaded, and the parameters follow it, as bf16 parameters follow their master
-            kinds += ("master",)
+            kinds += (MASTER,)
         for kind in kinds:
             src = entry.get(kind)
             if not isinstance(src, torch.Tensor) or src.shape != (piece.numel,) or not src.is_floating_point():
@@ -142,7 +142,7 @@ def load_local_state_dict(state: ShardedState, param_groups: Sequence[dict], sd:
     theirs = sd["zero"]
     with torch.no_grad():
         for group in state.groups:
-            if group.dtype == torch.float32 and not group.master_is_param:
+            if group.rule.master_is_param and group.state.master_copy:
                 group.state.reset_master()  # an offloaded fp32 master follows the parameters (a saved one overrides)
         for group, kind, shard_range, src in writes:
             group.state.write(kind, shard_range, src)

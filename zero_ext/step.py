@@ -24,10 +24,10 @@ import torch
 
 from . import ops
 from .buffers import ShardedState
-from .hyperparams import resolve_groups
 from .param_sync import ParamSync
 from .reducer import GradSync
 from .step_counts import update_runs
+from .update_rule import rule_for_group
 
 
 class Stepper:
@@ -53,7 +53,7 @@ class Stepper:
         state = self.state
         error, scalars, edited = None, None, False
         try:
-            scalars = resolve_groups(param_groups, state.update_device)
+            scalars = resolve_scalars(state, param_groups)
             self.grad_sync.strategy.check_no_foreign_grads()
             check_params_in_place(state)
             check_still_frozen(state)
@@ -132,7 +132,7 @@ class Stepper:
         # unwritten). On a GPU the kernels read found_inf themselves.
         skipped = self.found_inf.device.type == "cpu" and bool(self.found_inf.item())
         for group in state.groups:
-            s = scalars[group.group_index]
+            s = scalars[group.index]
             if state.step_counts.uniform(active):
                 moving = {b.index for b in group.layout.buckets}
             else:
@@ -150,22 +150,28 @@ class Stepper:
         return True
 
     def _update(self, group, unit, s, active: set[int], grad_scale) -> list:
-        """The fused AdamW kernel on every run of ``unit`` whose parameters update (one step counter per run);
-        returns those runs, in the unit's coordinates."""
-        state, b, updated = self.state, unit.views, []
+        """The group's update rule (one fused kernel) on every run of ``unit`` whose parameters update (one step
+        counter per run); returns those runs, in the unit's coordinates."""
+        state, updated = self.state, []
         for run, cls in update_runs(group, unit.bucket, active, state.step_counts):
             part = run.intersect(unit.rows)
             if not part.numel:
                 continue
             r = part.shifted(-unit.rows.start)  # in the unit's own coordinates
             updated.append(r)
-            ops.fused_adamw_(
-                r.of(b.master), r.of(b.grad), r.of(b.exp_avg), r.of(b.exp_avg_sq),
-                lr=s.lr, beta1=s.beta1, beta2=s.beta2, eps=s.eps, weight_decay=s.weight_decay,
-                step=state.step_counts.steps[cls], grad_scale=grad_scale,
-                param_out=None if b.param_out is None else r.of(b.param_out), found_inf=self.found_inf,
-            )  # fmt: skip
+            v = unit.views.run(r)
+            group.rule.apply(v.state, v.grad, v.param_out, s, state.step_counts.steps[cls], grad_scale, self.found_inf)
         return updated
+
+
+def resolve_scalars(state: ShardedState, param_groups: Sequence[dict]) -> list:
+    """Every flat group's scalars from its param group, checked by its rule (no device sync); every param group is
+    checked, those without trainable parameters too. Raises before anything is changed."""
+    rules = {group.group_index: group.rule for group in state.groups}
+    for gi, g in enumerate(param_groups):
+        rule = rules.get(gi) or rule_for_group(torch.float32, g)
+        rule.check_group(f"zero_ext.ZeroAdamW: param group {gi}", g, state.update_device, read_device_values=False)
+    return [group.rule.scalars(param_groups[group.group_index]) for group in state.groups]
 
 
 def check_still_frozen(state: ShardedState) -> None:

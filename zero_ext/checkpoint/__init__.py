@@ -5,8 +5,9 @@ consolidate offline.
   byte ranges.
 - :class:`Checkpoint` (``reader.py``): a checkpoint's verified metadata and where any parameter's elements live.
 - :func:`consolidate` / ``python -m zero_ext.checkpoint consolidate PATH OUT`` (``consolidate.py``): no process
-  group, no GPU; streams parameter by parameter into ``OUT/optimizer.safetensors`` (fp32 ``param/<name>``,
-  ``exp_avg/<name>``, ``exp_avg_sq/<name>``, ``step/<name>``; param groups in the metadata) and
+  group, no GPU; streams parameter by parameter into ``OUT/optimizer.safetensors`` (fp32 ``param/<name>``, then
+  ``<kind>/<name>`` for every moment of the parameter's update rule under torch.optim's names, ``step/<name>``;
+  param groups in the metadata) and
   ``OUT/model.safetensors`` (weights in the param dtype, for ``model.load_state_dict``).
 - The file layout: :mod:`zero_ext.checkpoint.format`.
 """

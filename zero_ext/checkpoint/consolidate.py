@@ -12,6 +12,7 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
+from ..update_rule import MASTER, UpdateRule, rule_for_saved_group
 from .format import FORMAT_NAME, FORMAT_VERSION, as_bytes, decode_value, dtype_of
 from .reader import Checkpoint
 from .side_files import CONFIG, read_model_extra
@@ -60,6 +61,15 @@ def _read_full(ck: Checkpoint, gidx: int, kind: str, out: torch.Tensor) -> None:
     ck.execute([(r, off, n, raw[at:]) for r, off, n, at in ck.plan(gidx, kind, 0, out.numel())])
 
 
+def _rule_of(ck: Checkpoint, e: dict) -> UpdateRule:
+    """The update rule parameter ``e`` was saved with (from its param group's recorded hyperparameters)."""
+    return rule_for_saved_group(ck.meta["param_groups"][e["group"]]["hyperparameters"])
+
+
+def _consolidated_name(kind: str) -> str:
+    return "param" if kind == MASTER else kind  # the master is the full-precision parameter
+
+
 def _model_entries(ck: Checkpoint, extras: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
     """(state_dict key, tensor name) for model.safetensors: every key of the model when it was saved with
     ``module=`` (tied weights under each of their names), else every parameter by its name."""
@@ -87,7 +97,7 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> None:
     state_entries = []
     for e in entries:
         shape = tuple(e["shape"])
-        state_entries += [(f"{k}/{e['name']}", torch.float32, shape) for k in ("param", "exp_avg", "exp_avg_sq")]
+        state_entries += [(f"{_consolidated_name(k.name)}/{e['name']}", k.dtype, shape) for k in _rule_of(ck, e).kinds]
         state_entries.append((f"step/{e['name']}", torch.float32, ()))
     model_keys = _model_entries(ck, extras)
     model_entries = []
@@ -101,14 +111,10 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> None:
     try:
         for e in entries:
             numel, name = int(np.prod(e["shape"], dtype=np.int64)), e["name"]
-            master = torch.empty(numel, dtype=torch.float32)
-            _read_full(ck, e["index"], "master", master)
-            state.write(f"param/{name}", master)
-            del master
-            for kind in ("exp_avg", "exp_avg_sq"):
-                buf = torch.empty(numel, dtype=torch.float32)
-                _read_full(ck, e["index"], kind, buf)
-                state.write(f"{kind}/{name}", buf)
+            for kind in _rule_of(ck, e).kinds:  # one kind of one parameter in memory at a time
+                buf = torch.empty(numel, dtype=kind.dtype)
+                _read_full(ck, e["index"], kind.name, buf)
+                state.write(f"{_consolidated_name(kind.name)}/{name}", buf)
                 del buf
             state.write(f"step/{name}", torch.tensor(ck.param_step(e), dtype=torch.float32))
         for key, name in model_keys:  # one tensor at a time, in the model's key order
@@ -125,7 +131,7 @@ def _weights(ck: Checkpoint, e: dict) -> torch.Tensor:
     """A parameter's weights in its own dtype (fp32 parameters are their own master)."""
     numel, dtype = int(np.prod(e["shape"], dtype=np.int64)), dtype_of(e["dtype"], ck.path)
     out = torch.empty(numel, dtype=dtype)
-    _read_full(ck, e["index"], "master" if dtype == torch.float32 else "param", out)
+    _read_full(ck, e["index"], MASTER if dtype == torch.float32 else "param", out)
     return out
 
 
@@ -136,13 +142,15 @@ def adamw_state_dict(out: str | os.PathLike) -> dict[str, Any]:
 
     with safe_open(os.path.join(os.fspath(out), "optimizer.safetensors"), framework="pt") as f:
         meta = f.metadata()
+        saved_groups = json.loads(meta["param_groups"])
         state = {}
         for e in json.loads(meta["params"]):
             n = e["name"]
-            state[e["index"]] = {"step": f.get_tensor(f"step/{n}"), "exp_avg": f.get_tensor(f"exp_avg/{n}"),
-                                 "exp_avg_sq": f.get_tensor(f"exp_avg_sq/{n}")}  # fmt: skip
+            rule = rule_for_saved_group(saved_groups[e["group"]]["hyperparameters"])
+            state[e["index"]] = {"step": f.get_tensor(f"step/{n}")}
+            state[e["index"]].update({k: f.get_tensor(f"{k}/{n}") for k in rule.moment_names})
     groups, base = [], 0
-    for g in json.loads(meta["param_groups"]):
+    for g in saved_groups:
         hyper = {
             k: decode_value(v)
             for k, v in g["hyperparameters"].items()

@@ -16,13 +16,10 @@ from typing import Any
 import torch
 
 from ..buffers import ShardedState
-from ..hyperparams import check_hyperparameters
 from .agreement import agree, arrive, sharded_state_of
 from .format import CheckpointError, as_bytes, decode_value, dtype_name
 from .reader import Checkpoint
 from .side_files import read_extra, read_model_extra
-
-_STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
 def _match(ck: Checkpoint, state: ShardedState, param_groups) -> dict[int, int]:
@@ -47,9 +44,11 @@ def _match(ck: Checkpoint, state: ShardedState, param_groups) -> dict[int, int]:
     return mapping
 
 
-def _saved_groups(ck: Checkpoint, param_groups, device) -> list[dict]:
-    """The saved hyperparameters of every param group, decoded and checked (nothing is applied yet)."""
+def _saved_groups(ck: Checkpoint, state: ShardedState, param_groups, device) -> list[dict]:
+    """The saved hyperparameters of every param group, decoded and checked by the group's update rule (a rule kept
+    different state, e.g. ``amsgrad`` differs, fails here); nothing is applied yet."""
     out = []
+    rules = {g.group_index: g.rule for g in state.groups}
     for gi, (group, saved) in enumerate(zip(param_groups, ck.meta["param_groups"])):
         values = {}
         for key, value in saved["hyperparameters"].items():
@@ -57,8 +56,11 @@ def _saved_groups(ck: Checkpoint, param_groups, device) -> list[dict]:
                 continue
             values[key] = decode_value(value)
         merged = {**group, **values}
-        check_hyperparameters(f"{ck.path}: param group {gi}", merged["lr"], merged["betas"], merged["eps"],
-                              merged["weight_decay"], device=device)  # fmt: skip
+        if gi in rules:
+            try:
+                rules[gi].check_group(f"{ck.path}: saved param group {gi}", merged, device=device)
+            except ValueError as e:
+                raise CheckpointError(str(e)) from None
         out.append(values)
     return out
 
@@ -73,7 +75,8 @@ def _restore_groups(param_groups, saved_groups) -> None:
 
 
 def _plan_reads(ck: Checkpoint, state: ShardedState, mapping: dict[int, int]) -> list:
-    """[(group, bucket, [(kind, rank, file offset, nbytes, byte offset in the bucket's shard)])]"""
+    """[(group, bucket, [(kind, rank, file offset, nbytes, byte offset in the bucket's shard)])] for every kind of
+    each group's update rule"""
     work = []
     for group in state.groups:
         by_bucket: dict[int, list] = {}
@@ -84,9 +87,9 @@ def _plan_reads(ck: Checkpoint, state: ShardedState, mapping: dict[int, int]) ->
             for piece in by_bucket.get(bucket.index, []):
                 local = piece.shard_offset - bucket.shard_offset
                 saved_index = mapping[group.param_indices[piece.index]]
-                for kind in _STATE_KINDS:
-                    for r, off, n, at in ck.plan(saved_index, kind, piece.start, piece.end):
-                        plans.append((kind, r, off, n, local * 4 + at))
+                for kind in group.rule.kinds:
+                    for r, off, n, at in ck.plan(saved_index, kind.name, piece.start, piece.end):
+                        plans.append((kind.name, r, off, n, local * kind.itemsize + at))
             if plans:
                 work.append((group, bucket, plans))
     return work
@@ -127,7 +130,7 @@ def load(path: str | os.PathLike, optimizer, *, timeout: float = 300.0) -> Any:
     try:
         ck = Checkpoint(path)
         mapping = _match(ck, state, optimizer.param_groups)
-        saved_groups = _saved_groups(ck, optimizer.param_groups, state.device)
+        saved_groups = _saved_groups(ck, state, optimizer.param_groups, state.device)
         step, skipped = float(ck.meta["step"]), float(ck.meta["skipped_steps"])
         steps = {gidx: ck.param_step(ck.params[saved]) for gidx, saved in mapping.items()}
         work = _plan_reads(ck, state, mapping)
@@ -143,8 +146,12 @@ def load(path: str | os.PathLike, optimizer, *, timeout: float = 300.0) -> Any:
         with torch.no_grad():
             for group, bucket, plans in work:
                 # Straight into the state where it is host memory; else through a host copy of the bucket's shard.
-                direct = {k: group.state.host_view(k, bucket.shard_range) for k in _STATE_KINDS}
-                dst = {k: v if v is not None else torch.zeros(bucket.shard_numel) for k, v in direct.items()}
+                kinds = {k.name: k.dtype for k in group.rule.kinds}
+                direct = {k: group.state.host_view(k, bucket.shard_range) for k in kinds}
+                dst = {
+                    k: v if v is not None else torch.zeros(bucket.shard_numel, dtype=kinds[k])
+                    for k, v in direct.items()
+                }
                 raw = {k: as_bytes(v) for k, v in dst.items()}
                 ck.execute([(r, off, n, raw[kind][at:]) for kind, r, off, n, at in plans])
                 for kind, values in dst.items():

@@ -1,7 +1,8 @@
 """``save(path, optimizer)``: every rank writes only its own shards, in parallel, and the checkpoint appears
 atomically when every rank succeeded.
 
-Every rank writes its fp32 master, exp_avg, exp_avg_sq and, for bf16/fp16 params, its slices of the params,
+Every rank writes every kind of its update rules' state (the fp32 master and the moments) and, for bf16/fp16
+params, its slices of the params,
 bucket by bucket, into ``path.tmp-<id>``; rank 0 adds ``meta.json``. After every rank reports success (a
 collective), rank 0 writes the ``COMPLETE`` marker and swaps the new directory into ``path`` with one atomic
 ``renameat2(RENAME_EXCHANGE)`` (fallback: two renames), then deletes the old one. An interrupted save leaves
@@ -38,8 +39,9 @@ from .side_files import encode_extra, write_extra, write_model_files
 
 
 def _sections(group: FlatGroup) -> list[str]:
-    kinds = ["master", "exp_avg", "exp_avg_sq"]
-    return kinds if group.master_is_param else kinds + ["param"]
+    """Every kind of the group's rule, and the parameters where they are not the master (bf16/fp16)."""
+    kinds = list(group.rule.kind_names)
+    return kinds if group.rule.master_is_param else kinds + ["param"]
 
 
 def _host_bytes(group: FlatGroup, kind: str, bucket):

@@ -8,10 +8,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..update_rule import all_kind_names
 from .format import FORMAT_NAME, READABLE_VERSIONS, CheckpointError, dtype_of
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
-_SECTIONS = ("master", "exp_avg", "exp_avg_sq", "param")
+_SECTIONS = (*all_kind_names(), "param")  # what an update rule may keep, and the parameters
 
 
 def _int(value: Any, where: str, field: str, lo: int = 0, hi: int | None = None) -> int:

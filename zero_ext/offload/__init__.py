@@ -1,6 +1,6 @@
-"""Optimizer state off the device: ``ZeroAdamW(..., offload="cpu")`` keeps each rank's fp32 master, exp_avg,
-exp_avg_sq and reduced-gradient shard in host memory and updates them with the CPU fused AdamW kernel
-(:mod:`.host`, ZeRO-Offload); ``offload="nvme", offload_dir=...`` keeps master, exp_avg and exp_avg_sq in files
+"""Optimizer state off the device: ``ZeroAdamW(..., offload="cpu")`` keeps each rank's optimizer state (every kind
+of the update rule: the fp32 master and the moments) and reduced-gradient shard in host memory and updates them with
+the CPU fused kernel (:mod:`.host`, ZeRO-Offload); ``offload="nvme", offload_dir=...`` keeps the state in files
 and streams them through a window of ``offload_window`` bytes of host memory (:mod:`.disk`, ZeRO-Infinity).
 
 Both compute exactly what the in-memory optimizer computes on the CPU (the same kernel on the same values in the
@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from ..comm import Communicator
 from ..layout import Layout, fingerprint
-from ..placement import STATE_KINDS, DeviceState
+from ..placement import DeviceState
+from ..update_rule import AdamW, UpdateRule
 from . import leftovers
 from .disk import DiskState, min_window_bytes
 from .files import ALIGN
@@ -57,7 +58,7 @@ def check_offload_options(offload, offload_dir, offload_window) -> None:
     if offload_window is not None:
         if offload != "nvme":
             raise ValueError(f"{WHERE}: `offload_window` is for offload='nvme' (offload={offload!r})")
-        floor = min_window_bytes(torch.bfloat16)
+        floor = min_window_bytes(AdamW(torch.bfloat16))  # the smallest; a larger rule gets at least its own floor
         if not (isinstance(offload_window, int) and not isinstance(offload_window, bool) and offload_window >= floor):
             raise ValueError(f"{WHERE}: `offload_window` must be an int >= {floor} (bytes), got {offload_window!r}")
 
@@ -88,12 +89,17 @@ def warn_if_one_thread(offload) -> None:
         )
 
 
-def disk_bytes_needed(layouts: Sequence[Layout]) -> int:
-    """Bytes the state files of these flat groups take (three fp32 kinds per group, whole blocks)."""
-    return sum(len(STATE_KINDS) * max(ALIGN, -(-layout.shard_numel * 4 // ALIGN) * ALIGN) for layout in layouts)
+def disk_bytes_needed(groups: Sequence[tuple[Layout, UpdateRule]]) -> int:
+    """Bytes the state files of these flat groups take (one file per kind of each group's rule, whole blocks)."""
+    return sum(
+        sum(max(ALIGN, -(-layout.shard_numel * k.itemsize // ALIGN) * ALIGN) for k in rule.kinds)
+        for layout, rule in groups
+    )
 
 
-def prepare_offload(comm: Communicator, offload, offload_dir, layouts: Sequence[Layout]) -> Optional[str]:
+def prepare_offload(
+    comm: Communicator, offload, offload_dir, groups: Sequence[tuple[Layout, UpdateRule]]
+) -> Optional[str]:
     """Collective for ``offload="nvme"``: create ``offload_dir`` when missing (with its parents) and this rank's
     directory under it, and check that the
     disk has room for the state of every rank that shares it; raises on every rank if any rank failed. Returns the
@@ -101,7 +107,7 @@ def prepare_offload(comm: Communicator, offload, offload_dir, layouts: Sequence[
     if offload != "nvme":
         return None
     error, directory, key = None, None, 0
-    need = disk_bytes_needed(layouts)
+    need = disk_bytes_needed(groups)
     try:
         parent = os.path.abspath(os.fspath(offload_dir))
         # Created when missing, with its parents, as checkpoint directories are (DeepSpeed's swap folder too); every
@@ -122,7 +128,7 @@ def prepare_offload(comm: Communicator, offload, offload_dir, layouts: Sequence[
         if together > free:
             error = (
                 f"offload='nvme' needs {together / 2**30:.2f} GiB in {offload_dir!r} for the optimizer state of rank(s) "
-                f"{sharing} (12 bytes per parameter of each rank's shard), but the disk has {free / 2**30:.2f} GiB free"
+                f"{sharing} ({_bytes_per_element(groups)} bytes per parameter of each rank's shard), but the disk has {free / 2**30:.2f} GiB free"
             )
     failed = [r for r, f in enumerate(comm.agree(int(error is not None))) if f]
     if error is not None or failed:
@@ -136,14 +142,19 @@ def prepare_offload(comm: Communicator, offload, offload_dir, layouts: Sequence[
     return directory
 
 
+def _bytes_per_element(groups: Sequence[tuple[Layout, UpdateRule]]) -> str:
+    widths = sorted({rule.bytes_per_element() for _, rule in groups})
+    return " or ".join(map(str, widths))
+
+
 def placement_factory(offload, directory: Optional[str], window: Optional[int], rank: int, groups: int) -> Callable:
-    """``make(layout, flat_params, device, group_index)`` -> the flat group's optimizer-state placement. The nvme
-    window (``window`` bytes in all) is split evenly between the ``groups`` flat groups."""
+    """``make(layout, flat_params, device, rule, group_index)`` -> the flat group's optimizer-state placement. The
+    nvme window (``window`` bytes in all) is split evenly between the ``groups`` flat groups."""
     if offload is None:
-        return lambda layout, params, device, index: DeviceState(layout, params, device)
+        return lambda layout, params, device, rule, index: DeviceState(layout, params, device, rule)
     if offload == "cpu":
-        return lambda layout, params, device, index: HostState(layout, params, device)
+        return lambda layout, params, device, rule, index: HostState(layout, params, device, rule)
     share = (window if window is not None else DEFAULT_WINDOW) // max(groups, 1)
-    return lambda layout, params, device, index: DiskState(
-        layout, params, device, directory, f"rank{rank}.group{index}", max(share, min_window_bytes(params.dtype))
+    return lambda layout, params, device, rule, index: DiskState(
+        layout, params, device, rule, directory, f"rank{rank}.group{index}", max(share, min_window_bytes(rule))
     )

@@ -1,8 +1,8 @@
-"""``offload="nvme"`` (ZeRO-Infinity): the fp32 master, exp_avg and exp_avg_sq in files, streamed through a bounded
+"""``offload="nvme"`` (ZeRO-Infinity): the update rule's state (fp32 master and moments) in files, streamed through a bounded
 window of host memory; the reduced gradient shard stays in host memory (landed as ``offload="cpu"`` lands it).
 
-The step walks the rank's shard in *chunks* (whole 4 KiB blocks, sized so that ``slots`` chunks of the three
-kinds plus their new parameters fit the window): while the CPU kernel updates chunk ``i``, chunk ``i + 1`` is read
+The step walks the rank's shard in *chunks* (whole 4 KiB blocks, sized so that ``slots`` chunks of every kind
+plus their new parameters fit the window): while the CPU kernel updates chunk ``i``, chunk ``i + 1`` is read
 ahead and chunk ``i - 1`` written behind, on I/O threads (:mod:`.files`). A chunk's units are its intersections
 with the buckets (the update's step counters and run boundaries are per bucket); a bucket's all-gather starts once
 the chunk holding its end is updated. After the last chunk, ``step_done`` waits for every write: when ``step()``
@@ -27,33 +27,39 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from ..layout import Bucket, Layout, Range
-from ..placement import STATE_KINDS, BucketState, Unit
+from ..placement import BucketState, Unit
+from ..update_rule import UpdateRule
 from .files import ALIGN, ALIGN_ELEMENTS, StateFiles, aligned_buffer
 from .host import HostGradients, copy_runs_to_device
 
 SLOTS = 3  # chunks in the window: one updated, one read ahead, one written behind
 
 
-def chunk_numel(window_bytes: int, param_dtype: torch.dtype, shard_numel: int) -> int:
-    """Elements per chunk: ``SLOTS`` chunks of master, exp_avg, exp_avg_sq (fp32) and the new parameters (param
-    dtype; none for fp32 parameters, copied from the master) fit ``window_bytes``; whole blocks; no larger than
-    the shard needs."""
-    per_element = 12 + (param_dtype.itemsize if param_dtype != torch.float32 else 0)
-    numel = window_bytes // (SLOTS * per_element) // ALIGN_ELEMENTS * ALIGN_ELEMENTS
+def _window_bytes_per_element(rule: UpdateRule) -> int:
+    """A chunk's bytes per element: every kind of the rule and the new parameters (param dtype; none for fp32
+    parameters, copied from the master)."""
+    return rule.bytes_per_element() + (rule.param_dtype.itemsize if rule.param_dtype != torch.float32 else 0)
+
+
+def chunk_numel(window_bytes: int, rule: UpdateRule, shard_numel: int) -> int:
+    """Elements per chunk: ``SLOTS`` chunks of every kind fit ``window_bytes``; whole blocks; no larger than the
+    shard needs."""
+    numel = window_bytes // (SLOTS * _window_bytes_per_element(rule)) // ALIGN_ELEMENTS * ALIGN_ELEMENTS
     needed = -(-shard_numel // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
     return max(ALIGN_ELEMENTS, min(numel, needed))
 
 
-def min_window_bytes(param_dtype: torch.dtype) -> int:
-    return SLOTS * (12 + (param_dtype.itemsize if param_dtype != torch.float32 else 0)) * ALIGN_ELEMENTS
+def min_window_bytes(rule: UpdateRule) -> int:
+    return SLOTS * _window_bytes_per_element(rule) * ALIGN_ELEMENTS
 
 
 class _Slot:
     """One chunk's buffers in the window, with the I/O and the host-to-device copy that use them."""
 
-    def __init__(self, numel: int, param_dtype: torch.dtype, cuda: bool):
-        self.raw = {kind: _io_buffer(numel * 4, cuda) for kind in STATE_KINDS}
+    def __init__(self, numel: int, rule: UpdateRule, cuda: bool):
+        self.raw = {k.name: _io_buffer(numel * 4, cuda) for k in rule.kinds}
         self.fp32 = {kind: buf.view(torch.float32) for kind, buf in self.raw.items()}
+        param_dtype = rule.param_dtype
         lowp = param_dtype != torch.float32
         self.param_out = torch.empty(numel, dtype=param_dtype, pin_memory=cuda) if lowp else None
         self.reads: list[Future] = []
@@ -93,13 +99,17 @@ def _wait(futures: list[Future]) -> None:
 class DiskState(HostGradients):
     location = "disk"
 
-    def __init__(self, layout: Layout, params, device: torch.device, directory: str, stem: str, window: int):
-        self._init_gradients(layout, params, device)
+    def __init__(self, layout: Layout, params, device: torch.device, rule: UpdateRule, directory: str, stem: str,
+                 window: int):  # fmt: skip
+        if any(k.dtype != torch.float32 for k in rule.kinds):
+            raise NotImplementedError("offload='nvme' keeps fp32 state kinds only (the files are fp32 arrays)")
+        self._init_gradients(layout, params, device, rule)
         n = layout.shard_numel
-        self.files = StateFiles(directory, stem, STATE_KINDS, n)
+        self.kinds = rule.kind_names
+        self.files = StateFiles(directory, stem, self.kinds, n)
         try:
-            self.chunk = chunk_numel(window, params.dtype, n)
-            self.slots = [_Slot(self.chunk, params.dtype, self.cuda) for _ in range(SLOTS)]
+            self.chunk = chunk_numel(window, rule, n)
+            self.slots = [_Slot(self.chunk, rule, self.cuda) for _ in range(SLOTS)]
             self.chunks = [Range(s, min(s + self.chunk, n)) for s in range(0, n, self.chunk)]
             self._read_ahead = 0  # leading chunks already read (or being read) into their slots for the next step
             self.reset_master()
@@ -114,12 +124,12 @@ class DiskState(HostGradients):
         slot, chunk = self.slots[i % SLOTS], self.chunks[i]
         slot.wait_free()
         nbytes = _blocks(chunk.numel) * 4
-        slot.reads = [self.files.read_async(k, chunk.start, slot.raw[k][:nbytes]) for k in STATE_KINDS]
+        slot.reads = [self.files.read_async(k, chunk.start, slot.raw[k][:nbytes]) for k in self.kinds]
 
     def _start_write(self, i: int) -> None:
         slot, chunk = self.slots[i % SLOTS], self.chunks[i]
         nbytes = _blocks(chunk.numel) * 4
-        slot.writes = [self.files.write_async(k, chunk.start, slot.raw[k][:nbytes]) for k in STATE_KINDS]
+        slot.writes = [self.files.write_async(k, chunk.start, slot.raw[k][:nbytes]) for k in self.kinds]
 
     def units(self, buckets: Sequence[Bucket]) -> Iterator[Unit]:
         wanted = {b.index for b in buckets}
@@ -139,10 +149,8 @@ class DiskState(HostGradients):
                 if not part.numel or bucket.index not in wanted:
                     continue
                 local = part.shifted(-chunk.start)  # in the slot's buffers
-                views = BucketState(
-                    local.of(slot.fp32["master"]), part.of(self.grad), local.of(slot.fp32["exp_avg"]),
-                    local.of(slot.fp32["exp_avg_sq"]), None if slot.param_out is None else local.of(slot.param_out),
-                )  # fmt: skip
+                out = None if slot.param_out is None else local.of(slot.param_out)
+                views = BucketState({k: local.of(t) for k, t in slot.fp32.items()}, part.of(self.grad), out)
                 self._slot = slot
                 yield Unit(bucket, part.shifted(-bucket.shard_offset), views, part.end == bucket.shard_range.end)
             if self._dirty:  # some unit of the chunk updated: write it behind
@@ -200,10 +208,10 @@ class DiskState(HostGradients):
         return {**self._landing_tensors(), "window": [t for s in self.slots for t in s.tensors()]}
 
     def where(self) -> dict[str, str]:
-        return {**dict.fromkeys(STATE_KINDS, "disk"), "window": "host", **self._landing_where()}
+        return {**dict.fromkeys(self.kinds, "disk"), "window": "host", **self._landing_where()}
 
     def disk_bytes(self) -> int:
-        return self.files.nbytes * len(STATE_KINDS)
+        return self.files.nbytes * len(self.kinds)
 
     def close(self) -> None:
         try:

@@ -85,7 +85,7 @@ class StateFiles:
             for kind, path in self.paths.items():
                 self.fds[kind] = self._open(path)
                 # Reserve the blocks now: a full disk fails here, not in the middle of a step's write-behind.
-                # The reserved blocks read as zeros (exp_avg and exp_avg_sq start at zero).
+                # The reserved blocks read as zeros (every kind but the master starts at zero).
                 os.posix_fallocate(self.fds[kind], 0, self.nbytes)
         except OSError as e:
             self.close()

@@ -1,4 +1,4 @@
-"""``offload="cpu"`` (ZeRO-Offload): the fp32 master, exp_avg, exp_avg_sq and grad shard in host memory, updated
+"""``offload="cpu"`` (ZeRO-Offload): the update rule's state (fp32 master and moments) and grad shard in host memory, updated
 there by the CPU fused AdamW kernel (AVX-512/AVX2 + OpenMP).
 
 Backward: a bucket's reduce-scatter lands in a small ring of device buffers (:class:`LandingRing`); right after it
@@ -25,7 +25,8 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from ..layout import Bucket, Layout, Range
-from ..placement import BucketState, DeviceState, Unit
+from ..placement import BucketState, DeviceState, Unit, views_of
+from ..update_rule import MASTER, UpdateRule
 
 # Bucket shards in flight between their reduce-scatter and the host grad shard: on CUDA, the fifth launch waits for
 # the first one's copy (device memory; the pinned twins are host memory). Without a GPU the landing completes at
@@ -86,10 +87,10 @@ class HostGradients(DeviceState):
 
     resident = False  # the reduced gradient lands in the ring first
 
-    def _init_gradients(self, layout: Layout, params, device: torch.device) -> None:
-        self.layout, self.params, self.device = layout, params, torch.device(device)
+    def _init_gradients(self, layout: Layout, params, device: torch.device, rule: UpdateRule) -> None:
+        self.layout, self.params, self.device, self.rule = layout, params, torch.device(device), rule
         self.update_device = torch.device("cpu")
-        self.master_is_param = False  # the master lives off the device even for fp32 parameters
+        self.master_copy = True  # the master lives off the device even for fp32 parameters
         self.cuda = self.device.type == "cuda"
         self.grad = torch.zeros(layout.shard_numel, dtype=torch.float32, pin_memory=self.cuda)
         largest = max((b.shard_numel for b in layout.buckets), default=0)
@@ -101,7 +102,7 @@ class HostGradients(DeviceState):
     def reset_master(self) -> None:
         for bucket in self.layout.buckets:
             with torch._C.DisableTorchFunctionSubclass():
-                self.write("master", bucket.shard_range, self.params.rank_slice(bucket))
+                self.write(MASTER, bucket.shard_range, self.params.rank_slice(bucket))
 
     def grad_target(self, bucket: Bucket) -> tuple[torch.Tensor, bool]:
         if not self.ring.free:
@@ -158,12 +159,10 @@ class HostGradients(DeviceState):
 class HostState(HostGradients):
     location = "host"
 
-    def __init__(self, layout: Layout, params, device: torch.device):
-        self._init_gradients(layout, params, device)
+    def __init__(self, layout: Layout, params, device: torch.device, rule: UpdateRule):
+        self._init_gradients(layout, params, device, rule)
         n = layout.shard_numel
-        self.master = torch.zeros(n, dtype=torch.float32, pin_memory=self.cuda)
-        self.exp_avg = torch.zeros(n, dtype=torch.float32, pin_memory=self.cuda)
-        self.exp_avg_sq = torch.zeros(n, dtype=torch.float32, pin_memory=self.cuda)
+        self.buffers = {k.name: torch.zeros(n, dtype=k.dtype, pin_memory=self.cuda) for k in rule.kinds}
         largest = max((b.shard_numel for b in layout.buckets), default=0)
         self.out = ParamOutRing(largest, params.dtype, self.device) if params.dtype != torch.float32 else None
         # fp32 parameters are copied to the device from the pinned master itself (asynchronously): the event of the
@@ -183,7 +182,7 @@ class HostState(HostGradients):
         for bucket in buckets:
             r = bucket.shard_range
             slot, out = self.out.take(bucket.shard_numel) if self.out is not None else (None, None)
-            views = BucketState(r.of(self.master), r.of(self.grad), r.of(self.exp_avg), r.of(self.exp_avg_sq), out)
+            views = BucketState(views_of(self.buffers, r), r.of(self.grad), out)
             self._out_slot = slot
             yield Unit(bucket, Range(0, bucket.shard_numel), views, True)
 
@@ -201,12 +200,12 @@ class HostState(HostGradients):
 
     # ---------------------------------------------------------------- CPU writes of the master wait for its copies
     def write(self, kind: str, shard_range: Range, values: torch.Tensor) -> None:
-        if kind == "master":
+        if kind == MASTER:
             self._master_writable()
         super().write(kind, shard_range, values)
 
     def host_view(self, kind: str, shard_range: Range) -> Optional[torch.Tensor]:
-        if kind == "master":  # the caller writes into it
+        if kind == MASTER:  # the caller writes into it
             self._master_writable()
         return super().host_view(kind, shard_range)
 
@@ -216,9 +215,8 @@ class HostState(HostGradients):
 
     def tensors(self) -> dict[str, object]:
         return {
-            "master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, **self._landing_tensors(),
-            "param_out": self.out.buffers if self.out is not None else [],
+            **self.buffers, **self._landing_tensors(), "param_out": self.out.buffers if self.out is not None else [],
         }  # fmt: skip
 
     def where(self) -> dict[str, str]:
-        return {**dict.fromkeys(("master", "exp_avg", "exp_avg_sq", "param_out"), "host"), **self._landing_where()}
+        return {**dict.fromkeys((*self.rule.kind_names, "param_out"), "host"), **self._landing_where()}

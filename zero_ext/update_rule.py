@@ -1,0 +1,184 @@
+"""The update rule: what optimizer state a flat group keeps and how one step changes it.
+
+Everything else in the engine is generic over the rule. Placements (device, host, disk) allocate one buffer per
+:class:`StateKind` of :attr:`UpdateRule.kinds`; the state dict, checkpoint sections, consolidation, the memory
+ledger, :func:`zero_ext.memory.estimate` and the offload files are named and sized from the same kinds; the step
+calls :meth:`UpdateRule.apply` on views of them. A new kind of state (remainders, 8-bit moments) is a change here
+and in the kernel that applies it, nowhere else.
+
+:class:`AdamW` is ``torch.optim.AdamW``'s update, bitwise, with its ``amsgrad`` (a fourth kind, ``max_exp_avg_sq``)
+and ``maximize``. Its kinds are fp32 and live beside the fp32 master; the "master" is the first kind.
+
+Two questions about the master have two names on purpose. :attr:`UpdateRule.master_is_param`: the parameters' own
+values are the master (fp32 parameters), so a state dict holds no separate copy and the model's state dict carries
+it. A placement's ``master_copy``: that placement stores a separate fp32 master buffer (bf16/fp16 parameters
+everywhere; fp32 ones too when the state is offloaded, because the parameters stay on the device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, NamedTuple, Optional, Sequence
+
+import torch
+
+from . import ops
+from .hyperparams import Scalar, check_hyperparameters
+
+MASTER = "master"  # the fp32 master copy of the parameters, the one kind every rule keeps
+
+
+@dataclass(frozen=True)
+class StateKind:
+    """One kind of per-element state: its name (state dicts, checkpoint sections, files and the memory ledger
+    use it as is) and its dtype."""
+
+    name: str
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+
+class AdamWScalars(NamedTuple):
+    """One param group's scalars as the kernel takes them (numbers or tensors)."""
+
+    lr: Scalar
+    beta1: Scalar
+    beta2: Scalar
+    eps: Scalar
+    weight_decay: Scalar
+    maximize: bool
+
+
+# torch.optim.AdamW's keywords that pick an implementation, not a result: accepted (so that
+# `ZeroAdamW(**adamw_kwargs)` works) and kept in every param group as torch keeps them; the update is always one
+# fused kernel. `differentiable=True` would promise gradients through the step, which a fused in-place kernel over
+# sharded state cannot give: refused.
+IMPLEMENTATION_KEYWORDS = {"foreach": None, "capturable": False, "differentiable": False, "fused": None}
+
+
+def check_flag(where: str, name: str, value: Any, allow_none: bool = False) -> None:
+    if isinstance(value, bool) or (allow_none and value is None):
+        return
+    expected = "True, False or None" if allow_none else "True or False"
+    raise ValueError(f"{where}: `{name}` must be {expected}, got {value!r}")
+
+
+def check_implementation_keywords(where: str, group: Mapping[str, Any]) -> None:
+    for name, default in IMPLEMENTATION_KEYWORDS.items():
+        check_flag(where, name, group.get(name, default), allow_none=default is None)
+    if group.get("differentiable", False):
+        raise ValueError(
+            f"{where}: `differentiable=True` is not supported: the step is one fused in-place kernel over sharded "
+            "state, not an autograd graph (use torch.optim.AdamW for a differentiable optimizer step)"
+        )
+
+
+class AdamW:
+    """``torch.optim.AdamW``'s update on a flat group's shard (see the module docstring).
+
+    ``amsgrad`` is structural (it adds a kind): fixed when the optimizer is built, per param group.
+    ``maximize`` is a scalar of the step, read from the param group at every step, as torch reads it.
+    """
+
+    name = "adamw"
+
+    def __init__(self, param_dtype: torch.dtype, amsgrad: bool = False):
+        self.param_dtype = param_dtype
+        self.amsgrad = bool(amsgrad)
+        moments = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.amsgrad else [])
+        self.kinds: tuple[StateKind, ...] = (StateKind(MASTER), *(StateKind(m) for m in moments))
+
+    # ---------------------------------------------------------------- what it keeps
+    @property
+    def kind_names(self) -> tuple[str, ...]:
+        return tuple(k.name for k in self.kinds)
+
+    @property
+    def moment_names(self) -> tuple[str, ...]:
+        """Every kind but the master: what a torch.optim state dict holds per parameter (besides ``step``)."""
+        return tuple(k.name for k in self.kinds if k.name != MASTER)
+
+    @property
+    def master_is_param(self) -> bool:
+        """The parameters' values are the master (fp32 parameters): a state dict holds no separate master."""
+        return self.param_dtype == torch.float32
+
+    def state_dict_names(self) -> tuple[str, ...]:
+        """The kinds a local state dict holds per parameter: the moments, and the master unless it is the param."""
+        return self.moment_names if self.master_is_param else (*self.moment_names, MASTER)
+
+    def bytes_per_element(self, master_copy: bool = True) -> int:
+        """Bytes of state per element of a rank's shard; without ``master_copy`` the master is the parameter."""
+        return sum(k.itemsize for k in self.kinds if master_copy or k.name != MASTER)
+
+    def describe(self) -> str:
+        """What every rank must agree on (part of the layout fingerprint)."""
+        return f"{self.name}(amsgrad={self.amsgrad})"
+
+    # ---------------------------------------------------------------- its scalars
+    def check_group(self, where: str, group: Mapping[str, Any], device: Optional[torch.device] = None,
+                    read_device_values: bool = True) -> None:  # fmt: skip
+        """Raise ``ValueError`` naming ``where`` unless the param group's hyperparameters are valid for this rule."""
+        check_hyperparameters(where, group["lr"], group["betas"], group["eps"], group["weight_decay"],
+                              device=device, read_device_values=read_device_values)  # fmt: skip
+        check_flag(where, "maximize", group.get("maximize", False))
+        amsgrad = group.get("amsgrad", False)
+        check_flag(where, "amsgrad", amsgrad)
+        if amsgrad != self.amsgrad:
+            raise ValueError(
+                f"{where}: `amsgrad` is {amsgrad} but the optimizer was built with amsgrad={self.amsgrad} for this "
+                "group; it decides which state is kept (max_exp_avg_sq), so it is fixed at construction: build a new "
+                "optimizer to change it"
+            )
+        check_implementation_keywords(where, group)
+
+    def scalars(self, group: Mapping[str, Any]) -> AdamWScalars:
+        beta1, beta2 = group["betas"]
+        return AdamWScalars(
+            group["lr"], beta1, beta2, group["eps"], group["weight_decay"], group.get("maximize", False)
+        )
+
+    # ---------------------------------------------------------------- the update
+    def apply(self, state: Mapping[str, torch.Tensor], grad: torch.Tensor, param_out: Optional[torch.Tensor],
+              s: AdamWScalars, step, grad_scale, found_inf: Optional[torch.Tensor]) -> None:  # fmt: skip
+        """One fused update of a contiguous run: ``state`` maps each kind to its view of the run."""
+        ops.fused_adamw_(
+            state[MASTER], grad, state["exp_avg"], state["exp_avg_sq"],
+            lr=s.lr, beta1=s.beta1, beta2=s.beta2, eps=s.eps, weight_decay=s.weight_decay, step=step,
+            grad_scale=grad_scale, param_out=param_out, found_inf=found_inf,
+            max_exp_avg_sq=state.get("max_exp_avg_sq"), maximize=bool(s.maximize),
+        )  # fmt: skip
+
+
+UpdateRule = AdamW  # the interface the engine codes against; AdamW is its one implementation today
+
+
+def rule_for_group(param_dtype: torch.dtype, group: Mapping[str, Any]) -> UpdateRule:
+    """The rule a flat group of ``param_dtype`` parameters of param group ``group`` keeps."""
+    return AdamW(param_dtype, amsgrad=bool(group.get("amsgrad", False)))
+
+
+def rule_for_saved_group(hyperparameters: Mapping[str, Any], param_dtype: torch.dtype = torch.bfloat16) -> UpdateRule:
+    """The rule a checkpoint's param group was saved with (its recorded hyperparameters; older checkpoints have
+    no ``amsgrad``: plain AdamW)."""
+    amsgrad = hyperparameters.get("amsgrad", False)
+    return AdamW(param_dtype, amsgrad=amsgrad is True)
+
+
+def all_kind_names() -> tuple[str, ...]:
+    """Every kind any rule may save (a checkpoint section must be one of these, or the parameters)."""
+    return AdamW(torch.bfloat16, amsgrad=True).kind_names
+
+
+def default_bytes_per_element() -> int:
+    """Mixed-precision AdamW's state per parameter: fp32 master + two fp32 moments (ZeRO's K = 12)."""
+    return AdamW(torch.bfloat16).bytes_per_element()
+
+
+__all__: Sequence[str] = [
+    "MASTER", "StateKind", "AdamWScalars", "AdamW", "UpdateRule", "rule_for_group", "rule_for_saved_group",
+    "all_kind_names", "default_bytes_per_element", "IMPLEMENTATION_KEYWORDS",
+]  # fmt: skip
