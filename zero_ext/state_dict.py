@@ -13,6 +13,7 @@ and parameter indices); ``zero`` records the layout so that loading into a diffe
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import torch
@@ -123,7 +124,9 @@ def _is_count(value: Any) -> bool:
         if value.numel() != 1:
             return False
         value = value.item()
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 and value == int(value)
+    # counts live in fp32 device scalars: a value beyond float32's range could not be loaded
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return ok and 0 <= value <= 3.4028234663852886e38 and value == int(value)
 
 
 def load_local_state_dict(state: ShardedState, param_groups: Sequence[dict], sd: Any) -> None:

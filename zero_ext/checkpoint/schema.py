@@ -22,9 +22,13 @@ def _int(value: Any, where: str, field: str, lo: int = 0, hi: int | None = None)
     return value
 
 
+_FP32_MAX = 3.4028234663852886e38  # counts live in fp32 device scalars: a larger value cannot be loaded
+
+
 def _count(value: Any, where: str, field: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise CheckpointError(f"{where}: `{field}` must be a finite number >= 0, got {value!r}")
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
+            or value > _FP32_MAX):  # fmt: skip
+        raise CheckpointError(f"{where}: `{field}` must be a finite number >= 0 that fits in float32, got {value!r}")
     return float(value)
 
 
