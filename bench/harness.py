@@ -239,8 +239,8 @@ def join_group(rank: int, world: int, port: int, device_type: str = "cpu", threa
 
 
 def _entry(rank: int, world: int, device_type: str, port: int, out_path: str, fn: Callable, args: tuple) -> None:
-    # bench_collectives calls the flat collectives by their names deprecated in torch 2.13: one warning per rank
-    # and call would bury the output.
+    # investigations/bench_collectives.py calls the flat collectives by their names deprecated in torch 2.13: one
+    # warning per rank and call would bury the output.
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.")
     device = join_group(rank, world, port, device_type)
     try:
