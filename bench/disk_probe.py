@@ -1,6 +1,5 @@
-"""The disk's own sequential bandwidth, and a replay of the nvme step's I/O pattern, in plain Python with no torch
-import (bench/disk_modes.py runs them in processes with and without torch loaded; bench_offload.py uses the probe
-beside the optimizer)."""
+"""The disk's own sequential bandwidth, in plain Python with no torch import: bench_offload.py measures it beside the
+optimizer, bench/investigations/disk_modes.py in processes with and without torch loaded."""
 
 from __future__ import annotations
 
@@ -67,45 +66,6 @@ class DiskStream:
         t0 = time.perf_counter()
         for off in range(0, self.nbytes, self.block):
             os.preadv(fd, [self.buf], off)
-        return time.perf_counter() - t0
-
-    def close(self) -> None:
-        for fd, path in zip(self.fds, self.paths):
-            os.close(fd)
-            os.remove(path)
-
-
-class StepReplay:
-    """The nvme step's transfers without the optimizer: three files (master, exp_avg, exp_avg_sq) of ``nbytes / 3``
-    each, walked in ``block``-byte chunks; chunk ``i + 1`` of every file is read, then chunk ``i - 1`` written, one
-    transfer at a time (the order the step issues them in, without its threads and its CPU work)."""
-
-    def __init__(self, directory: str, nbytes: int, block: int, pages: str = "huge"):
-        self.block = max(ALIGN, block // ALIGN * ALIGN)
-        self.chunks = max(1, nbytes // 3 // self.block)
-        self.bufs = [io_buffer(self.block, pages) for _ in range(6)]
-        self.paths = [os.path.join(directory, f"replay.{k}") for k in ("master", "exp_avg", "exp_avg_sq")]
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0)
-        self.fds = [os.open(p, flags, 0o600) for p in self.paths]
-        for fd in self.fds:
-            os.posix_fallocate(fd, 0, self.chunks * self.block)
-            for i in range(self.chunks):
-                os.pwritev(fd, [self.bufs[0]], i * self.block)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes read (and as many written) by one ``step()``."""
-        return 3 * self.chunks * self.block
-
-    def step(self) -> float:
-        t0 = time.perf_counter()
-        for i in range(self.chunks + 1):
-            if i < self.chunks:
-                for k, fd in enumerate(self.fds):
-                    os.preadv(fd, [self.bufs[k]], i * self.block)
-            if i:
-                for k, fd in enumerate(self.fds):
-                    os.pwritev(fd, [self.bufs[3 + k]], (i - 1) * self.block)
         return time.perf_counter() - t0
 
     def close(self) -> None:

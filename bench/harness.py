@@ -1,8 +1,8 @@
 """What the benchmarks share: result files, timing statistics, processes and rendezvous, and the training recipes.
 
-Scripts run as ``python bench/<script>.py`` (bench/ is then on sys.path); the tests reach this module and
-bench/gpt_model.py through tests/distributed.py and tests/tiny_transformer.py, which add bench/ to sys.path.
-Nothing is installed.
+Scripts run as ``python bench/<script>.py`` (bench/ is then on sys.path). Nothing is installed. The engine tests
+import nothing from bench/ (tests/distributed.py has its own gloo ranks, tests/tiny_transformer.py its own model);
+only the tests of the benchmarks themselves import them.
 
 - result files: :func:`write_results` writes ``<name>.json`` (:func:`meta` + the script's payload) and ``<name>.md``;
   both carry the device, date, commit, torch version and exact command, so every number in bench/README.md traces
@@ -10,7 +10,7 @@ Nothing is installed.
 - timing: :func:`round_robin` interleaves contenders (load swings hit them alike); :func:`summary` gives the median,
   quartiles and range;
 - processes: :func:`join_group` makes a process rank r of N (gloo on CPU, NCCL on GPUs); :func:`launch` runs a
-  function on N fresh processes (so peak memory is per run); tests/distributed.py keeps a pool of ranks with it;
+  function on N fresh processes (so peak memory is per run);
 - recipes: ``ddp`` (fp32 params, DDP, bf16 autocast, torch AdamW(fused=True)), ``zero1`` / ``zero2`` / ``zero3``
   (bf16 params, bf16 autocast, ZeroAdamW; stage 3 with ``module=model``), built from the same weights by
   :func:`build`; :func:`model_state` is a rank's persistent model state, :func:`ledger_ok` the identity it
@@ -239,8 +239,8 @@ def join_group(rank: int, world: int, port: int, device_type: str = "cpu", threa
 
 
 def _entry(rank: int, world: int, device_type: str, port: int, out_path: str, fn: Callable, args: tuple) -> None:
-    # bench_collectives calls the flat collectives by their names deprecated in torch 2.13: one warning per rank
-    # and call would bury the output.
+    # investigations/bench_collectives.py calls the flat collectives by their names deprecated in torch 2.13: one
+    # warning per rank and call would bury the output.
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.")
     device = join_group(rank, world, port, device_type)
     try:

@@ -6,30 +6,26 @@
 tests/ on sys.path and spawned workers inherit it). Return values come back per rank. An exception on
 any rank fails the call with every failing rank's traceback; a call that does not finish within
 ``timeout`` seconds (e.g. a collective that never matched) kills the pool, which is respawned next time.
-Spawning a pool costs a few seconds; every later call costs milliseconds. How a process becomes a rank (the
-rendezvous) is bench/harness.py's ``join_group``, the one the benchmarks' fresh-process ``launch`` uses.
+Spawning a pool costs a few seconds; every later call costs milliseconds. A worker becomes a rank as
+bench/harness.py's ``join_group`` makes a benchmark's process one on CPU (gloo over TCP on 127.0.0.1, one torch
+thread): written out here so that the tests need nothing from bench/.
 """
 
 from __future__ import annotations
 
 import atexit
+import datetime
 import faulthandler
 import importlib
 import os
 import queue
 import signal
-import sys
+import socket
 import time
 import traceback
-from pathlib import Path
 
+import torch
 import torch.multiprocessing as mp
-
-_BENCH = str(Path(__file__).resolve().parent.parent / "bench")
-if _BENCH not in sys.path:
-    sys.path.insert(0, _BENCH)
-
-import harness  # noqa: E402
 
 _CTX = mp.get_context("spawn")
 _POOLS: dict[int, "_Pool"] = {}
@@ -42,7 +38,9 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox) -> None:
     # stderr, which pytest shows with the failing test.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     # Ranks share 2 cores: one thread each keeps them from oversubscribing (and matches torchrun).
-    harness.join_group(rank, world_size, port, "cpu", threads=1, timeout_s=60)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))  # fmt: skip
     while True:
         job = inbox.get()
         if job is None:
@@ -56,10 +54,16 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox) -> None:
     dist.destroy_process_group()
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class _Pool:
     def __init__(self, world_size: int):
         self.world_size = world_size
-        port = harness.free_port()
+        port = _free_port()
         self.outbox = _CTX.Queue()
         self.inboxes = [_CTX.Queue() for _ in range(world_size)]
         env = dict(os.environ)

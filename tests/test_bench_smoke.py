@@ -1,6 +1,7 @@
-"""Every benchmark that runs on a CPU, at a tiny size and as a user runs it (``python bench/<script>.py``), checked
-through the JSON result file it writes (not its printed text). bench/profile_overlap.py needs a GPU: its analysis
-and its no-GPU exit are tested in test_profile_overlap.py."""
+"""Every benchmark that runs on a CPU, at a tiny size and as a user runs it (``python bench/<script>.py``, and the
+investigations' ``python bench/investigations/<script>.py``), checked through the JSON result file it writes (not its
+printed text). bench/profile_overlap.py needs a GPU: its analysis and its no-GPU exit are tested in
+test_profile_overlap.py. Marked slow: each run starts processes (about 3 minutes in all on 2 cores)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
 TINY_GPT = ["--vocab", "64", "--seq-len", "16", "--d-model", "32", "--layers", "1", "--heads", "2"]
 
@@ -171,7 +173,7 @@ def test_scaling_tiny(tmp_path):
 
 def test_stage3_saved_memory(tmp_path):
     """What autograd's saved tensors keep alive at the end of forward is within stage 3's window, on every row."""
-    run("stage3_saved_memory.py", "--worlds", "2", "--out-dir", str(tmp_path))
+    run("investigations/stage3_saved_memory.py", "--worlds", "2", "--out-dir", str(tmp_path))
     res = result(tmp_path / "stage3_saved_memory.json")
     assert res["ok"] is True and len(res["rows"]) == 4
     for r in res["rows"]:
@@ -182,8 +184,8 @@ def test_stage3_saved_memory(tmp_path):
 
 def test_collectives_tiny(tmp_path):
     """bench_collectives.py on 3 ranks, a small buffer: every contender timed, the files written."""
-    run("bench_collectives.py", "--world-size", "3", "--numel", "5000", "--buckets", "1,2", "--reps", "2",
-        "--warmup", "1", "--out-dir", str(tmp_path), "--name", "coll")  # fmt: skip
+    run("investigations/bench_collectives.py", "--world-size", "3", "--numel", "5000", "--buckets", "1,2",
+        "--reps", "2", "--warmup", "1", "--out-dir", str(tmp_path), "--name", "coll")  # fmt: skip
     res = result(tmp_path / "coll.json")
     assert res["config"]["numel"] % (3 * 2 * 64) == 0 and res["config"]["numel"] >= 5000
     assert len(res["runs"]) == 6 * 2
@@ -204,7 +206,7 @@ def test_checkpoint_tiny(tmp_path):
 
 
 def test_profile_stage3_tiny(tmp_path):
-    run("profile_stage3_cpu.py", *TINY_GPT, "--steps", "2", "--warmup", "1", "--out-dir", str(tmp_path))
+    run("investigations/profile_stage3_cpu.py", *TINY_GPT, "--steps", "2", "--warmup", "1", "--out-dir", str(tmp_path))
     res = result(tmp_path / "profile_stage3_cpu.json")
     assert set(res["times_s"]) == set(res["profile"]) == {"zero2", "zero3", "zero3_keep"}
     assert all(len(t) == 2 for t in res["times_s"].values())
@@ -231,25 +233,14 @@ def test_offload_tiny(tmp_path):
 def test_disk_modes_tiny(tmp_path):
     """disk_modes.py: children cycle through torch or not x 4 KiB or huge pages, each measures the probe and the
     step replay."""
-    run("disk_modes.py", "--gb", "0.03", "--children", "4", "--rounds", "1", "--dir", str(tmp_path / "io"),
+    run("investigations/disk_modes.py", "--gb", "0.03", "--children", "4", "--rounds", "1",
+        "--dir", str(tmp_path / "io"),
         "--out-dir", str(tmp_path))  # fmt: skip
     res = result(tmp_path / "disk_modes.json")
     assert [(r["torch_imported"], r["pages"]) for r in res["runs"]] == [
         (False, "4k"), (True, "4k"), (False, "huge"), (True, "huge")]  # fmt: skip
     assert all(len(r["rounds"]) == 1 and r["rounds"][0]["replay_vs_probe"] > 0 for r in res["runs"])
     assert not (tmp_path / "io").exists()
-
-
-def test_trace_nvme_step_tiny(tmp_path):
-    """trace_nvme_step.py: every variant's reads, writes and waits are traced, the files removed."""
-    run("trace_nvme_step.py", "--size", "0.05", "--steps", "2", "--dir", str(tmp_path / "state"),
-        "--out-dir", str(tmp_path), "--name", "trace")  # fmt: skip
-    res = result(tmp_path / "trace.json")
-    assert list(res["medians"]) == ["default", "one_thread", "4k_pages"]
-    for m in res["medians"].values():
-        # one step reads and writes the whole state (12 B/param), and waits for some of it
-        assert m["read_bytes"] == m["write_bytes"] > 0 and m["read_count"] > 0 and m["step_s"] > 0
-    assert not (tmp_path / "state").exists()
 
 
 def test_engine_step_fp32_comparison_has_its_fsdp2(tmp_path):

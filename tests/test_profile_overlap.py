@@ -421,7 +421,7 @@ def _stage3_phases(rank, world):
     launches its collectives, read from a CPU-only profile."""
     import tempfile
 
-    from gpt_model import GPT, GPTConfig, MarkovData
+    from tiny_transformer import GPT, GPTConfig
 
     from zero_ext import ZeroAdamW
 
@@ -430,8 +430,9 @@ def _stage3_phases(rank, world):
     torch.manual_seed(0)
     model = GPT(cfg).bfloat16()
     opt = ZeroAdamW(model.named_parameters(), **dict(po.optimizer_kwargs(args, model), bucket_size=2048))
-    data = MarkovData(cfg.vocab, cfg.seq_len)
-    step = po.make_train_step(model, opt, [data.batch(s, 4, rank, world) for s in range(2)], "cpu")
+    g = torch.Generator().manual_seed(rank)
+    tokens = [torch.randint(cfg.vocab, (2, cfg.seq_len + 1), generator=g) for _ in range(2)]
+    step = po.make_train_step(model, opt, [(t[:, :-1], t[:, 1:]) for t in tokens], "cpu")
     step(0)  # the first step learns the order the modules run in (prefetch follows it)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         step(1)

@@ -268,7 +268,7 @@ def _vm_data() -> int:
 
 
 def _init(module):
-    from gpt_model import GPT
+    from tiny_transformer import GPT
 
     if hasattr(module, "reset_parameters"):
         module.reset_parameters()
@@ -282,7 +282,7 @@ def _meta_model(rank, world):
     materialised the ordinary way and initialised in the same order."""
     import resource
 
-    from gpt_model import GPT, GPTConfig
+    from tiny_transformer import GPT, GPTConfig
 
     cfg = GPTConfig(vocab=4096, seq_len=16, d_model=512, n_layers=8, n_heads=8)
     with torch.device("meta"):

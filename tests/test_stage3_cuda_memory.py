@@ -8,7 +8,6 @@ once; with False, every bucket (the bound) may be."""
 import gc
 
 import pytest
-import tiny_transformer  # noqa: F401  (puts bench/, with gpt_model, on the path)
 import torch
 
 from zero_ext import ZeroAdamW
@@ -19,7 +18,7 @@ BUCKET = 2**20  # 2 MiB bf16 buckets: about 27 of them
 
 def _peak(stage: int, reshard: bool):
     """(max_memory_allocated over a step after two warm-up steps, the memory report)."""
-    from gpt_model import GPT, GPTConfig
+    from tiny_transformer import GPT, GPTConfig
 
     config = GPTConfig(vocab=4096, seq_len=128, d_model=512, n_layers=8, n_heads=8)  # ~27M parameters: 55 MB bf16
     torch.manual_seed(0)

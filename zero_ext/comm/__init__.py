@@ -3,8 +3,8 @@
 - :class:`NcclCommunicator`: CUDA tensors on NCCL. A real reduce-scatter that sums inside the collective, so
   gradients travel in ``reduce_dtype`` pre-scaled by 1/N (a low-precision sum then cannot overflow).
 - :class:`GlooCommunicator`: everything else. torch's gloo ``reduce_scatter_tensor`` is slower than its
-  ``all_reduce`` of the same buffer although it needs half the bytes (``bench/bench_collectives.py``: 3.3M fp32
-  elements over 2 ranks, 18.5 ms vs 14.8 ms), so a reduce-scatter is one ``all_to_all_single`` (rank j gets
+  ``all_reduce`` of the same buffer although it needs half the bytes (``bench/results/collectives_cpu.md``: 3.3M
+  fp32 elements over 2 ranks, 18.5 ms vs 14.8 ms), so a reduce-scatter is one ``all_to_all_single`` (rank j gets
   slice j of every rank's bucket) into a receive buffer and a local sum of the N slices in rank order (9.8 ms,
   sum included). With an fp32 ``reduce_dtype`` a gradient then travels in its own dtype, unscaled, and the sum
   is taken in fp32 and divided by N once: exactly the reference's ``sum(grads) / N``, at half the bytes for

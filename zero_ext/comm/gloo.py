@@ -1,7 +1,7 @@
 """gloo: a reduce-scatter as one all-to-all and a local sum in rank order.
 
 torch's gloo ``reduce_scatter_tensor`` is slower than its ``all_reduce`` of the same buffer although it needs half
-the bytes (``bench/bench_collectives.py``: 3.3M fp32 elements over 2 ranks, 18.5 ms vs 14.8 ms), so a
+the bytes (``bench/results/collectives_cpu.md``: 3.3M fp32 elements over 2 ranks, 18.5 ms vs 14.8 ms), so a
 reduce-scatter is one ``all_to_all_single`` (rank j gets slice j of every rank's bucket) into a receive buffer and
 a local sum of the N slices in rank order (9.8 ms, sum included). With an fp32 ``reduce_dtype`` a gradient then
 travels in its own dtype, unscaled, and the sum is taken in fp32 and divided by N once: exactly the reference's
@@ -26,7 +26,7 @@ class GlooCommunicator(Communicator):
     name = "gloo"
     # Every gloo collective costs a fixed ~0.5-1 ms of thread hand-offs on cores that backward keeps busy; on
     # the 3.3M-param benchmark GPT at 2 ranks, 8 buckets took 1.05x DDP's step, 2-4 buckets 0.92-1.01x
-    # (bench/results/engine_step_cpu.md, Findings; per-collective costs: bench_collectives.py).
+    # (bench/results/engine_step_cpu.md, Findings; per-collective costs: bench/results/collectives_cpu.md).
     buckets_per_model = 4
 
     def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device):

@@ -1,7 +1,7 @@
 """What stage 3 really keeps alive at the end of forward, measured on storages, against its declared window.
 
-    python bench/stage3_saved_memory.py                    # 2 gloo ranks
-    python bench/stage3_saved_memory.py --worlds 2,3
+    python bench/investigations/stage3_saved_memory.py                # 2 gloo ranks
+    python bench/investigations/stage3_saved_memory.py --worlds 2,3
 
 For each model (``linear_stack``: 8 bf16 ``nn.Linear(1024, 1024)``, one layer per bucket, the issue's model;
 ``gpt``: the main job's GPT in bf16) and ``reshard_after_forward`` True / False, on the third step: the parameter
@@ -22,7 +22,7 @@ import subprocess
 import sys
 import weakref
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: harness, gpt_model
 
 import harness  # noqa: E402
 import torch  # noqa: E402

@@ -1,8 +1,8 @@
 """The collectives behind ZeroAdamW's gradient reduction, timed on their own: why gloo reduce-scatters with an
 all-to-all.
 
-    python bench/bench_collectives.py                  # CPU: 2 gloo processes, the main job's 3.3M params
-    python bench/bench_collectives.py --world-size 3 --numel 1000000
+    python bench/investigations/bench_collectives.py        # CPU: 2 gloo processes, the main job's 3.3M params
+    python bench/investigations/bench_collectives.py --world-size 3 --numel 1000000
 
 Every rank holds a buffer of --numel fp32 elements (default: the main job's GPT, padded to whole buckets), and
 each contender reduces it over the ranks, as one collective and cut into --buckets pieces, in the same
@@ -22,7 +22,7 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: harness
 
 import harness  # noqa: E402
 import torch  # noqa: E402

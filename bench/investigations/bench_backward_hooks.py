@@ -1,7 +1,7 @@
 """Host time the gradient hooks add to backward, per parameter: DDP against ZeroAdamW stages 1, 2 and 3.
 
-    python bench/bench_backward_hooks.py                       # this checkout, 1 and 2 gloo ranks, bf16 and fp32
-    python bench/bench_backward_hooks.py --before ../before    # and an earlier checkout, launches interleaved
+    python bench/investigations/bench_backward_hooks.py                     # this checkout, 1 and 2 ranks, bf16, fp32
+    python bench/investigations/bench_backward_hooks.py --before ../before  # and an earlier checkout, interleaved
 
 A model of ``--blocks`` x (Linear(d, d) + LayerNorm(d)) = 4 x blocks small parameters (500 by default, ~140k
 elements: the compute is small, so what each parameter's gradient costs on its way to the wire shows). Each launch
@@ -20,8 +20,11 @@ parameter, ``(median backward - median backward of plain or ddp) / parameters``,
 ``--before`` each (world, dtype) launch runs once on the other checkout's engine (its ``zero_ext`` first on
 ``PYTHONPATH``, this script and harness unchanged) and once on this one, alternately, ``--pairs`` times, and the
 result file puts the two engines' per-parameter costs side by side (each launch's differences are taken within the
-launch, so load swings between launches cancel). ``--components`` also times, in this process, the pieces one
-gradient's hook is made of on this checkout. Writes ``backward_hooks_cpu.{json,md}``.
+launch, so load swings between launches cancel). Writes ``backward_hooks_cpu.{json,md}``.
+
+Only ZeroAdamW's public API is used. Until it moved here (issue 22) this script also timed the engine's own hook
+path by calling its private reducer (``--components``); the last file that wrote, results/backward_hooks_cpu.md, was
+made by that version (``git show b23e9af:bench/bench_backward_hooks.py``).
 """
 
 from __future__ import annotations
@@ -33,13 +36,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import timeit
 from pathlib import Path
 
-import harness
-import torch
-import torch.distributed as dist
-import torch.nn as nn
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: harness
+
+import harness  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
 
 CONTENDERS = ("plain", "noop_hooks", "ddp", "zero1", "zero2", "zero3")
 BUCKET = 1 << 14  # elements per bucket, both engines (~9 buckets): the per-bucket costs are part of the picture
@@ -109,11 +113,7 @@ def run_launch(rank: int, world: int, device, args_dict: dict) -> dict:
 
     out = harness.round_robin({n: contender(n) for n in args.contenders}, args.warmup, args.reps, dist.barrier)
     params = sum(1 for p in built[args.contenders[0]][0].parameters())
-    hook_path = {}
-    if world == 1:
-        hook_path = {n: hook_path_us(built[n][2]) for n in ("zero1", "zero2") if n in built}
     return {
-        "hook_path_us": hook_path,
         "params": params,
         "numel": sum(p.numel() for p in built[args.contenders[0]][0].parameters()),
         "backward_s": {n: [b for b, _ in v] for n, v in out.items()},
@@ -124,86 +124,6 @@ def run_launch(rank: int, world: int, device, args_dict: dict) -> dict:
 def per_param_us(launch: dict, name: str, base: str, key: str = "backward_s", stat=statistics.median) -> float:
     t = launch[key]
     return (stat(t[name]) - stat(t[base])) / launch["params"] * 1e6
-
-
-def hook_path_us(opt, reps: int = 50) -> float:
-    """Microseconds per gradient of ZeroAdamW's own hook path on one rank, without autograd around it: every
-    parameter's hook called directly (its ``.grad`` set beforehand) inside a one-node backward, so that the round
-    opens and closes as in a real one; the best of ``reps`` rounds. Reaches into the engine's private reducer (a benchmark's licence; both engines have
-    these names): the calls a backward pass makes, with none of the load-sensitive compute between them."""
-    import time
-
-    from zero_ext.weak_hooks import weak_call
-
-    sync = opt._grad_sync
-    by_key = {(gb.group.index, gb.bucket.index): gb for gb in sync.buckets}
-    items = [(by_key[(g.index, slot.bucket)], slot, p) for g in sync.state.groups
-             for slot, p in zip(g.layout.slots, g.params)]  # fmt: skip
-    items.sort(key=lambda item: -item[1].offset)  # the order backward produces them in: layout order
-    grads = [torch.randn_like(p) for _, _, p in items]
-    hooks = [weak_call(sync._on_grad, gb, slot) for gb, slot, _ in items]
-
-    # The hooks run inside a real (one-node) backward, so the engine opens and closes its round itself (its round-end
-    # callback needs a backward in progress); that backward costs a few microseconds in all, not per gradient.
-    def drive(_):
-        for hook, (_, _, p) in zip(hooks, items):
-            hook(p)
-
-    leaf = torch.zeros((), requires_grad=True)
-    leaf.register_post_accumulate_grad_hook(drive)
-    best = float("inf")
-    for _ in range(reps):
-        for (_, _, p), grad in zip(items, grads):
-            p.grad = grad
-        leaf.grad = None
-        start = time.perf_counter()
-        (leaf * 1.0).backward()
-        best = min(best, time.perf_counter() - start)
-        opt.zero_grad()
-    return best / len(items) * 1e6
-
-
-# ------------------------------------------------------------------------------------------------ components
-def components() -> dict[str, float]:
-    """Microseconds per call of what one gradient's trip through the hooks is made of, on this checkout."""
-    import zero_ext
-    from zero_ext import ops
-    from zero_ext.kernels.dispatch import accumulate_into, cast_scale_into
-    from zero_ext.weak_hooks import weak_call
-
-    torch.set_num_threads(1)
-    flat = torch.zeros(1 << 16)
-    grads = [torch.randn(256).bfloat16() for _ in range(64)]
-    offsets = [i * 256 for i in range(64)]
-    one, dst = grads[0], flat[:256]
-
-    class Owner:
-        def method(self, a, b, c):
-            return None
-
-        @torch.compiler.disable
-        def disabled(self, a, b, c):
-            return None
-
-    owner = Owner()
-    plain, disabled = weak_call(owner.method, 1, 2), weak_call(owner.disabled, 1, 2)
-    cases = {
-        "cast_scale_into (one 256-element bf16 gradient, CPU)": lambda: cast_scale_into(dst, one, 0.5),
-        "ops.flatten_ of one 256-element gradient": lambda: ops.flatten_(flat, [one], [0], 0.5),
-        "ops.flatten_ of 64 gradients, per gradient": lambda: ops.flatten_(flat, grads, offsets, 0.5),
-        "accumulate_into (one 256-element bf16 gradient, CPU)": lambda: accumulate_into(dst, one),
-        "a view of a slot (buffer[a:b])": lambda: flat[256:512],
-        "weak_call of a plain method": lambda: plain(3),
-        "weak_call of a torch.compiler.disable'd method": lambda: disabled(3),
-    }
-    per = {"ops.flatten_ of 64 gradients, per gradient": 64}
-    out = {}
-    for name, fn in cases.items():
-        n = 2000
-        best = min(timeit.repeat(fn, number=n, repeat=5)) / n
-        out[name] = best / per.get(name, 1) * 1e6
-    del zero_ext
-    return out
 
 
 # ------------------------------------------------------------------------------------------------ driver
@@ -259,9 +179,6 @@ def summarize(launches: list[dict]) -> dict:
             "us_per_param_vs_ddp_range": [min(vs_ddp), max(vs_ddp)],
             # from each contender's fastest backward of a launch: the least disturbed by other work on the machine
             "us_per_param_vs_plain_fastest": statistics.median(fastest),
-            "hook_path_us": statistics.median(hp)
-            if (hp := [r["hook_path_us"][name] for r in launches if name in r.get("hook_path_us", {})])
-            else None,
         }
     return rows
 
@@ -277,7 +194,6 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=8, help="batch rows per rank")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--components", action="store_true", help="also time the hook's pieces in this process")
     p.add_argument("--out-dir", default=str(harness.RESULTS))
     p.add_argument("--name", default="backward_hooks_cpu")
     # one launch (the parent runs these)
@@ -308,9 +224,8 @@ def main() -> None:
                     "numel": runs["after"][0]["numel"],
                     **{tag: {"summary": summarize(r), "launches": r} for tag, r in runs.items()},
                 }  # fmt: skip
-    comp = components() if args.components else None
     payload = {"config": {k: v for k, v in vars(args).items() if k not in ("before",)}, "commits": commits,
-               "bucket_size": BUCKET, "results": results, "components_us": comp}  # fmt: skip
+               "bucket_size": BUCKET, "results": results}  # fmt: skip
     payload["config"]["before"] = str(args.before) if args.before else None
     harness.write_results(args.name, meta, payload, markdown(payload, trees), args.out_dir)
     print(markdown(payload, trees))
@@ -347,18 +262,6 @@ def markdown(payload: dict, trees: dict) -> str:
                         + [f"{s[t]['us_per_param_vs_plain_fastest']:.1f}" for t in tags]
                         + [f"{s[t]['us_per_param_vs_ddp']:.1f}" for t in tags])  # fmt: skip
     lines.append(harness.markdown_table(head, rows))
-    hook_rows = []
-    for res in payload["results"].values():
-        for name in ("zero1", "zero2"):
-            values = [res[t]["summary"][name]["hook_path_us"] for t in tags]
-            if all(v is not None for v in values):
-                hook_rows.append([res["dtype"], name] + [f"{v:.2f}" for v in values])
-    if hook_rows:
-        lines += ["", "## ZeroAdamW's own hook path on one rank, µs per gradient (direct calls, best of 50 rounds)",
-                  "", "Every parameter's hook called in layout order with its `.grad` set, then the round closed: "
-                  "what the engine adds per gradient without autograd's own cost around it (`noop_hooks` − `plain` "
-                  "above is that part).", ""]  # fmt: skip
-        lines.append(harness.markdown_table(["params", "contender"] + tags, hook_rows))
     for res in payload["results"].values():
         lines += ["", f"## {res['world']} rank(s), {res['dtype']} parameters ({res['params']} parameters, "
                   f"{res['numel']} elements)", ""]  # fmt: skip
@@ -378,10 +281,6 @@ def markdown(payload: dict, trees: dict) -> str:
                         f"{s['us_per_param_vs_ddp']:.1f} [{rd[0]:.1f}, {rd[1]:.1f}]"]  # fmt: skip
             rows.append(row)
         lines.append(harness.markdown_table(head, rows))
-    if payload["components_us"]:
-        lines += ["", "## One gradient's pieces, in process (this checkout, µs per call, best of 5)", ""]
-        lines.append(harness.markdown_table(["piece", "µs"], [[k, f"{v:.2f}"] for k, v in
-                                                             payload["components_us"].items()]))  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -1,8 +1,8 @@
 """Where does ZeroAdamW stage 3's step time go on CPU (gloo)? Stage 3 against stage 2, step by step, then profiled.
 
-    python bench/profile_stage3_cpu.py                    # 2 gloo ranks, the main job's GPT
-    python bench/profile_stage3_cpu.py --world-size 1     # one rank: no communication, only the bookkeeping
-    python bench/profile_stage3_cpu.py --precision fp32   # fp32 params, no autocast (for CPUs without fast bf16)
+    python bench/investigations/profile_stage3_cpu.py                   # 2 gloo ranks, the main job's GPT
+    python bench/investigations/profile_stage3_cpu.py --world-size 1    # one rank: no communication, the bookkeeping
+    python bench/investigations/profile_stage3_cpu.py --precision fp32  # fp32 params, no autocast (no fast bf16)
 
 Stage 2 and stage 3 (bf16 params + bf16 autocast, or fp32 params with ``--precision fp32``; harness.build, the same weights and batches; stage 3 with and
 without resharding after forward) live in one launch:
@@ -26,7 +26,7 @@ import pstats
 import sys
 from collections import defaultdict
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: harness, gpt_model
 
 import harness  # noqa: E402
 import torch  # noqa: E402

@@ -1,11 +1,11 @@
 """Is the disk, or the process measuring it, what moves bench_offload's 'nvme / disk' ratio? The disk's sequential
 O_DIRECT write and read rate (disk_probe.DiskStream, the probe bench_offload uses) and a replay of the nvme step's
-I/O order (disk_probe.StepReplay: three files, read chunk i + 1 then write chunk i - 1, one transfer at a time,
+I/O order (StepReplay, below: three files, read chunk i + 1 then write chunk i - 1, one transfer at a time,
 no threads, no CPU work), in child processes that differ in one of two ways, cycling through the four mixes:
 torch imported first or not at all, and transfer buffers in 4 KiB pages or in transparent huge pages (what
 zero_ext.offload.files.aligned_buffer gives the optimizer's window).
 
-    python bench/disk_modes.py [--gb 1.5] [--children 8] [--rounds 3] [--dir bench/out/disk_modes]
+    python bench/investigations/disk_modes.py [--gb 1.5] [--children 8] [--rounds 3] [--dir bench/out/disk_modes]
 
 --gb is the state's size (12 B/param: 1.5 GB at 128M params); the transfer size is the optimizer's at the default
 window for that size. Writes results/disk_modes.{json,md}.
@@ -20,16 +20,56 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, BENCH)  # disk_probe, harness
 
+from disk_probe import ALIGN, DiskStream, io_buffer  # noqa: E402  (no torch: "plain" children stay without it)
 
 MIXES = [("plain", "4k"), ("torch", "4k"), ("plain", "huge"), ("torch", "huge")]
 
 
-def child(directory: str, nbytes: int, block: int, rounds: int, pages: str) -> list[dict]:
-    from disk_probe import DiskStream, StepReplay
+class StepReplay:
+    """The nvme step's transfers without the optimizer: three files (master, exp_avg, exp_avg_sq) of ``nbytes / 3``
+    each, walked in ``block``-byte chunks; chunk ``i + 1`` of every file is read, then chunk ``i - 1`` written, one
+    transfer at a time (the order the step issues them in, without its threads and its CPU work)."""
 
+    def __init__(self, directory: str, nbytes: int, block: int, pages: str = "huge"):
+        self.block = max(ALIGN, block // ALIGN * ALIGN)
+        self.chunks = max(1, nbytes // 3 // self.block)
+        self.bufs = [io_buffer(self.block, pages) for _ in range(6)]
+        self.paths = [os.path.join(directory, f"replay.{k}") for k in ("master", "exp_avg", "exp_avg_sq")]
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0)
+        self.fds = [os.open(p, flags, 0o600) for p in self.paths]
+        for fd in self.fds:
+            os.posix_fallocate(fd, 0, self.chunks * self.block)
+            for i in range(self.chunks):
+                os.pwritev(fd, [self.bufs[0]], i * self.block)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes read (and as many written) by one ``step()``."""
+        return 3 * self.chunks * self.block
+
+    def step(self) -> float:
+        t0 = time.perf_counter()
+        for i in range(self.chunks + 1):
+            if i < self.chunks:
+                for k, fd in enumerate(self.fds):
+                    os.preadv(fd, [self.bufs[k]], i * self.block)
+            if i:
+                for k, fd in enumerate(self.fds):
+                    os.pwritev(fd, [self.bufs[3 + k]], (i - 1) * self.block)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        for fd, path in zip(self.fds, self.paths):
+            os.close(fd)
+            os.remove(path)
+
+
+def child(directory: str, nbytes: int, block: int, rounds: int, pages: str) -> list[dict]:
     probe, replay = DiskStream(directory, nbytes, block, pages), StepReplay(directory, nbytes, block, pages)
     out = []
     try:
@@ -51,8 +91,8 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=1.5)
     ap.add_argument("--children", type=int, default=8, help="child processes, cycling through the four mixes")
     ap.add_argument("--rounds", type=int, default=3, help="probe + replay rounds per child")
-    ap.add_argument("--dir", default=os.path.join(HERE, "out", "disk_modes"))
-    ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    ap.add_argument("--dir", default=os.path.join(BENCH, "out", "disk_modes"))
+    ap.add_argument("--out-dir", default=os.path.join(BENCH, "results"))
     ap.add_argument("--child", choices=["plain", "torch"], help=argparse.SUPPRESS)
     ap.add_argument("--pages", choices=["4k", "huge"], help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -79,7 +119,7 @@ def main() -> None:
             mode, pages = MIXES[i % len(MIXES)]
             cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--pages", pages, "--gb", str(args.gb),
                    "--rounds", str(args.rounds), "--dir", args.dir]  # fmt: skip
-            done = subprocess.run(cmd, input=f"{block}\n", capture_output=True, text=True, check=True, cwd=HERE)
+            done = subprocess.run(cmd, input=f"{block}\n", capture_output=True, text=True, check=True, cwd=BENCH)
             rounds = json.loads(done.stdout.strip().splitlines()[-1])
             runs.append({"child": i, "torch_imported": mode == "torch", "pages": pages, "rounds": rounds})
             med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
