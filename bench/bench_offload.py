@@ -38,6 +38,7 @@ from harness import MIB, OUT, RESULTS, cores, markdown_table, meta, round_robin,
 from zero_ext import ZeroAdamW
 from zero_ext.offload import DEFAULT_WINDOW
 from zero_ext.offload.disk import chunk_numel
+from zero_ext.update_rule import AdamW
 from zero_ext.offload.files import ALIGN
 
 assert disk_probe.ALIGN == ALIGN, "the probe's transfers must be aligned as the optimizer's are"
@@ -116,8 +117,9 @@ class AddedCopies:
 def run_size(params_m: float, directory: str, window: int, warmup: int, reps: int) -> dict:
     contenders = {mode: Contender(mode, params_m, directory, window) for mode in MODES}
     psi = sum(p.numel() for p in contenders["memory"].model.parameters())
-    state_bytes = 12 * psi  # master, exp_avg, exp_avg_sq on disk, each read and written once per step
-    chunk = chunk_numel(window, torch.bfloat16, psi) * 4  # the optimizer's transfer size (bytes per kind)
+    rule = AdamW(torch.bfloat16)  # the optimizer's state kinds, each on disk, read and written once per step
+    state_bytes = rule.bytes_per_element() * psi
+    chunk = chunk_numel(window, rule, psi) * 4  # the optimizer's transfer size (bytes per kind)
     disk = DiskStream(directory, state_bytes, chunk)
     fns = {mode: c.turn for mode, c in contenders.items()}
     fns["disk_write"] = disk.write

@@ -109,9 +109,11 @@ def main() -> None:
 
     from zero_ext.offload import DEFAULT_WINDOW
     from zero_ext.offload.disk import chunk_numel
+    from zero_ext.update_rule import AdamW
 
     info = meta(torch.device("cpu"))
-    block = chunk_numel(DEFAULT_WINDOW, torch.bfloat16, nbytes // 12) * 4  # bytes per kind per chunk
+    rule = AdamW(torch.bfloat16)
+    block = chunk_numel(DEFAULT_WINDOW, rule, nbytes // rule.bytes_per_element()) * 4  # bytes per kind per chunk
     os.makedirs(args.dir, exist_ok=True)
     runs = []
     try:
