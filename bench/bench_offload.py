@@ -38,8 +38,8 @@ from harness import MIB, OUT, RESULTS, cores, markdown_table, meta, round_robin,
 from zero_ext import ZeroAdamW
 from zero_ext.offload import DEFAULT_WINDOW
 from zero_ext.offload.disk import chunk_numel
-from zero_ext.update_rule import AdamW
 from zero_ext.offload.files import ALIGN
+from zero_ext.update_rule import AdamW
 
 assert disk_probe.ALIGN == ALIGN, "the probe's transfers must be aligned as the optimizer's are"
 
