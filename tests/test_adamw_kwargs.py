@@ -142,7 +142,7 @@ def test_an_unknown_keyword_is_pythons_type_error():
         ZeroAdamW(build(torch.bfloat16).named_parameters(), amsgard=True)
 
 
-def _bad_everywhere(rank, world):
+def _keywords_on_every_rank(rank, world):
     with pytest.raises(ValueError, match="`differentiable`"):
         ZeroAdamW(build(torch.bfloat16).named_parameters(), differentiable=True)
     model = build(torch.bfloat16)
@@ -153,4 +153,4 @@ def _bad_everywhere(rank, world):
 
 
 def test_keywords_on_two_ranks():
-    assert run_on_ranks(2, _bad_everywhere) == [2, 2]
+    assert run_on_ranks(2, _keywords_on_every_rank) == [2, 2]

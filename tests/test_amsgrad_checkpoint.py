@@ -19,6 +19,7 @@ from amsgrad_reference import (
     build_optimizer,
     full_params,
     local_state,
+    one_thread,
     scaled_loss,
 )
 from distributed import run_on_ranks
@@ -139,6 +140,11 @@ def test_consolidated_state_continues_in_torch_adamw(saved, tmp_path, cli):
     """consolidate writes max_exp_avg_sq/<name> for the amsgrad group's parameters (only), bitwise the unsharded
     run's; adamw_state_dict loads into a torch.optim.AdamW built without the flags, which takes them from the
     groups and continues with moments bitwise the uninterrupted run's."""
+    with one_thread():
+        _consolidated_state_continues_in_torch_adamw(saved, tmp_path, cli)
+
+
+def _consolidated_state_continues_in_torch_adamw(saved, tmp_path, cli):
     import subprocess
     import sys
 
