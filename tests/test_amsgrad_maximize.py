@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+from fractions import Fraction
 
 import pytest
 import torch
@@ -27,6 +28,9 @@ from amsgrad_reference import (
 )
 from distributed import run_on_ranks
 from tiny_transformer import batch, build
+
+from zero_ext import ZeroAdamW
+from zero_ext.memory import estimate_breakdown
 
 BUCKET = 1500
 STEPS = 6
@@ -183,6 +187,13 @@ def _offload_same(rank, world, root, stage):
                 assert_same_state(states[0], s, what)
         ref.train(range(STEPS), world)
         ref.check(runs[0][1], runs[0][0], f"stage {stage} {dtype} in memory")  # the in-memory run is torch's
+        for (_, opt), medium in zip(runs[1:], ("host", "disk")):  # the ledger says where the max lives
+            r = opt.memory_report()
+            disk = sum(r.on_disk.values())
+            assert r.where["max_exp_avg_sq"] == medium, r.where
+            assert (r.on_disk.get("max_exp_avg_sq", 0) > 0) == (medium == "disk"), r.on_disk
+            assert r.total + disk == (r.formula + r.padding + r.staging + r.grad_shard_fp32 + r.offload_buffers
+                                      - r.param_shard_not_kept), str(r)  # fmt: skip
         for _, opt in runs:
             opt.close()
     return True
@@ -250,8 +261,6 @@ def _ledger(rank, world, stage, dtype_name):
     for amsgrad in (False, True):
         model = build(dtype)
         named = list(model.named_parameters())
-        from zero_ext import ZeroAdamW
-
         base = _live_storage_bytes()
         opt = ZeroAdamW(named, amsgrad=amsgrad, maximize=True, stage=stage, bucket_size=BUCKET,
                         module=model if stage == 3 else None)  # fmt: skip
@@ -259,6 +268,7 @@ def _ledger(rank, world, stage, dtype_name):
         reports[amsgrad] = r = opt.memory_report()
         grown[amsgrad] = _live_storage_bytes() - base
         shard = sum(g.layout.shard_numel for g in opt.sharded_state.groups)
+        # tests/test_memory.py's identity
         assert r.total == r.formula + r.padding + r.staging + r.grad_shard_fp32 - r.param_shard_not_kept, str(r)
         state_bytes = (8 if dtype == torch.float32 else 12) + (4 if amsgrad else 0)
         assert r.widths["optimizer_state_bytes"] == state_bytes, r.widths
@@ -280,10 +290,8 @@ def _ledger(rank, world, stage, dtype_name):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_memory_report_counts_max_exp_avg_sq(stage, dtype):
-    from fractions import Fraction
-
-    from zero_ext.memory import estimate_breakdown
-
+    """max_exp_avg_sq: 4 bytes per shard element, in the ZeRO formula's optimizer states (its owned elements) and
+    the padding (the rest); the identity tests/test_memory.py checks holds, and what is alive grew by as much."""
     results = run_on_ranks(2, _ledger, stage, dtype)
     formulas, owned, psis, widths = zip(*results)
     assert sum(owned) == psis[0]
