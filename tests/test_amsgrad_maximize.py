@@ -227,6 +227,13 @@ def _state_dict_round_trip(rank, world, stage):
             start, end = entry["shard_range"]
             assert entry["max_exp_avg_sq"].dtype == torch.float32 and entry["max_exp_avg_sq"].shape == (end - start,)
             assert not torch.equal(entry["max_exp_avg_sq"], entry["exp_avg_sq"])
+    # Without max_exp_avg_sq (a state dict saved without amsgrad): refused on every rank, nothing changed.
+    partial = {**saved, "state": {i: {k: v for k, v in e.items() if k != "max_exp_avg_sq"}
+                                  for i, e in saved["state"].items()}}  # fmt: skip
+    before = local_state(b)
+    with pytest.raises(ValueError, match="max_exp_avg_sq|amsgrad"):
+        b.load_state_dict(partial)
+    assert_same_state(before, local_state(b), f"stage {stage}: after the refused load")
     b.load_state_dict(saved)
     assert_same_state(local_state(a), local_state(b), f"stage {stage}: loaded")
     for step in range(3, 5):
