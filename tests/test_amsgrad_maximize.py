@@ -121,7 +121,7 @@ def _amsgrad_changed(rank, world, who):
     for group, value in ((1, True), (0, False)):  # a plain group made amsgrad, an amsgrad group made plain
         for m, o in runs:
             scaled_loss(m, batch(2, rank), SCALES[2]).backward()
-        before = full_params(opt, model), local_state(opt)
+        before = full_params(opt, model), local_state(opt), opt.step_count
         changes = who == "every" or rank == world - 1
         if changes:
             opt.param_groups[group]["amsgrad"] = value
@@ -130,7 +130,7 @@ def _amsgrad_changed(rank, world, who):
         message = str(info.value)
         if changes:
             assert "amsgrad" in message, message
-        assert opt.step_count == 2
+        assert opt.step_count == before[2] == twin.step_count, (opt.step_count, before[2], twin.step_count)
         assert_same_params(before[0], full_params(opt, model), "after the refused step")
         assert_same_state(before[1], local_state(opt), "after the refused step")
         opt.param_groups[group]["amsgrad"] = not value
