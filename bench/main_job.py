@@ -386,7 +386,7 @@ def render(runs: dict, checks: dict, meta_: dict, matmul: dict, entropy: float, 
         f"{first['num_params']:,} params (Psi), {first['world_size']} ranks, {args.steps} steps, global batch "
         f"{args.batch} x {args.seq_len} tokens; step time = slowest rank, median after "
         f"{first['config']['warmup'] if args.steps > first['config']['warmup'] else 0} warm-up steps\n"
-        f"compute: {describe(matmul['matmul'])}; {matmul_reason(matmul)}"
+        f"compute: {describe(matmul['matmul'])}; {matmul_reason(matmul)}{isa_note(meta_)}"
     )
     notes = [
         "model state = persistent params + grads + optimizer state per rank, measured after the first step "
@@ -457,6 +457,16 @@ def expected_duration(args, matmul: str) -> str:
     return "default size: ~1 min on 2 CPU cores with fast bf16 GEMMs, ~20 min without (use --matmul auto)"
 
 
+# What a run on this CPU can be told to leave out (bench/README.md: a CPU without bf16 instructions is emulated with
+# ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2): recorded with the results.
+ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def isa_note(meta_: dict) -> str:
+    env = " ".join(f"{k}={v}" for k, v in meta_.get("isa_env", {}).items())
+    return f"; torch CPU capability {meta_['torch_cpu_capability']}" + (f", environment {env}" if env else "")
+
+
 def process_age_s(fallback: float) -> float:
     """Seconds since this process started (Linux /proc), else ``fallback``."""
     try:
@@ -492,13 +502,15 @@ def main(argv=None) -> int:
         psi = num_params(GPT(model_config(args)))
     matmul = choose_matmul(args)
     meta_["matmul"] = matmul["matmul"]
+    meta_["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    meta_["isa_env"] = {k: os.environ[k] for k in ISA_ENV if k in os.environ}
     print(
         f"main job: {len(recipes)} recipes x {args.steps} steps of a {psi:,}-param GPT on {world} "
         f"{'GPUs (NCCL)' if args.device == 'cuda' else 'CPU processes (gloo)'}, each recipe in fresh processes "
         f"({expected_duration(args, matmul['matmul'])}); results go to {_shown(out)}/",
         flush=True,
     )
-    print(f"compute: {describe(matmul['matmul'])}; {matmul_reason(matmul)}", flush=True)
+    print(f"compute: {describe(matmul['matmul'])}; {matmul_reason(matmul)}{isa_note(meta_)}", flush=True)
     entropy = MarkovData(args.vocab, args.seq_len, seed=args.seed).entropy_rate()
     print(
         f"GPT d={args.d_model} layers={args.layers} heads={args.heads} vocab={args.vocab} seq={args.seq_len}; "
