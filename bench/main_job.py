@@ -454,7 +454,7 @@ def expected_duration(args, matmul: str) -> str:
         return "default size: a minute or two on GPUs"
     if matmul == "fp32":
         return "default size: ~1-2 min on 2 CPU cores"
-    return "default size: ~1 min on 2 CPU cores with fast bf16 GEMMs, ~20 min without (use --matmul auto)"
+    return "default size: ~1 min on 2 CPU cores whose bf16 GEMMs are fast, ~20 min where they are not"
 
 
 # What a run on this CPU can be told to leave out (bench/README.md: a CPU without bf16 instructions is emulated with
