@@ -2,8 +2,8 @@
 
 Every recipe of the main job runs its forward under bf16 autocast: the matmuls (``linear``, attention) take bf16
 operands. A CPU without bf16 instructions (AVX2 only: the usual CI machine) has no fast path for a bf16 GEMM; torch
-falls back to a scalar loop, ~40x slower than an fp32 GEMM of the same shape (measured below), and the job took
-1123 s instead of ~1 minute. :class:`Fp32Matmuls` computes those same matmuls as fp32 GEMMs: each operand is
+falls back to a slow loop, ~40x slower than an fp32 GEMM of the same shape (below), and the job took 1123 s
+instead of ~1 minute. :class:`Fp32Matmuls` computes those same matmuls as fp32 GEMMs: each operand is
 rounded to bf16 (what autocast would give the GEMM), then widened to fp32, multiplied with fp32 accumulation (what a
 bf16 GEMM does too: a product of two bf16 numbers is exact in fp32) and the result rounded to bf16 (autocast's
 output dtype). The gradients flow back through the same roundings, so a weight's gradient is rounded to bf16 as
@@ -27,8 +27,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 # Pick fp32 GEMMs only when bf16 ones are clearly slower: near a tie the recipe's own bf16 path is kept (and the
-# decision does not flip with machine noise). Measured (1024 x 256 x 1024, 1 thread, best of 5): 6.3 ms bf16 vs
-# 3.7 ms fp32 on the AVX-512-BF16 Xeon (1.7x: bf16 kept); 297 ms vs 7.2 ms with AVX2 only (41x: fp32 GEMMs).
+# decision does not flip with machine noise). The probe at the default size (1024 x 256 x 1024, 1 thread): 6.23 ms bf16
+# vs 3.76 ms fp32 on the AVX-512-BF16 Xeon (1.7x, bench/results/main_job.md: bf16 kept; 3.2x under a load of 13),
+# 283 vs 6.75 ms with AVX2 only emulated on it (42x, bench/results/main_job_no_bf16.md: fp32 GEMMs).
 SLOWER = 4.0
 # The matmuls bf16 autocast runs in bf16 that this GPT calls (nn.Linear, attention, and the plain matmul ops).
 LOW_PRECISION = {F.linear, F.scaled_dot_product_attention, torch.matmul, torch.mm, torch.bmm, torch.Tensor.__matmul__}
