@@ -151,7 +151,7 @@ class PeakMemory:
         return max(self._max, _anon_rss()) - self.base
 
 
-def warm_up(cfg: RunConfig, device: torch.device, matmul: str) -> None:
+def warm_up(cfg: RunConfig, device: torch.device, matmul: str = "bf16") -> None:
     """One step of the recipe on a tiny model, so that one-time costs (lazy imports, kernel and thread-pool set-up:
     ~70 MiB of heap for torch's fused AdamW on CPU) land before the memory baseline; then hand the freed heap back
     to the OS (glibc ``malloc_trim``) so that the baseline is what is in use."""
@@ -171,7 +171,7 @@ def warm_up(cfg: RunConfig, device: torch.device, matmul: str) -> None:
         pass
 
 
-def train(rank: int, world: int, device: torch.device, cfg: RunConfig, matmul: str) -> dict:
+def train(rank: int, world: int, device: torch.device, cfg: RunConfig, matmul: str = "bf16") -> dict:
     """Train for ``cfg.steps`` steps, autocast's matmuls as ``matmul`` GEMMs; rank 0's view of the run: losses
     (means over ranks), step times (the slowest rank's), model state (rank 0's, after the first step), peak memory
     (the largest rank's)."""
