@@ -9,6 +9,10 @@ Recipes (same data, same seed, same starting weights, gradient norm clipped at 1
   ZeroAdamW stage 1 / stage 2 / stage 3, bf16 params (fp32 master inside), bf16 autocast (stage 3: module=model,
   parameters gathered bucket by bucket around their use)
 
+On a CPU, a probe first times one of the job's GEMMs with bf16 operands as a bf16 GEMM and as an fp32 one, and
+where the bf16 GEMM has no fast path (AVX2-only CPUs: ~40x slower) autocast's matmuls run as fp32 GEMMs on
+bf16-rounded operands (main_job_compute.py); the job prints which and records it in main_job.json/.md.
+
 Prints a table (per-rank model-state memory measured and from zero_ext.memory.estimate, stage 3's window of gathered
 parameters, peak memory, step time, tokens/s, final loss), checks that the losses agree (stages 1, 2, 3 bitwise,
 ZeRO within --loss-tol of DDP), and writes main_job.{json,md,png} to --out-dir (default bench/out/, which git
@@ -35,6 +39,7 @@ import torch.distributed as dist
 from gpt_model import GPT, MarkovData, add_model_args, backward_first, model_config, num_params
 from harness import LABELS, MIB, OUT, RunConfig, build, forward_backward, launch, model_state
 from main_job_chart import save_chart
+from main_job_compute import describe, matmul_context, probe
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -84,6 +89,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="--offload nvme: bytes of host window the state streams through (default: the engine's, 64 MiB);\n"
         "the report checks that the state on disk is at least 100x the window when it is given",
+    )
+    p.add_argument(
+        "--matmul",
+        default="auto",
+        choices=["auto", "bf16", "fp32"],
+        help="how bf16 autocast's matmuls run on CPU: bf16 GEMMs, or fp32 GEMMs on bf16-rounded operands\n"
+        "(default auto: a timed probe picks fp32 when bf16 GEMMs are > 4x slower; see main_job_compute.py)",
     )
     p.add_argument("--name", default="main_job", help="result file stem (default: main_job)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -139,14 +151,15 @@ class PeakMemory:
         return max(self._max, _anon_rss()) - self.base
 
 
-def warm_up(cfg: RunConfig, device: torch.device) -> None:
+def warm_up(cfg: RunConfig, device: torch.device, matmul: str = "bf16") -> None:
     """One step of the recipe on a tiny model, so that one-time costs (lazy imports, kernel and thread-pool set-up:
     ~70 MiB of heap for torch's fused AdamW on CPU) land before the memory baseline; then hand the freed heap back
     to the OS (glibc ``malloc_trim``) so that the baseline is what is in use."""
     tiny = model_config(argparse.Namespace(vocab=64, seq_len=16, d_model=32, layers=1, heads=2))
     model, net, opt = build(cfg, tiny, device)
     x = torch.randint(tiny.vocab, (2, tiny.seq_len), device=device)
-    forward_backward(cfg, model, net, x, x, device)
+    with matmul_context(matmul):
+        forward_backward(cfg, model, net, x, x, device)
     opt.step()
     del model, net, opt
     gc.collect()
@@ -158,13 +171,14 @@ def warm_up(cfg: RunConfig, device: torch.device) -> None:
         pass
 
 
-def train(rank: int, world: int, device: torch.device, cfg: RunConfig) -> dict:
-    """Train for ``cfg.steps`` steps; rank 0's view of the run: losses (means over ranks), step times (the slowest
-    rank's), model state (rank 0's, after the first step), peak memory (the largest rank's)."""
+def train(rank: int, world: int, device: torch.device, cfg: RunConfig, matmul: str = "bf16") -> dict:
+    """Train for ``cfg.steps`` steps, autocast's matmuls as ``matmul`` GEMMs; rank 0's view of the run: losses
+    (means over ranks), step times (the slowest rank's), model state (rank 0's, after the first step), peak memory
+    (the largest rank's)."""
     c = cfg.model
     data = MarkovData(c.vocab, c.seq_len, seed=cfg.seed)
     batches = [tuple(t.to(device) for t in data.batch(s, cfg.global_batch, rank, world)) for s in range(cfg.steps)]
-    warm_up(cfg, device)
+    warm_up(cfg, device, matmul)
     dist.barrier()
     peak = PeakMemory(device)
     model, net, opt = build(cfg, c, device)
@@ -178,7 +192,8 @@ def train(rank: int, world: int, device: torch.device, cfg: RunConfig) -> dict:
     losses, times, ledger, comm_steps = [], [], None, []
     for x, y in batches:
         t0 = time.perf_counter()
-        loss = forward_backward(cfg, model, net, x, y, device)
+        with matmul_context(matmul):
+            loss = forward_backward(cfg, model, net, x, y, device)
         opt.step()
         if ledger is None:  # model state as it stands after the first step (grads still allocated)
             ledger = model_state(model, net, opt)
@@ -307,7 +322,7 @@ HEADERS = [
 ]
 
 
-def render(runs: dict, checks: dict, meta_: dict, entropy: float, args) -> tuple[str, str]:
+def render(runs: dict, checks: dict, meta_: dict, matmul: dict, entropy: float, args) -> tuple[str, str]:
     """The console text and the markdown body of the report."""
     rows, breakdown, verdicts = [], [], []
     for name, run in runs.items():
@@ -370,7 +385,8 @@ def render(runs: dict, checks: dict, meta_: dict, entropy: float, args) -> tuple
     head = (
         f"{first['num_params']:,} params (Psi), {first['world_size']} ranks, {args.steps} steps, global batch "
         f"{args.batch} x {args.seq_len} tokens; step time = slowest rank, median after "
-        f"{first['config']['warmup'] if args.steps > first['config']['warmup'] else 0} warm-up steps"
+        f"{first['config']['warmup'] if args.steps > first['config']['warmup'] else 0} warm-up steps\n"
+        f"compute: {describe(matmul['matmul'])}; {matmul_reason(matmul)}{isa_note(meta_)}"
     )
     notes = [
         "model state = persistent params + grads + optimizer state per rank, measured after the first step "
@@ -380,7 +396,12 @@ def render(runs: dict, checks: dict, meta_: dict, entropy: float, args) -> tuple
         "estimate = zero_ext.memory.estimate(Psi, N, stage): DDP row with fp32 widths (4+4+8 bytes), "
         "ZeRO rows with bf16 params/grads + 12 bytes fp32 master/exp_avg/exp_avg_sq.",
         f"peak = {first['peak_memory_measure']} (max over ranks): at this model size mostly activations, "
-        "temporaries and runtime buffers, not model state.",
+        "temporaries and runtime buffers, not model state"
+        + (
+            " (with fp32 GEMMs also the fp32 copies of their operands that backward keeps)."
+            if matmul["matmul"] == "fp32"
+            else "."
+        ),
         f"loss: mean over ranks of the global batch; best possible {entropy:.3f} nats (Markov chain entropy rate), "
         f"ln(vocab) = {math.log(args.vocab):.3f}.",
     ]
@@ -400,20 +421,61 @@ def render(runs: dict, checks: dict, meta_: dict, entropy: float, args) -> tuple
             *[f"- {v}" for v in verdicts],
             "",
             *[f"- {n}" for n in notes],
-            f"- wall time of the whole job: {meta_.get('wall_time_s', '?')} s",
+            f"- wall time of the whole job: {meta_.get('wall_time_s', '?')} s (from the interpreter's start to the "
+            "chart drawn, imports and process starts included)",
         ]
     )
     return text, md
 
 
-def expected_duration(args, meta_: dict) -> str:
-    """What the default job took where it was measured (bench/README.md): bf16 autocast needs a CPU whose bf16
-    matmul has a fast path, which the 2-core AVX2 machine lacked (it spends the steps in bf16 GEMMs)."""
+def choose_matmul(args) -> dict:
+    """How autocast's matmuls run: bf16 GEMMs on CUDA; on CPU, ``--matmul`` or else the probe's decision."""
+    if args.device == "cuda":
+        return {"matmul": "bf16", "decided_by": "cuda (no probe)"}
+    if args.matmul != "auto":
+        return {"matmul": args.matmul, "decided_by": "--matmul"}
+    tokens = args.batch // args.world_size * args.seq_len  # one rank's MLP input, on the threads a rank gets
+    return probe(tokens, args.d_model, threads=max(1, harness.cores() // args.world_size))
+
+
+def matmul_reason(m: dict) -> str:
+    if m["decided_by"] != "probe":
+        return f"chosen by {m['decided_by']}"
+    return (
+        f"probe: a {' x '.join(map(str, m['shape']))} GEMM on {m['threads']} thread(s) took {m['bf16_gemm_ms']:.2f} "
+        f"ms as bf16, {m['fp32_gemm_ms']:.2f} ms as fp32 ({m['bf16_over_fp32']:.1f}x; fp32 GEMMs above "
+        f"{m['threshold']:g}x)"
+    )
+
+
+def expected_duration(args, matmul: str) -> str:
+    """What the default job took where it was measured (bench/README.md, results/main_job*.md)."""
     if args.device == "cuda":
         return "default size: a minute or two on GPUs"
-    if meta_.get("zero_ext_cpu_isa") == "avx512":
-        return "default size: 20-90 s on 2 CPU cores with AVX-512"
-    return "default size: ~20 min on 2 CPU cores without AVX-512, where torch's bf16 matmul is slow"
+    if matmul == "fp32":
+        return "default size: ~1-2 min on 2 CPU cores"
+    return "default size: ~1 min on 2 CPU cores whose bf16 GEMMs are fast, ~20 min where they are not"
+
+
+# What a run on this CPU can be told to leave out (bench/README.md: a CPU without bf16 instructions is emulated with
+# ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2): recorded with the results.
+ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def isa_note(meta_: dict) -> str:
+    env = " ".join(f"{k}={v}" for k, v in meta_.get("isa_env", {}).items())
+    return f"; torch CPU capability {meta_['torch_cpu_capability']}" + (f", environment {env}" if env else "")
+
+
+def process_age_s(fallback: float) -> float:
+    """Seconds since this process started (Linux /proc), else ``fallback``."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return fallback
 
 
 def offload_options(args) -> dict:
@@ -438,12 +500,17 @@ def main(argv=None) -> int:
     world, out = args.world_size, Path(args.out_dir)
     with torch.device("meta"):
         psi = num_params(GPT(model_config(args)))
+    matmul = choose_matmul(args)
+    meta_["matmul"] = matmul["matmul"]
+    meta_["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    meta_["isa_env"] = {k: os.environ[k] for k in ISA_ENV if k in os.environ}
     print(
         f"main job: {len(recipes)} recipes x {args.steps} steps of a {psi:,}-param GPT on {world} "
         f"{'GPUs (NCCL)' if args.device == 'cuda' else 'CPU processes (gloo)'}, each recipe in fresh processes "
-        f"({expected_duration(args, meta_)}); results go to {_shown(out)}/",
+        f"({expected_duration(args, matmul['matmul'])}); results go to {_shown(out)}/",
         flush=True,
     )
+    print(f"compute: {describe(matmul['matmul'])}; {matmul_reason(matmul)}{isa_note(meta_)}", flush=True)
     entropy = MarkovData(args.vocab, args.seq_len, seed=args.seed).entropy_rate()
     print(
         f"GPT d={args.d_model} layers={args.layers} heads={args.heads} vocab={args.vocab} seq={args.seq_len}; "
@@ -467,17 +534,20 @@ def main(argv=None) -> int:
             progress="" if args.no_progress else tag,
             **(offload_options(args) if recipe != "ddp" else {}),
         )
-        runs[recipe] = launch(train, world, args.device, cfg)
+        runs[recipe] = launch(train, world, args.device, cfg, matmul["matmul"])
     checks = agreement(runs, args.loss_tol)
-    meta_["wall_time_s"] = round(time.perf_counter() - t_start, 1)
-    text, markdown = render(runs, checks, meta_, entropy, args)
-    print(text)
-    payload = {"entropy_rate": entropy, "checks": checks, "runs": runs}
-    written = harness.write_results(args.name, meta_, payload, markdown, out)
+    written = []
     if not args.no_chart:
+        out.mkdir(parents=True, exist_ok=True)
         written.append(save_chart(runs, checks, entropy, meta_, out / f"{args.name}.png"))
+    # From the interpreter's start (imports included) to here: what `make run` waits for, but for writing two files.
+    meta_["wall_time_s"] = round(process_age_s(time.perf_counter() - t_start), 1)
+    text, markdown = render(runs, checks, meta_, matmul, entropy, args)
+    print(text)
+    payload = {"entropy_rate": entropy, "matmul": matmul, "checks": checks, "runs": runs}
+    written = harness.write_results(args.name, meta_, payload, markdown, out) + written
     print("wrote " + ", ".join(_shown(p) for p in written))
-    print(f"total wall time {time.perf_counter() - t_start:.1f} s")
+    print(f"total wall time {meta_['wall_time_s']:.1f} s ({describe(matmul['matmul'])})")
     return 0 if all(c["ok"] for c in checks.values()) else 1
 
 

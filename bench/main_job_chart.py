@@ -145,7 +145,9 @@ def save_chart(runs: dict, checks: dict, entropy: float, meta: dict, path: Path)
     )
 
     psi = runs[names[0]]["num_params"]
-    fig.suptitle(f"zero_ext main job: {psi:,}-param GPT, {meta['device']}, commit {meta['commit']}", fontsize=10)
+    # How autocast's matmuls ran (main_job_compute.py); result files from before the probe do not say.
+    gemm = {"bf16": ", bf16 GEMMs", "fp32": ", autocast matmuls as fp32 GEMMs"}.get(meta.get("matmul"), "")
+    fig.suptitle(f"zero_ext main job: {psi:,}-param GPT, {meta['device']}{gemm}, commit {meta['commit']}", fontsize=10)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)

@@ -42,12 +42,18 @@ def committed_results_untouched():
     assert {p: p.stat().st_mtime_ns for p in (REPO / "bench" / "results").iterdir()} == before
 
 
-def test_main_job_and_memory_model(tmp_path):
+@pytest.mark.parametrize("matmul", ["auto", "fp32"])  # auto: the probe decides (bench/main_job_compute.py)
+def test_main_job_and_memory_model(tmp_path, matmul):
     run("main_job.py", *TINY_GPT, "--steps", "2", "--batch", "4", "--device", "cpu", "--world-size", "2",
-        "--out-dir", str(tmp_path), "--no-progress")  # fmt: skip
+        "--out-dir", str(tmp_path), "--no-progress", "--matmul", matmul)  # fmt: skip
     assert (tmp_path / "main_job.png").stat().st_size > 0
     job = result(tmp_path / "main_job.json")
     runs, checks = job["runs"], job["checks"]
+    assert job["meta"]["matmul"] == job["matmul"]["matmul"] in ("bf16", "fp32") and job["meta"]["wall_time_s"] > 0
+    if matmul == "auto":  # the probe's times and decision are recorded
+        assert job["matmul"]["decided_by"] == "probe" and job["matmul"]["bf16_gemm_ms"] > 0
+    else:
+        assert job["matmul"] == {"matmul": "fp32", "decided_by": "--matmul"}
     assert set(runs) == {"ddp", "zero1", "zero2", "zero3"}
     assert set(checks) == {"zero1_vs_zero2_bitwise", "zero1_vs_zero3_bitwise", "zero1_vs_ddp", "zero2_vs_ddp",
                            "zero3_vs_ddp"}  # fmt: skip
