@@ -71,8 +71,8 @@ def check_implementation_keywords(where: str, group: Mapping[str, Any]) -> None:
         check_flag(where, name, group.get(name, default), allow_none=default is None)
     if group.get("differentiable", False):
         raise ValueError(
-            f"{where}: `differentiable=True` is not supported: the step is one fused in-place kernel over sharded "
-            "state, not an autograd graph (use torch.optim.AdamW for a differentiable optimizer step)"
+            f"{where}: `differentiable` must be False: the step is one fused in-place kernel over sharded state, not "
+            "an autograd graph (use torch.optim.AdamW for a differentiable optimizer step)"
         )
 
 
