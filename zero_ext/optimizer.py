@@ -45,9 +45,10 @@ class ZeroAdamW(torch.optim.Optimizer):
             Params may be fp32 (their own master copy), bf16 or fp16; all on one device. Params with
             ``requires_grad=False`` are left alone; one made trainable later makes ``step()`` raise (it has no
             shard: build the optimizer after changing which parameters train).
-        lr, betas, eps, weight_decay, amsgrad, maximize: ``torch.optim.AdamW``'s, with its meaning bit for bit
-            (the update rule, :mod:`zero_ext.update_rule`). ``amsgrad`` keeps a fourth fp32 kind of state
-            (``max_exp_avg_sq``) and is fixed per param group at construction; ``maximize`` may change between steps.
+        lr, betas, eps, weight_decay, amsgrad, maximize: ``torch.optim.AdamW``'s, with its meaning (the update
+            rule, :mod:`zero_ext.update_rule`: torch's operation order, its moments to the bit). ``amsgrad`` keeps a
+            fourth fp32 kind of state (torch's running maximum of the second moment) and is fixed per param group at
+            construction; ``maximize`` may change between steps.
         foreach, capturable, differentiable, fused: ``torch.optim.AdamW``'s implementation selectors, accepted so
             that ``ZeroAdamW(**adamw_kwargs)`` works and kept in the param groups; the update is always one fused
             kernel. ``differentiable=True`` is refused (the step is not an autograd graph).

@@ -1,0 +1,60 @@
+"""The update rule is the one place that knows AdamW's state: every other engine file derives kinds, sizes and
+names from it (zero_ext/update_rule.py), so a new kind of state touches the rule and its kernel only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from zero_ext import memory
+from zero_ext.update_rule import MASTER, AdamW, default_bytes_per_element
+
+PACKAGE = Path(__file__).resolve().parent.parent / "zero_ext"
+# The rule, and the kernel's own wrapper (its keyword arguments are the kernel's signature).
+ALLOWED = {"update_rule.py", "ops.py"}
+
+
+def test_no_other_engine_file_names_a_moment():
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name in ALLOWED:
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if "exp_avg" in line:
+                offenders.append(f"{path.relative_to(PACKAGE.parent)}:{n}: {line.strip()}")
+    assert not offenders, "name state kinds through the update rule:\n" + "\n".join(offenders)
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_adamw_declares_torchs_state(dtype, amsgrad):
+    rule = AdamW(dtype, amsgrad=amsgrad)
+    moments = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+    assert rule.kind_names == (MASTER, *moments)
+    assert all(k.dtype == torch.float32 for k in rule.kinds)
+    assert rule.moment_names == moments
+    assert rule.master_is_param == (dtype == torch.float32)
+    # a state dict holds what torch's does, plus the master where the parameters are not it
+    assert rule.state_dict_names() == (moments if dtype == torch.float32 else (*moments, MASTER))
+    assert rule.bytes_per_element() == 4 * len(rule.kinds)
+    assert rule.bytes_per_element(master_copy=False) == 4 * len(moments)
+
+
+def test_estimate_takes_its_default_width_from_the_rule():
+    assert default_bytes_per_element() == 12  # ZeRO's K for mixed-precision Adam
+    psi, world = 1_000_000, 4
+    assert memory.estimate(psi, world, 1) == 4 * psi + 12 * psi / world
+    assert memory.estimate(psi, world, 3, optimizer_state_bytes=16) == (2 + 2 + 16) * psi / world
+
+
+def test_amsgrad_is_structural_and_maximize_a_scalar():
+    rule = AdamW(torch.bfloat16, amsgrad=False)
+    group = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, maximize=True)
+    rule.check_group("g", group)
+    assert rule.scalars(group).maximize is True
+    with pytest.raises(ValueError, match="`amsgrad`"):
+        rule.check_group("g", {**group, "amsgrad": True})
+    with pytest.raises(ValueError, match="`maximize`"):
+        rule.check_group("g", {**group, "maximize": "yes"})
