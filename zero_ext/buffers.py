@@ -177,9 +177,3 @@ class ShardedState:
             p.wait()
         if self.param_edits is not None:
             self.param_edits.record()
-
-    def group_of(self, param: torch.Tensor) -> Optional[FlatGroup]:
-        for group in self.groups:
-            if any(p is param for p in group.params):
-                return group
-        return None
