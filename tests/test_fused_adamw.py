@@ -1,4 +1,5 @@
-"""zero_ext.ops.fused_adamw_ against torch.optim.AdamW on fp32 clones (CONVENTIONS.md #7)."""
+"""zero_ext.ops.fused_adamw_ against torch.optim.AdamW on fp32 clones: the fp32 master within assert_close's default
+tolerance, its error at most twice torch's own fp32 error, on odd sizes (0, 1, 7, 97, 1025, 2**20 + 3)."""
 
 import pytest
 import torch

@@ -138,7 +138,9 @@ def prepare_offload(comm: Communicator, offload, offload_dir, layouts: Sequence[
 
 def placement_factory(offload, directory: Optional[str], window: Optional[int], rank: int, groups: int) -> Callable:
     """``make(layout, flat_params, device, group_index)`` -> the flat group's optimizer-state placement. The nvme
-    window (``window`` bytes in all) is split evenly between the ``groups`` flat groups."""
+    window (``window`` bytes, default ``DEFAULT_WINDOW``) is split evenly between the ``groups`` flat groups; a share
+    below ``min_window_bytes`` (one 4 KiB block per chunk) is raised to it, and a group whose shard is smaller than
+    its share allocates only what the shard needs (``disk.chunk_numel``)."""
     if offload is None:
         return lambda layout, params, device, index: DeviceState(layout, params, device)
     if offload == "cpu":
