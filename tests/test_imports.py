@@ -9,15 +9,25 @@ import sys
 from pathlib import Path
 
 import zero_ext
+import zero_ext.kernels
 
 ROOT = Path(zero_ext.__file__).resolve().parent
+# zero_ext.kernels: inside ROOT when installed, kernels/zero_ext_kernels/ of the checkout in an editable install.
+PACKAGES = {"zero_ext": ROOT, "zero_ext.kernels": Path(zero_ext.kernels.__file__).resolve().parent}
 
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for path in sorted(ROOT.rglob("*.py")):
-        rel = path.relative_to(ROOT).with_suffix("")
-        parts = ["zero_ext", *rel.parts]
+    for package, folder in PACKAGES.items():
+        out.update(_modules_in(package, folder))
+    return out
+
+
+def _modules_in(package: str, folder: Path) -> dict[str, Path]:
+    out = {}
+    for path in sorted(folder.rglob("*.py")):
+        rel = path.relative_to(folder).with_suffix("")
+        parts = [*package.split("."), *rel.parts]
         if parts[-1] == "__init__":
             parts = parts[:-1]
         if parts[-1] == "__main__":
@@ -75,6 +85,7 @@ def test_the_import_graph_has_no_cycle():
         if name not in state:
             visit(name, [name])
     assert "zero_ext.buffers" in graph and graph["zero_ext.state_dict"], "the graph was not built"
+    assert "zero_ext.kernels.dispatch" in graph["zero_ext.grads"], "zero_ext.kernels is missing from the graph"
 
 
 def test_every_module_imports():

@@ -13,9 +13,6 @@ from distributed import run_on_ranks
 try:
     import accelerate  # noqa: F401  (the Trainer needs it)
     import transformers
-
-    # Before any transformers model: in a checkout it keeps kernels/ from passing for the hub's `kernels` package.
-    import zero_ext.integrations.transformers  # noqa: F401
 except ImportError:
     transformers = None
 
