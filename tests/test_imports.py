@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import zero_ext
 import zero_ext.kernels
 
@@ -88,6 +90,7 @@ def test_the_import_graph_has_no_cycle():
     assert "zero_ext.kernels.dispatch" in graph["zero_ext.grads"], "zero_ext.kernels is missing from the graph"
 
 
+@pytest.mark.slow
 def test_every_module_imports():
     """Every module imports in a fresh interpreter. (Importing any zero_ext module runs zero_ext/__init__ first, so
     one interpreter importing them all in turn sees the orders a user can produce; the cycle check above covers the
@@ -98,6 +101,7 @@ def test_every_module_imports():
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_import_zero_ext_exposes_its_parts():
     code = "import zero_ext; print(zero_ext.checkpoint.save, zero_ext.memory.estimate, zero_ext.ops.fused_adamw_)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

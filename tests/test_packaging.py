@@ -42,6 +42,7 @@ def test_kernels_at_the_root_of_a_checkout_is_no_package_of_ours():
     )
 
 
+@pytest.mark.slow
 @needs_checkout
 def test_transformers_finds_no_hub_kernels_in_a_checkout():
     """transformers asks for the hub's ``kernels`` while it builds models; from the root of a checkout the answer
