@@ -8,7 +8,7 @@ BUILD ?= build/cmake
 SCRIPTS := $(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_path('scripts'))")
 CLANG_FORMAT ?= $(SCRIPTS)/clang-format
 
-.PHONY: install reinstall run test test-cuda ctest lint format cuda-link
+.PHONY: install reinstall run test test-fast test-cuda ctest lint format cuda-link
 
 # The install is skipped when nothing it depends on changed since the last one for this interpreter: the stamp
 # records the interpreter's prefix and is older than no build input.
@@ -38,6 +38,11 @@ run: install
 test: install
 	@echo "== pytest: the CPU suite; tests marked cuda are deselected here (make test-cuda runs them on a GPU machine)"
 	$(PYTHON) -m pytest -q
+
+# The quick loop: everything but the tests marked slow (multi-process runs over ~3 s each, the 67M-parameter offload
+# memory test, the benchmark smoke runs). Both markers are named: a -m given here replaces pyproject's -m 'not cuda'.
+test-fast: install
+	$(PYTHON) -m pytest -q -m "not slow and not cuda"
 
 test-cuda: install
 	$(PYTHON) -m pytest -q -m cuda

@@ -4,9 +4,10 @@
 #   1. .venv-cuda (gitignored) gets a CUDA torch from PyPI whose CUDA major matches local nvcc;
 #   2. the tracked + untracked-not-ignored working tree is copied to a temp dir (the in-tree build/
 #      directory belongs to the CPU build and is left alone);
-#   3. setup.py builds there with CUDA_HOME and TORCH_CUDA_ARCH_LIST="8.0;9.0";
+#   3. setup.py builds there with CUDA_HOME and TORCH_CUDA_ARCH_LIST="8.0;9.0", into build/lib: the package as
+#      a wheel would install it (zero_ext.kernels comes from kernels/zero_ext_kernels/ through setup.py);
 #   4. the .so must have no undefined symbols (ldd -r), carry sm_80 and sm_90 code, import without a
-#      GPU, and register a CUDA kernel for every op.
+#      GPU (from build/lib), and register a CUDA kernel for every op.
 # Options (environment): ZERO_EXT_CUDA_TORCH (default 2.11.0: the version of the GPU machine,
 # torch 2.11+cu130), CUDA_HOME (default /usr/local/cuda), KEEP_TMP=1 keeps the build dir.
 set -euo pipefail
@@ -55,7 +56,7 @@ log "copied working tree to ${WORK}"
 cd "${WORK}"
 export PATH="${VENV}/bin:${CUDA_HOME}/bin:${PATH}"
 BUILD_LOG="${WORK}.build.log"
-if ! "${VENV}/bin/python" setup.py -q build_ext --inplace >"${BUILD_LOG}" 2>&1; then
+if ! "${VENV}/bin/python" setup.py -q build --build-lib build/lib >"${BUILD_LOG}" 2>&1; then
   grep -E 'error' "${BUILD_LOG}" | head -40 >&2
   echo "cuda-link: build failed; full log: ${BUILD_LOG}" >&2
   exit 1
@@ -64,8 +65,8 @@ fi
 CUDA_WARNINGS=$(grep -E '(csrc/cuda/|cuda_ops\.cpp).*warning' "${BUILD_LOG}" || true)
 [[ -z "${CUDA_WARNINGS}" ]] || { echo "cuda-link: warnings in CUDA sources:"; echo "${CUDA_WARNINGS}"; }
 log "build log: ${BUILD_LOG} ($(grep -c warning "${BUILD_LOG}" || true) warning lines in all)"
-SO=$(ls zero_ext/_C*.so 2>/dev/null | head -1)
-[[ -n "${SO}" ]] || { echo "cuda-link: build produced no zero_ext/_C*.so" >&2; exit 1; }
+SO=$(ls build/lib/zero_ext/_C*.so 2>/dev/null | head -1)
+[[ -n "${SO}" ]] || { echo "cuda-link: build produced no build/lib/zero_ext/_C*.so" >&2; exit 1; }
 log "built ${SO} ($(du -h "${SO}" | cut -f1))"
 
 # --- 4. checks -----------------------------------------------------------------------------------
@@ -89,10 +90,13 @@ for a in sm_80 sm_90; do
   [[ "${ARCHS}" == *"${a}"* ]] || { echo "cuda-link: no ${a} code in ${SO}" >&2; exit 1; }
 done
 
+# From build/lib, where the built package is complete (the checkout's zero_ext/ has no kernels/).
+cd build/lib
 CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 "${VENV}/bin/python" - <<'EOF'
 import torch
 
 import zero_ext  # loads zero_ext._C: must not need a GPU
+import zero_ext.kernels.dispatch  # noqa: F401  (the kernels folder was built into the package)
 
 assert not torch.cuda.is_available()
 for op in ("fused_adamw_", "flatten_", "unflatten_", "sum_squares"):

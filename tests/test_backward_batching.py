@@ -160,6 +160,7 @@ def _backward_writes(rank, world, stage, twice, shuffled, accum_fp32, hold_eleme
     return buckets, writes, max(held), leftover
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("case", ["in_order", "shuffled", "twice", "capped"])
@@ -179,6 +180,7 @@ def test_one_write_per_bucket_and_the_exact_mean(world, stage, case):
             assert buckets <= writes < 16, (writes, buckets)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("case", ["in_order", "twice"])
 def test_stage1_fp32_accumulation_writes_once_per_bucket(world, case):

@@ -155,6 +155,7 @@ def saved(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_load_at_any_world_size_and_stage(saved, dtype, world):
@@ -189,6 +190,7 @@ def test_load_at_any_world_size_and_stage(saved, dtype, world):
             torch.testing.assert_close(p.float(), ref["final_params"][name].float(), **ptol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("stage", [2, 3])
 def test_consolidate_matches_live_state(saved, tmp_path, dtype, stage):
@@ -421,6 +423,7 @@ def _load_fails_on_one_rank(rank, world, path):
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_load_failing_on_one_rank_fails_on_every_rank(tmp_path, world):
     assert all(run_on_ranks(world, _load_fails_on_one_rank, str(tmp_path / "ck"), timeout=60))

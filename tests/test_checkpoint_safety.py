@@ -22,6 +22,10 @@ from zero_ext import ZeroAdamW, checkpoint
 from zero_ext.checkpoint import Checkpoint, CheckpointError
 from zero_ext.checkpoint.format import as_bytes, dtype_of
 
+# Slow as a whole: every test reads the checkpoint a 2-rank run saves (the module fixture) and most flip or forge
+# its bytes hundreds of times. The fast loop keeps test_checkpoint.py's truncated/corrupted/missing files test.
+pytestmark = pytest.mark.slow
+
 JSON_FILES = ["COMPLETE", "meta.json", "rank00000.json", "rank00001.json"]
 
 

@@ -124,6 +124,7 @@ def test_stage3_and_offload_through_nccl_match_the_reference(world, tmp_path):
     assert len(outcomes) == 1, f"the ranks hold different parameters: {outcomes}"
 
 
+@pytest.mark.slow
 def test_the_script_runs_on_cpu_ranks(tmp_path):
     """The same script on two gloo ranks: it runs nowhere else until a machine with two GPUs is lent, so this keeps it
     from rotting (an API it calls changed, a check that no longer holds). On gloo every variant is bitwise the same."""

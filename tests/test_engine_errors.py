@@ -38,6 +38,7 @@ def _stage_and_hyperparameters(rank, world):
     return True
 
 
+@pytest.mark.slow
 def test_bad_stage_and_hyperparameters():
     run_on_ranks(2, _stage_and_hyperparameters)
 

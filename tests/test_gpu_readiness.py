@@ -107,6 +107,7 @@ def _compiled_training_step(rank, world, compile_model):
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("compile_model", [False, True], ids=["step_fn", "step_fn_and_model"])
 def test_torch_compile_of_a_training_step_matches_eager(world, compile_model):

@@ -70,6 +70,7 @@ def _calls_of(calls, tool):
     return [c for c in calls if c.split(" ", 1)[0] == tool]
 
 
+@pytest.mark.slow
 @needs_bash
 def test_build_test_and_ncu_run_their_tools_and_record_rc_0(tmp_path):
     proc, summary, calls, out = _run(tmp_path, "build", "test", "ncu")
@@ -92,6 +93,7 @@ def test_build_test_and_ncu_run_their_tools_and_record_rc_0(tmp_path):
     assert len([p for p in out.iterdir() if p.is_file()]) <= 8, "the device returns at most 8 files"
 
 
+@pytest.mark.slow
 @needs_bash
 def test_every_step_runs_and_records_rc_0(tmp_path):
     proc, summary, calls, _ = _run(tmp_path, *STEPS)
@@ -149,6 +151,7 @@ def test_the_device_call_plan_names_real_steps_and_covers_them_all():
         assert (ROOT / path).is_file(), f"memcheck_engine names {path}, which does not exist"
 
 
+@pytest.mark.slow
 def test_the_memcheck_engine_subset_selects_tests_of_every_file_it_names():
     """The subset is a -k expression over parametrized names (an id that changes selects nothing, silently)."""
     text = SCRIPT.read_text()

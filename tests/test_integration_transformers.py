@@ -13,9 +13,6 @@ from distributed import run_on_ranks
 try:
     import accelerate  # noqa: F401  (the Trainer needs it)
     import transformers
-
-    # Before any transformers model: in a checkout it keeps kernels/ from passing for the hub's `kernels` package.
-    import zero_ext.integrations.transformers  # noqa: F401
 except ImportError:
     transformers = None
 
@@ -177,6 +174,7 @@ def _refusals(rank, world, out):
 RTOL = 1e-6
 
 
+@pytest.mark.slow
 @needs_hf
 @pytest.mark.parametrize("accumulate", [1, 2], ids=["no-accumulation", "accumulate-2"])
 def test_loss_and_grad_norm_match_ddp_and_torch_adamw(tmp_path, accumulate):
@@ -205,6 +203,7 @@ def test_loss_and_grad_norm_match_ddp_and_torch_adamw(tmp_path, accumulate):
             torch.testing.assert_close(weights[k], ref_weights[k], msg=lambda m: f"stage {stage}, {k}: {m}")
 
 
+@pytest.mark.slow
 @needs_hf
 def test_resume_at_the_same_world_size_continues_bitwise(tmp_path):
     """Saved at 2 ranks (stage 2, with dropout), resumed at 2 ranks and stage 1: the optimizer shards, scheduler and
@@ -219,6 +218,7 @@ def test_resume_at_the_same_world_size_continues_bitwise(tmp_path):
         assert torch.equal(weights[k], full_weights[k]), k
 
 
+@pytest.mark.slow
 @needs_hf
 def test_resume_at_another_world_size(tmp_path):
     """Saved at 2 ranks, resumed at 1 (the same global batch of 4): the curve continues to fp32 rounding. Not bitwise:
@@ -237,6 +237,7 @@ def test_resume_at_another_world_size(tmp_path):
         torch.testing.assert_close(weights[k], full_weights[k])
 
 
+@pytest.mark.slow
 @needs_hf
 def test_save_model_loads_with_from_pretrained(tmp_path):
     out = str(tmp_path / "run")
@@ -251,6 +252,7 @@ def test_save_model_loads_with_from_pretrained(tmp_path):
     assert not [f for f in files if f.startswith(("optimizer", "scheduler", "rng_state"))], files
 
 
+@pytest.mark.slow
 @needs_hf
 def test_unsupported_setups_are_refused(tmp_path):
     assert run_on_ranks(1, _refusals, str(tmp_path))

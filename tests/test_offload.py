@@ -102,6 +102,7 @@ def _same_as_in_memory(rank, world, offload, root):
     return sorted(os.listdir(root)) if offload == "nvme" and rank == 0 else None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_bitwise_the_in_memory_optimizer(tmp_path, world, offload):
@@ -172,6 +173,7 @@ def _load_and_continue(rank, world, root, path, placements):
     return snaps[0][0]  # the parameters
 
 
+@pytest.mark.slow
 def test_checkpoints_between_offloaded_and_in_memory(tmp_path):
     root = str(tmp_path / "state")
     os.makedirs(root)
@@ -260,6 +262,7 @@ def _state_dicts_across_placements(rank, world, root, stage):
             run[1].close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_state_dicts_load_across_placements(tmp_path, stage):
     run_on_ranks(2, _state_dicts_across_placements, str(tmp_path), stage)
@@ -298,6 +301,7 @@ def _load_into_a_stepped_optimizer(rank, world, root):
     return True
 
 
+@pytest.mark.slow
 def test_state_loaded_after_a_step_replaces_what_was_read_ahead(tmp_path):
     assert all(run_on_ranks(2, _load_into_a_stepped_optimizer, str(tmp_path)))
 
@@ -352,6 +356,7 @@ def test_state_files_live_as_long_as_the_optimizer(tmp_path):
     assert _files(tmp_path) == [] and os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ending", ["return", "exception"])
 def test_state_files_removed_at_exit_without_close(tmp_path, ending):
     """A script that never calls close(), ending normally or with an uncaught exception: the interpreter's exit
@@ -374,6 +379,7 @@ def test_state_files_removed_at_exit_without_close(tmp_path, ending):
     assert _files(tmp_path) == [] and os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_state_files_of_a_killed_process_are_reported_by_the_next_optimizer(tmp_path):
     """A process killed outright (SIGKILL) cannot delete its state files: the next optimizer with the same
     offload_dir on this host warns about them, with their size, and deletes nothing."""
@@ -538,6 +544,7 @@ def _spawned_child_without_close(rank, directory):
 _keep_alive = []
 
 
+@pytest.mark.slow
 def test_state_files_removed_when_a_spawned_process_exits_without_close(tmp_path):
     """torch.multiprocessing.spawn children end with os._exit (no atexit): the files go anyway."""
     import torch.multiprocessing as mp

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 DIM, LAYERS = 2900, 8  # 8 * 2900**2 = 67.3M parameters (> 64 * 2**20)
 
 SCRIPT = textwrap.dedent("""
@@ -58,6 +60,7 @@ def _measure(offload: str, directory: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_nvme_resident_memory_is_the_grad_shard_and_the_window(tmp_path):
     nvme = _measure("nvme", str(tmp_path))
     memory = _measure("none", str(tmp_path))

@@ -97,6 +97,7 @@ def _offloaded(dtype, timeline):
     return opt, opt.sharded_state.groups[0].state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])
 def test_training_through_the_cuda_path_orders_every_copy(timeline, tmp_path, offload, dtype):

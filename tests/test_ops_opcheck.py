@@ -64,8 +64,8 @@ def test_sum_squares_opcheck(device, dtype):
 
 
 # ----------------------------------------------------------------------------------------------------- Triton ops
-# On CPU the kernels run under TRITON_INTERPRET=1 (conftest.py), where kernels/_launch.register_op registers each
-# op as an opaque torch.library.custom_op (torch.compile cannot trace the interpreter); the cuda variants check the
+# On CPU the kernels run under TRITON_INTERPRET=1 (conftest.py), where zero_ext.kernels._launch.register_op registers
+# each op as an opaque torch.library.custom_op (torch.compile cannot trace the interpreter); the cuda variants check the
 # torch.library.triton_op registration that compiled code uses. Same schema, same fake, both checked here.
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
 SCALES = ["number", "tensor"]

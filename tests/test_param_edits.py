@@ -68,6 +68,7 @@ def _edits_are_kept(rank, world, root):
                 opt.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_parameters_changed_between_steps_are_what_the_next_step_updates(tmp_path, world):
     run_on_ranks(world, _edits_are_kept, str(tmp_path))

@@ -115,12 +115,14 @@ def _compare(rank, world, case, dtype_name, reshard, prefetch):
         return params_digest(models[3])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("case", CASES)
 def test_stage3_equals_stage2(world, case):
     assert len(set(run_on_ranks(world, _compare, case, "bfloat16", True, 1))) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("reshard,prefetch", [(True, 0), (True, 2), (False, 1)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -325,6 +327,7 @@ def _meta_model(rank, world):
         return params_digest(model), grown, full_model
 
 
+@pytest.mark.slow
 def test_a_model_built_on_meta_materialises_only_the_shard():
     results = run_on_ranks(2, _meta_model, timeout=300)
     assert len({r[0] for r in results}) == 1

@@ -123,7 +123,7 @@ def test_rounding_is_rne_not_truncation():
     assert cast_scale(x, out_dtype=torch.float16)[3:].tolist() == [math.inf, 1.0 + 4 * 2**-11]
 
 
-# fp32 NaN bits -> (bf16 bits, fp16 bits) from kernels/rounding.py: quiet, sign kept, the top payload bits kept.
+# fp32 NaN bits -> (bf16 bits, fp16 bits) from zero_ext.kernels.rounding: quiet, sign kept, the top payload bits kept.
 NAN_BITS = {
     0x7FC00000: (0x7FC0, 0x7E00),  # the default quiet NaN (torch's fp16 NaN: sign clear, not 0xFE00)
     0xFFC00000: (0xFFC0, 0xFE00),  # negative quiet NaN keeps its sign
@@ -349,7 +349,7 @@ def test_callable_from_compiled_code(device, backend):
     acc_eager = acc.clone()
     y_eager, z_eager = step(acc_eager, g, s)
     y, z = torch.compile(step, backend=backend, fullgraph=False)(acc, g, s)
-    # fp32 acc: exact on CPU; Inductor may contract the add into an FMA (see kernels/accumulate.py).
+    # fp32 acc: exact on CPU; Inductor may contract the add into an FMA (see zero_ext.kernels.accumulate).
     torch.testing.assert_close(acc, acc_eager, rtol=0 if device == "cpu" else 1.2e-7, atol=0)
     torch.testing.assert_close(z, z_eager, rtol=0 if device == "cpu" else 1.2e-7, atol=0)
     assert_bitwise(y, cast_ref(acc, 0.25, torch.bfloat16))

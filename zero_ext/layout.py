@@ -172,9 +172,6 @@ class Layout:
         self.real_numel = sum(self.numels)
         self._pieces: dict[int, tuple[OwnedPiece, ...]] = {}
 
-    def bucket_of(self, slot: Slot) -> Bucket:
-        return self.buckets[slot.bucket]
-
     def single_rank_shard_range(self, slot: Slot) -> Range:
         """``slot``'s elements in the shard buffers of a world of one, where a rank's shard is every bucket."""
         if self.world_size != 1:

@@ -43,10 +43,6 @@ class ModelState:
         self._hooks.append(self.module.register_forward_pre_hook(weak_call(self._refuse_ddp)))
         remove_with(self, self._hooks)
 
-    def name_of(self, tensor: torch.Tensor) -> Optional[str]:
-        keys = self.keys_of.get(id(tensor))
-        return keys[0] if keys else None
-
     def check_params(self, params: Iterable[tuple[str, torch.Tensor]]) -> Optional[str]:
         """An error message when a trainable parameter is not the model's, else None."""
         for name, p in params:

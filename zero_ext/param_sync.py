@@ -46,9 +46,6 @@ class ParamSync:
 
     settle = finish_param_sync  # what step() and finish_sync() call: nothing of the parameters left in flight
 
-    def _in_flight(self) -> list[Key]:
-        return [k for k, rt in self.runtime.items() if rt.params is ParamState.GATHERING]
-
     # ---------------------------------------------------------------- deferred waits
     def defer_to(self, module: torch.nn.Module) -> None:
         """Install the forward hooks that make ``step()``'s gathers finish in the next forward of ``module``."""
@@ -75,7 +72,7 @@ class ParamSync:
     def _root_pre_hook(self, own_keys: list[Key], _module, _args) -> None:
         self._claiming = set()
         self.finish_param_sync(own_keys)
-        self.finish_param_sync([k for k in self._in_flight() if k not in self._claimed])
+        self.finish_param_sync([k for k in self.runtime if k not in self._claimed])  # skips those not gathering
 
     @torch.compiler.disable
     def _root_post_hook(self, _module, _args, _output) -> None:

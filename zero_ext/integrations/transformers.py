@@ -45,12 +45,9 @@ of the parameters through the accelerator.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import itertools
 import logging
 import os
-import sys
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -58,23 +55,6 @@ import torch
 from .. import checkpoint
 from ..optimizer import ZeroAdamW
 from . import rng
-
-
-def _unshadow_hub_kernels() -> None:
-    """zero_ext's source tree has a top-level ``kernels/`` (installed as ``zero_ext.kernels``). With the tree's root on
-    ``sys.path`` (running from a checkout) it passes for the hub's ``kernels`` package, which transformers imports to
-    probe for, and fails to import as a top-level package. Mark that name absent when, and only when, it would be
-    ours; a real ``kernels`` installation is left alone."""
-    if "kernels" in sys.modules:
-        return
-    found, ours = importlib.util.find_spec("kernels"), importlib.util.find_spec("zero_ext.kernels")
-    if found is None or ours is None or not found.origin or not ours.origin:
-        return
-    if Path(found.origin).resolve().parent == Path(ours.origin).resolve().parent:
-        sys.modules["kernels"] = None
-
-
-_unshadow_hub_kernels()
 
 # The Trainer methods ZeroTrainer overrides (transformers 5.x). Should a release rename one, the Trainer would quietly
 # go back to its own (e.g. torch.save of rank 0's shard alone): refuse instead.

@@ -149,7 +149,9 @@ def _bytes_per_element(groups: Sequence[tuple[Layout, UpdateRule]]) -> str:
 
 def placement_factory(offload, directory: Optional[str], window: Optional[int], rank: int, groups: int) -> Callable:
     """``make(layout, flat_params, device, rule, group_index)`` -> the flat group's optimizer-state placement. The
-    nvme window (``window`` bytes in all) is split evenly between the ``groups`` flat groups."""
+    nvme window (``window`` bytes, default ``DEFAULT_WINDOW``) is split evenly between the ``groups`` flat groups; a
+    share below ``min_window_bytes(rule)`` (one 4 KiB block per kind per slot) is raised to it, and a group whose
+    shard is smaller than its share allocates only what the shard needs (``disk.chunk_numel``)."""
     if offload is None:
         return lambda layout, params, device, rule, index: DeviceState(layout, params, device, rule)
     if offload == "cpu":

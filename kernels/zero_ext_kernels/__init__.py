@@ -1,5 +1,5 @@
-"""Triton kernels of zero_ext (installed as ``zero_ext.kernels``): fused cast/scale and fp32 accumulate, and
-``dispatch``, which picks them or the C++ kernels by the tensors' device.
+"""Triton kernels of zero_ext (``zero_ext.kernels``: setup.py installs this folder under that name): fused cast/scale
+and fp32 accumulate, and ``dispatch``, which picks them or the C++ kernels by the tensors' device.
 
 They run compiled on CUDA and, with ``TRITON_INTERPRET=1`` set before this import, on CPU tensors through
 Triton's interpreter (how the tests run them on every machine). Each is also registered as a
@@ -10,12 +10,6 @@ still works on CPU tensors; only these two names raise an ImportError saying how
 """
 
 __all__ = ["cast_scale", "accumulate_"]
-
-if __name__ != "zero_ext.kernels":  # e.g. `import kernels` from the repository root, looking for another package
-    raise ImportError(
-        f"{__file__} is zero_ext's Triton kernels folder, importable only as zero_ext.kernels, not as {__name__!r} "
-        "(a `kernels` package of your own or of another library is shadowed by this folder on sys.path)"
-    )
 
 try:
     import triton  # noqa: F401
