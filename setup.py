@@ -74,13 +74,13 @@ setup(
     version="0.1.0",
     description="ZeRO stage 1/2/3 sharded AdamW for PyTorch: fused kernels, flat buffers, overlapped comms",
     python_requires=">=3.10",
-    # Every subpackage of zero_ext (checkpoint, comm, integrations, ...): a wheel must hold them all. The Triton
-    # kernels live at the top of the repository, in kernels/zero_ext_kernels/, and install as zero_ext.kernels (an
-    # editable install maps that name to the folder). kernels/ itself holds no __init__.py: a regular package named
+    # Every subpackage of zero_ext (checkpoint, comm, integrations, kernels, ...): a wheel must hold them all. The
+    # Triton kernels live at the top of the repository, in kernels/zero_ext_kernels/; zero_ext/kernels is a relative
+    # link to that folder, which find_packages follows, so the plain rule below installs them as zero_ext.kernels
+    # and a checkout imports them from its own tree. kernels/ itself holds no __init__.py: a regular package named
     # `kernels` at the root of a checkout would be imported, from there, in place of the Hugging Face hub's
     # `kernels`, which transformers looks for (tests/test_packaging.py).
-    packages=find_packages(include=["zero_ext", "zero_ext.*"]) + ["zero_ext.kernels"],
-    package_dir={"zero_ext.kernels": "kernels/zero_ext_kernels"},
+    packages=find_packages(include=["zero_ext", "zero_ext.*"]),
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},
     install_requires=["torch>=2.4", "numpy>=1.24", "safetensors>=0.4"],

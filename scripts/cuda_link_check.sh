@@ -5,7 +5,7 @@
 #   2. the tracked + untracked-not-ignored working tree is copied to a temp dir (the in-tree build/
 #      directory belongs to the CPU build and is left alone);
 #   3. setup.py builds there with CUDA_HOME and TORCH_CUDA_ARCH_LIST="8.0;9.0", into build/lib: the package as
-#      a wheel would install it (zero_ext.kernels comes from kernels/zero_ext_kernels/ through setup.py);
+#      a wheel would install it (zero_ext.kernels: kernels/zero_ext_kernels/, through the zero_ext/kernels link);
 #   4. the .so must have no undefined symbols (ldd -r), carry sm_80 and sm_90 code, import without a
 #      GPU (from build/lib), and register a CUDA kernel for every op.
 # Options (environment): ZERO_EXT_CUDA_TORCH (default 2.11.0: the version of the GPU machine,

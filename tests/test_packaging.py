@@ -1,11 +1,12 @@
 """How the checkout maps to Python packages: the top-level kernels/ holds the Triton kernels in
-kernels/zero_ext_kernels/, which setup.py installs as zero_ext.kernels (a plain package_dir entry; an editable
-install maps the name to the folder). Nothing else is needed at import time, and these tests keep it that way:
+kernels/zero_ext_kernels/, and zero_ext/kernels is a relative link to that folder, so a checkout imports
+zero_ext.kernels from its own tree (on PYTHONPATH or installed) and setup.py's plain find_packages installs it.
+Nothing else is needed at import time, and these tests keep it that way:
 
 - from the root of a checkout, ``import kernels`` finds no package of ours (kernels/ has no __init__.py), so it
   cannot pass for the Hugging Face hub's ``kernels``, which transformers looks for;
 - zero_ext.kernels is the kernels of the same tree as zero_ext (not those of another checkout's install);
-- no zero_ext module touches ``sys.modules``, and the tree tracks no symlink.
+- no zero_ext module touches ``sys.modules``, and the one tracked symlink is that link.
 """
 
 from __future__ import annotations
@@ -80,10 +81,12 @@ def test_no_module_edits_sys_modules():
 
 
 @needs_checkout
-def test_the_tree_tracks_no_symlink():
+def test_the_one_symlink_is_zero_ext_kernels():
     proc = subprocess.run(["git", "ls-files", "-s"], cwd=CHECKOUT, capture_output=True, text=True, timeout=60)
     if proc.returncode != 0:
         pytest.skip("not a git checkout")
     links = [line.split("\t", 1)[1] for line in proc.stdout.splitlines() if line.startswith("120000 ")]
-    assert not links, f"symlinks tracked: {links}"
-    assert not (PACKAGE / "kernels").exists(), "zero_ext/kernels in a checkout: setup.py maps kernels/zero_ext_kernels"
+    assert links == ["zero_ext/kernels"], f"symlinks tracked: {links}"
+    link = PACKAGE / "kernels"
+    assert link.is_symlink() and str(link.readlink()) == "../kernels/zero_ext_kernels"
+    assert link.resolve() == CHECKOUT / "kernels" / "zero_ext_kernels"
