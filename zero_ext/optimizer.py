@@ -105,8 +105,9 @@ class ZeroAdamW(torch.optim.Optimizer):
         offload_dir: ``offload="nvme"``: a directory on a fast local disk, created with its parents when missing
             (each rank makes its own subdirectory, deleted by :meth:`close` or at exit; the files are working memory,
             not a checkpoint).
-        offload_window: ``offload="nvme"``: bytes of host memory the state streams through (default
-            ``zero_ext.offload.DEFAULT_WINDOW``, 128 MiB).
+        offload_window: ``offload="nvme"``: bytes of host memory per rank the state streams through (default
+            ``zero_ext.offload.DEFAULT_WINDOW``, 128 MiB), split evenly between the flat groups; each share is at least
+            one 4 KiB block per kind per slot, and a shard smaller than its share allocates only what it needs.
 
     The sharded state (flat groups, shards, counters) is :attr:`sharded_state`, the seam that
     :mod:`zero_ext.checkpoint`, :mod:`zero_ext.state_dict` and :mod:`zero_ext.memory` read.

@@ -35,12 +35,10 @@ class ShardReader:
             raise CheckpointError(f"{path}: {kind}: {size} bytes, the checkpoint recorded {nbytes}")
         self._cache: dict[int, bytearray] = {}
         self._cache_blocks = cache_blocks
-        self.bytes_read = 0
 
     def _read_block_into(self, index: int, out: memoryview) -> None:
         start = index * self.block_size
         n = os.preadv(self._fd, [out], start)
-        self.bytes_read += n
         if n != len(out):
             raise CheckpointError(f"{self.path}: truncated: block {index} at byte {start} is short ({n} bytes)")
         if zlib.crc32(out) != self.crcs[index]:
