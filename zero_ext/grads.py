@@ -78,6 +78,9 @@ class GradStrategy:
     def after_step(self) -> None:
         """``step()`` has read the grad shards."""
 
+    def rescaled(self) -> None:
+        """The gradients were scaled in place by the engine itself (``grad_placeholders.py``: torch's clipping)."""
+
     def zero_grad(self, set_to_none: bool) -> None:
         for group in self.state.groups:
             group.state.grad.zero_()
@@ -257,6 +260,10 @@ class BufferedGrads(GradStrategy):
     def after_step(self) -> None:
         super().after_step()
         self._reduced_at = None
+
+    def rescaled(self) -> None:
+        if self._reduced_at is not None:  # the engine's own change: the reduction still stands for the buffers
+            self._reduced_at = [g.grad_buffer._version for g in self.state.groups]
 
     def _adopt(self, group: FlatGroup, slot: Slot, param: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
         """Make ``param``'s slot of the flat grad buffer hold ``grad`` and ``param.grad`` a view of it. A slot

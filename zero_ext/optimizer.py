@@ -212,6 +212,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         if getattr(self, "_closed", True):
             return
         self.finish_sync()
+        self._grad_sync.placeholders.drop()
         self._grad_sync.remove_hooks()
         self._param_sync.remove_hooks()
         if self._state.model is not None:
