@@ -63,6 +63,12 @@ class GradPlaceholder(torch.Tensor):
             raise RuntimeError("zero_ext: this gradient belonged to a ZeroAdamW that no longer exists")
         return owner.dispatch(func, args, kwargs)
 
+    def numpy(self, *args, **kwargs):  # (torch refuses any subclass here, before an op could dispatch)
+        owner = self._owner()
+        if owner is None:
+            raise RuntimeError("zero_ext: this gradient belonged to a ZeroAdamW that no longer exists")
+        raise owner.refused("numpy()", self)
+
     def __repr__(self) -> str:
         owner = self._owner()
         name = owner.names[self._gidx] if owner is not None else "?"
@@ -75,6 +81,21 @@ def _flat(args):
             yield from a
         else:
             yield a
+
+
+def _autograd_accumulates(args, kwargs) -> bool:
+    """``grad += new`` from autograd's AccumulateGrad: inside a backward pass, a plain tensor of the gradient's
+    shape and dtype (a user's in-place add outside backward raises like any other use)."""
+    ph, new = args[0], args[1]
+    return (
+        isinstance(ph, GradPlaceholder)
+        and type(new) is torch.Tensor
+        and new.shape == ph.shape
+        and new.dtype == ph.dtype
+        and len(args) == 2
+        and kwargs.get("alpha", 1) == 1
+        and torch._C._current_graph_task_id() != -1
+    )
 
 
 def is_placeholder(t) -> bool:
@@ -204,24 +225,16 @@ class GradPlaceholders:
             return self._norm_op(func, args, kwargs)
         if func in _SCALES:
             return self._scale_op(func, args, kwargs)
-        if (
-            func is aten.add_.Tensor
-            and isinstance(args[0], GradPlaceholder)
-            and not isinstance(args[1], GradPlaceholder)
-        ):
-            return self._accumulate(args[0], args[1], kwargs.get("alpha", 1))
-        if (
-            func is aten.add.Tensor
-            and isinstance(args[0], GradPlaceholder)
-            and not isinstance(args[1], GradPlaceholder)
-        ):
-            return self._accumulate(args[0], args[1], kwargs.get("alpha", 1), out_of_place=True)
+        if func in (aten.add_.Tensor, aten.add.Tensor) and _autograd_accumulates(args, kwargs):
+            return self._accumulate(args[0], args[1], out_of_place=func is aten.add.Tensor)
         if func is aten.zero_.default:
             self._zero(args[0]._gidx)
             return args[0]
-        ph = next(t for t in _flat(args) if isinstance(t, GradPlaceholder))
-        raise RuntimeError(
-            f"zero_ext.ZeroAdamW: `{func}` on the gradient of parameter {self.names[ph._gidx]!r}: at stage "
+        raise self.refused(func, next(t for t in _flat(args) if isinstance(t, GradPlaceholder)))
+
+    def refused(self, what, ph: GradPlaceholder) -> RuntimeError:
+        return RuntimeError(
+            f"zero_ext.ZeroAdamW: `{what}` on the gradient of parameter {self.names[ph._gidx]!r}: at stage "
             f"{self.state.stage} the mean gradients are sharded over the ranks, and `.grad` after backward is a "
             "placeholder that supports only what torch.nn.utils.clip_grad_norm_ does with it (its 2-norm, an "
             "in-place multiply, zero_()). Clip with opt.clip_grad_norm_(max_norm) or torch.nn.utils.clip_grad_norm_; "
@@ -305,11 +318,11 @@ class GradPlaceholders:
         self._pending[gidx] = [_ZERO]
         self._norms = None
 
-    def _accumulate(self, ph: GradPlaceholder, new: torch.Tensor, alpha, out_of_place: bool = False):
+    def _accumulate(self, ph: GradPlaceholder, new: torch.Tensor, out_of_place: bool = False):
         """autograd adds a new gradient to ``.grad`` (still this placeholder, before the engine's hook saw it):
         what the placeholder stands for is already in the shard (stage 1: in the flat buffer), so the new
         gradient alone goes to the reducer."""
-        added = new * alpha if alpha != 1 else new.clone()
+        added = new.clone()  # (autograd may still hold ``new`` elsewhere: it steals a gradient only when it can tell)
         restore = self._restore.get(ph._gidx)
         if restore is not None:  # stage 1: .grad was a view of the flat buffer, which accumulates in place
             if self._pending or self.deferred is not None or self._buffer_coef is not None:

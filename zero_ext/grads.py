@@ -243,18 +243,19 @@ class BufferedGrads(GradStrategy):
         self._reduced_at = [g.grad_buffer._version for g in self.state.groups]
 
     def check_no_foreign_grads(self) -> None:
-        """A .grad changed in place after backward had reduced it (torch.nn.utils.clip_grad_norm_ or
-        clip_grad_value_, a mask, a manual scale) would be silently ignored: the step applies the reduction."""
+        """A .grad changed in place after backward had reduced it (through a reference kept from before: ``.grad``
+        itself is then a placeholder, grad_placeholders.py) would be silently ignored: the step applies the
+        reduction."""
         if self._reduced_at is None:
             return
         for group, version in zip(self.state.groups, self._reduced_at):
             if group.grad_buffer._version != version:
                 raise ValueError(
                     "zero_ext.ZeroAdamW.step: a gradient (`.grad`) was changed in place after backward had already "
-                    "reduced it into the optimizer's gradient shard (e.g. by torch.nn.utils.clip_grad_norm_ or "
-                    "clip_grad_value_); the step applies the shard, so the change would be silently ignored. Clip with "
-                    "opt.clip_grad_norm_(max_norm); change gradients in a hook (param.register_hook) before "
-                    "they are reduced"
+                    "reduced it into the optimizer's gradient shard (through a reference to `.grad` kept from before "
+                    "that backward); the step applies the shard, so the change would be silently ignored. Clip with "
+                    "opt.clip_grad_norm_(max_norm) or torch.nn.utils.clip_grad_norm_; change gradients in a hook "
+                    "(param.register_hook) before they are reduced"
                 )
 
     def after_step(self) -> None:
