@@ -83,6 +83,12 @@ def _flat(args):
             yield a
 
 
+def _plain_params():
+    """Stage 3's parameters read and set ``.grad`` without their ``__torch_function__`` check (metadata only
+    here): 8.1 -> 0.9 us a parameter for installing and dropping the placeholders (100 parameters, this CPU)."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
 def _autograd_accumulates(args, kwargs) -> bool:
     """``grad += new`` from autograd's AccumulateGrad: inside a backward pass, a plain tensor of the gradient's
     shape and dtype (a user's in-place add outside backward raises like any other use)."""
@@ -129,16 +135,17 @@ class GradPlaceholders:
         """End of a synchronised backward: every trainable parameter's ``.grad`` becomes its placeholder (a
         ``.grad`` some other code wrote at stages 2 and 3 is left for ``step()`` to refuse)."""
         stage1 = self.state.stage == 1
-        for _, gidx, p in self.members:
-            grad = p.grad
-            if isinstance(grad, GradPlaceholder):
-                continue
-            if grad is not None and not stage1:
-                continue
-            self._restore[gidx] = grad
-            ph = self._ph[gidx]
-            ph._added = None
-            p.grad = ph
+        with _plain_params():
+            for _, gidx, p in self.members:
+                grad = p.grad
+                if isinstance(grad, GradPlaceholder):
+                    continue
+                if grad is not None and not stage1:
+                    continue
+                self._restore[gidx] = grad
+                ph = self._ph[gidx]
+                ph._added = None
+                p.grad = ph
         self.installed = True
 
     def drop(self) -> None:
@@ -146,11 +153,12 @@ class GradPlaceholders:
         the flat grad buffer, or None), or the gradient autograd added to it."""
         if not self.installed:
             return
-        for _, gidx, p in self.members:
-            ph = self._ph[gidx]
-            if p.grad is ph:
-                p.grad = ph._added if ph._added is not None else self._restore.get(gidx)
-            ph._added = None
+        with _plain_params():
+            for _, gidx, p in self.members:
+                ph = self._ph[gidx]
+                if p.grad is ph:
+                    p.grad = ph._added if ph._added is not None else self._restore.get(gidx)
+                ph._added = None
         self._restore.clear()
         self.installed = False
 
