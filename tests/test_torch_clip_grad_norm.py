@@ -221,3 +221,27 @@ def _accumulation(rank, world, stage, clip_between):
 @pytest.mark.parametrize("clip_between", [False, True])
 def test_accumulation_then_clip_and_zero_grad(world, stage, clip_between):
     assert all(run_on_ranks(world, _accumulation, stage, clip_between))
+
+
+def _with_engine_clipping(rank, world, stage):
+    """torch's clip, then the engine's own (max_grad_norm=): the engine clips the already clipped gradients, as two
+    clip_grad_norm_ calls would."""
+    model, opt, ref_params, ref_opt = _setup(stage, torch.float32, max_grad_norm=0.02)
+    shadow = build(torch.float32)
+    for step in range(2):
+        for p, g in zip(ref_params, mean_grads(_per_rank(model, opt, shadow, step, world), ref_params)):
+            p.grad = g
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref_params, MAX_NORM)
+        torch.nn.utils.clip_grad_norm_(ref_params, 0.02)
+        ref_opt.step()
+        loss_fn(model, batch(step, rank)).backward()
+        torch.testing.assert_close(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM), ref_norm)
+        opt.step()
+        opt.zero_grad()
+        _check(opt, model, ref_params, rank)
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_then_the_engines_own_clipping(stage):
+    assert all(run_on_ranks(2, _with_engine_clipping, stage))
