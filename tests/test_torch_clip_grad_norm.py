@@ -245,3 +245,25 @@ def _with_engine_clipping(rank, world, stage):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_then_the_engines_own_clipping(stage):
     assert all(run_on_ranks(2, _with_engine_clipping, stage))
+
+
+def _no_zero_grad_between_steps(rank, world, grad_accum_dtype):
+    """Stage 1 keeps gradients across step() as torch does (stages 2 and 3 consume them): without zero_grad the
+    next backward adds to the clipped gradients, whichever way the step applied the clipping."""
+    model, opt, ref_params, ref_opt = _setup(1, torch.float32, grad_accum_dtype=grad_accum_dtype)
+    shadow = build(torch.float32)
+    for step in range(3):
+        for p, g in zip(ref_params, mean_grads(_per_rank(model, opt, shadow, step, world), ref_params)):
+            p.grad = g if p.grad is None else p.grad + g
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref_params, MAX_NORM)
+        ref_opt.step()
+        loss_fn(model, batch(step, rank)).backward()
+        torch.testing.assert_close(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM), ref_norm)
+        opt.step()
+        _check(opt, model, ref_params, rank)
+    return True
+
+
+@pytest.mark.parametrize("grad_accum_dtype", [None, torch.float32])
+def test_stage1_without_zero_grad_between_steps(grad_accum_dtype):
+    assert all(run_on_ranks(2, _no_zero_grad_between_steps, grad_accum_dtype))

@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 
 from .buffers import ShardedState
+from .grads import Fp32GradBuffer
 
 aten = torch.ops.aten
 
@@ -116,20 +117,22 @@ class GradPlaceholders:
         self.names = state.names
         self.members = list(state.members())  # (group, gidx, param)
         self._ph = {gidx: GradPlaceholder(p, self, gidx) for _, gidx, p in self.members}
+        self._fp32_buffer = isinstance(grad_sync.strategy, Fp32GradBuffer)
         # dropped without close(): no parameter keeps a placeholder of an optimizer that is gone
         weakref.finalize(self, _drop_all, [(p, self._ph[gidx]) for _, gidx, p in self.members])
         self._restore: dict[int, Optional[torch.Tensor]] = {}  # gidx -> the .grad a placeholder stands in for
         self.installed = False
         self._pending: dict[int, list[torch.Tensor]] = {}  # gidx -> coefficients recorded, not applied yet
         self.deferred: Optional[torch.Tensor] = None  # one coefficient for every parameter, for the next step()
-        self._buffer_coef: Optional[torch.Tensor] = None  # stage 1: a deferred coefficient the grad buffer still owes
+        # stage 1: a coefficient the step applied in its kernel that the gradients (kept until zero_grad) still owe
+        self._owed: Optional[torch.Tensor] = None
         self._norms: Optional[tuple[int, torch.Tensor]] = None  # (gradient epoch, every parameter's norm)
 
     # ---------------------------------------------------------------- life
     @property
     def active(self) -> bool:
         """Placeholders are installed or scaling is recorded (the next gradient has something to do first)."""
-        return self.installed or bool(self._pending) or self.deferred is not None or self._buffer_coef is not None
+        return self.installed or bool(self._pending) or self.deferred is not None or self._owed is not None
 
     def install(self) -> None:
         """End of a synchronised backward: every trainable parameter's ``.grad`` becomes its placeholder (a
@@ -166,14 +169,16 @@ class GradPlaceholders:
         """A gradient arrived: the gradients change from here, so the placeholders go and recorded scaling is
         applied first (the new gradients add to the clipped ones, as with torch)."""
         self.drop()
-        if self._pending or self.deferred is not None or self._buffer_coef is not None:
+        if self._pending or self.deferred is not None or self._owed is not None:
             self._materialise()
 
     def settle(self, defer: bool) -> Optional[torch.Tensor]:
         """Before ``step()`` (``defer``) or the engine's own norm: the placeholders go; returns the coefficient the
         step's kernel should apply to every gradient, or None (any other scaling is applied to the shards now)."""
         self.drop()
-        if self._pending and defer and self._uniform():
+        if self._owed is not None:  # (a second step without backward or zero_grad)
+            self._materialise()
+        elif self._pending and defer and self._uniform():
             coef = _product(self._pending[self.members[0][1]], self.state.update_device)
             self.deferred = coef if self.deferred is None else self.deferred * coef
             self._pending.clear()
@@ -182,16 +187,18 @@ class GradPlaceholders:
         return self.deferred
 
     def after_step(self) -> None:
-        """``step()`` applied the deferred coefficient to the shards; stage 1's flat buffer (still holding this
-        rank's gradients until ``zero_grad()``) owes it, should the next backward accumulate onto them."""
+        """``step()`` applied the deferred coefficient in its kernel. Stage 1 keeps its gradients until
+        ``zero_grad()`` (as torch does), and they still owe it: the placeholders go back on, so that a backward
+        without ``zero_grad()`` first applies it (in :meth:`_accumulate` or :meth:`on_backward`) and then adds."""
         if self.deferred is not None and self.state.stage == 1:
-            self._buffer_coef = self.deferred
+            self._owed = self.deferred
+            self.install()
         self.deferred = None
 
     def zero_grad(self) -> None:
         self.drop()
         self._pending.clear()
-        self.deferred = self._buffer_coef = None
+        self.deferred = self._owed = None
 
     def _uniform(self) -> bool:
         first = self._pending.get(self.members[0][1])
@@ -205,11 +212,11 @@ class GradPlaceholders:
         self.grad_sync.finish_grad_sync()
         dev = self.state.update_device
         pending = {g: _product(c, dev) for g, c in self._pending.items()}
-        if self.deferred is not None:
-            pending = {g: pending.get(g, 1.0) * self.deferred for _, g, _ in self.members}
-        buffer_coef = self._buffer_coef
+        for every in (self.deferred, self._owed):  # coefficients of every gradient
+            if every is not None:
+                pending = {g: pending.get(g, 1.0) * every for _, g, _ in self.members}
         self._pending.clear()
-        self.deferred = self._buffer_coef = None
+        self.deferred = self._owed = None
         with torch.no_grad():
             for group in self.state.groups:
                 shard = group.state.grad
@@ -218,14 +225,22 @@ class GradPlaceholders:
                     if coef is not None:
                         shard[piece.shard_offset : piece.shard_offset + piece.numel].mul_(coef)
                 if group.grad_buffer is not None:
-                    for slot in group.layout.slots:
+                    for slot, p in zip(group.layout.slots, group.params):
+                        if not self._slot_holds_grad(group.param_indices[slot.index], p):
+                            continue  # .grad None: the slot is stale, the next gradient overwrites it (_adopt)
                         coef = pending.get(group.param_indices[slot.index])
-                        if buffer_coef is not None:
-                            coef = buffer_coef if coef is None else coef * buffer_coef
                         if coef is not None:
                             slot.param_range.of(group.grad_buffer).mul_(coef.to(group.grad_buffer.device))
         self.grad_sync.strategy.rescaled()
         self.grad_sync.epoch += 1
+
+    def _slot_holds_grad(self, gidx: int, p: torch.Tensor) -> bool:
+        """Stage 1: whether the parameter's slot of the flat buffer holds a gradient still to be used (so that,
+        after ``model.zero_grad()``, a scaling owed to the buffer costs no pass over it)."""
+        if self._fp32_buffer:  # the fp32 buffer accumulates whatever .grad is (always None there)
+            return True
+        grad = p.grad
+        return self._restore.get(gidx) is not None if isinstance(grad, GradPlaceholder) else grad is not None
 
     # ---------------------------------------------------------------- the ops
     def dispatch(self, func, args, kwargs):
@@ -241,13 +256,22 @@ class GradPlaceholders:
         raise self.refused(func, next(t for t in _flat(args) if isinstance(t, GradPlaceholder)))
 
     def refused(self, what, ph: GradPlaceholder) -> RuntimeError:
+        if torch._C._current_graph_task_id() != -1:  # written inside backward, after the engine's reduction
+            why = (
+                " Inside backward, something else writes .grad: a model wrapped in DistributedDataParallel (do not "
+                "wrap it: ZeroAdamW reduces gradients itself) or another gradient reducer."
+            )
+        elif what is aten._to_copy.default:
+            why = " (Moving or casting the model after the optimizer was built is refused anyway: build it after.)"
+        else:
+            why = ""
         return RuntimeError(
             f"zero_ext.ZeroAdamW: `{what}` on the gradient of parameter {self.names[ph._gidx]!r}: at stage "
             f"{self.state.stage} the mean gradients are sharded over the ranks, and `.grad` after backward is a "
             "placeholder that supports only what torch.nn.utils.clip_grad_norm_ does with it (its 2-norm, an "
             "in-place multiply, zero_()). Clip with opt.clip_grad_norm_(max_norm) or torch.nn.utils.clip_grad_norm_; "
             "read or change a gradient in a hook before it is reduced (param.register_hook), or read the grad shard "
-            "through opt.sharded_state"
+            f"through opt.sharded_state.{why}"
         )
 
     def _norm_op(self, func, args, kwargs):
@@ -281,7 +305,7 @@ class GradPlaceholders:
     def norms(self) -> torch.Tensor:
         """Every trainable parameter's mean-gradient 2-norm (fp32, by global index); collective the first time
         after the gradients changed."""
-        if self._pending or self.deferred is not None:
+        if self._pending or self.deferred is not None or self._owed is not None:
             self._materialise()  # a norm after a scaling sees the scaled gradients
         epoch = self.grad_sync.epoch
         if self._norms is not None and self._norms[0] == epoch:
@@ -333,7 +357,7 @@ class GradPlaceholders:
         added = new.clone()  # (autograd may still hold ``new`` elsewhere: it steals a gradient only when it can tell)
         restore = self._restore.get(ph._gidx)
         if restore is not None:  # stage 1: .grad was a view of the flat buffer, which accumulates in place
-            if self._pending or self.deferred is not None or self._buffer_coef is not None:
+            if self._pending or self.deferred is not None or self._owed is not None:
                 self._materialise()  # the scaling reaches the buffer before the new gradient adds
             restore.add_(added)
             added = restore
