@@ -12,7 +12,8 @@ whose ops the engine implements on the shards:
   one pass over this rank's grad shard and one all-reduce of a vector of one float per parameter. **Collective**:
   every rank must take it, in the same place, as under FSDP2 (torch's function does, when every rank calls it, as
   every DDP trainer does); a rank that does not leaves the others waiting in the all-reduce until the process
-  group's timeout.
+  group's timeout. The norm is fp32 whatever the parameter's dtype (the engine's mean gradient is fp32; DDP's
+  would be in the parameter's dtype, and so would its norm).
 - an in-place multiply (``mul_``, ``_foreach_mul_``: the clipping) is recorded. When every parameter was scaled
   by the same coefficient (torch's function, over all the model's parameters), the next ``step()`` feeds it to the
   fused kernel as its ``grad_scale`` (``ZeroAdamW.clip_grad_norm_``'s path: no pass over the gradients); otherwise
@@ -21,11 +22,16 @@ whose ops the engine implements on the shards:
 - autograd's accumulation into an existing ``.grad`` (``grad += new``: the next backward without ``zero_grad``)
   adds nothing to what the shard holds: the new gradient is kept and handed to the reducer as usual.
 
-Any other use (reading values: ``p.grad.sum()``, ``p.grad * 2``, ``print``) raises on every rank, naming
-``opt.clip_grad_norm_``. The placeholders go before anything else touches the gradients: at the next backward's
-first gradient (scaling still pending is then applied, so accumulation continues from the clipped gradients, as
-with torch), at ``step()`` and at ``zero_grad()``. ``model.zero_grad()`` just drops them (``.grad = None``). Inside
+Any other use (reading values: ``p.grad.sum()``, ``p.grad * 2``, ``.cpu()``, ``clip_grad_value_``, DDP's copy
+into ``.grad``) raises on every rank that makes it, naming ``opt.clip_grad_norm_``; ``repr`` says what it is. The
+placeholders go before anything else touches the gradients: at the next backward's first gradient (scaling still
+pending is then applied, so accumulation continues from the clipped gradients, as with torch), at ``step()`` and at
+``zero_grad()``; ``model.zero_grad()`` just drops them (``.grad = None``). Stage 1 keeps its gradients across
+``step()`` as torch does, so after a step that applied a clipping they come back (see :meth:`after_step`). Inside
 ``no_sync()`` stage 1's ``.grad`` is this rank's accumulated gradient, as under DDP; nothing is installed.
+
+Cost when nothing clips: installing and dropping them, ~0.9 us a parameter per step on this CPU (100 parameters,
+stages 1-3); no memory.
 """
 
 from __future__ import annotations
