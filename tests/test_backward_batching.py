@@ -10,6 +10,7 @@ from engine_reference import BF16_ULP, check_grad_shard_is_mean, mean_grads
 from torch.utils.checkpoint import checkpoint
 
 from zero_ext import ZeroAdamW
+from zero_ext.grad_placeholders import GradPlaceholder
 from zero_ext.kernels import dispatch
 from zero_ext.kernels._launch import to_fp32
 
@@ -149,7 +150,7 @@ def _backward_writes(rank, world, stage, twice, shuffled, accum_fp32, hold_eleme
             model(_batch(rank, dtype)).backward()
     finally:
         zero_ext.grad_hold.HOLD_ELEMENTS = 1 << 24
-    leftover = [i for i, p in enumerate(params) if p.grad is not None]
+    leftover = [i for i, p in enumerate(params) if p.grad is not None and not isinstance(p.grad, GradPlaceholder)]
     means = mean_grads(per_rank, params)
     if twice:
         _check_grad_shard_near_mean(opt, means)

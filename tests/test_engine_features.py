@@ -9,6 +9,7 @@ from engine_reference import check_against_reference, mean_grads, params_digest,
 from tiny_transformer import batch, build, loss_fn
 
 from zero_ext import ZeroAdamW
+from zero_ext.grad_placeholders import GradPlaceholder
 from zero_ext.layout import Range
 
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -307,10 +308,12 @@ def _zero_grad_semantics(rank, world, zero_with):
             p.grad = torch.zeros_like(p) if g is None and zero_with == "optimizer_zeros" and step > 0 else g
         ref_opt.step()
         loss_fn(model, batch(step, rank), use_extra=uses[rank]).backward()
+        # after a synchronised backward .grad is the sharded mean gradient's placeholder (grad_placeholders.py)
+        assert all(isinstance(p.grad, GradPlaceholder) for p in model.parameters())
+        opt.step()
         for p in model.parameters():
             if p.grad is not None:  # a gradient is always a view of the flat buffer
                 assert any(p.grad.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in buffers)
-        opt.step()
         if zero_with == "model":
             model.zero_grad(set_to_none=True)
         elif zero_with == "optimizer":
@@ -415,8 +418,8 @@ def _accumulate_in_fp32(rank, world, stage, grad_accum_dtype_name):
             for k in range(2):
                 loss_fn(model, micro[rank][k]).backward()
         loss_fn(model, micro[rank][2]).backward()
-        if grad_accum_dtype is not None:
-            assert all(p.grad is None for p in model.parameters()), "fp32 accumulation frees .grad"
+        if grad_accum_dtype is not None:  # (after backward each .grad is a storage-less placeholder)
+            assert all(isinstance(p.grad, GradPlaceholder) for p in model.parameters()), "fp32 accumulation frees .grad"
         opt.step()
         opt.zero_grad()
         check_against_reference(opt, model, ref_params, rank)

@@ -41,12 +41,12 @@ def _ddp_is_refused(rank, world, stage):
     with pytest.raises(RuntimeError, match="running inside DistributedDataParallel"):
         loss_fn(ddp, batch(0, rank))
     opt.close()
-    # Without module=, stage 2 still notices DDP: it writes .grad, where stage 2 never keeps gradients.
+    # Without module=, stage 2 still notices DDP: it writes .grad at the end of backward, where stage 2 keeps only
+    # the placeholders of its sharded gradients (grad_placeholders.py), which refuse the write.
     if stage == 2:
         opt = ZeroAdamW(model.parameters(), stage=2, bucket_size=BUCKET)
-        loss_fn(ddp, batch(0, rank)).backward()
-        with pytest.raises((RuntimeError, ValueError), match=r"has a \.grad at step\(\)|failed on 1 other"):
-            opt.step()
+        with pytest.raises(RuntimeError, match=r"something else writes \.grad: a model wrapped in Distributed"):
+            loss_fn(ddp, batch(0, rank)).backward()
     return True
 
 
@@ -127,13 +127,25 @@ def test_a_parameter_unfrozen_after_construction_is_refused(stage):
 
 
 def _grad_changed_after_backward(rank, world):
-    """Stage 1 reduces during backward: torch.nn.utils.clip_grad_norm_ (or any in-place change of .grad) after it
-    would be silently ignored by the step, so the step refuses, on every rank, and changes nothing. Gradients
-    changed by a hook before the reduction, model.zero_grad() and opt.clip_grad_norm_ are fine."""
+    """Stage 1 reduces during backward: after it ``.grad`` is a placeholder of the sharded mean gradient, whose
+    norm and in-place scaling torch.nn.utils.clip_grad_norm_ uses (tests/test_torch_clip_grad_norm.py); any other
+    change (clip_grad_value_) raises at once, on every rank, and changes nothing. A gradient changed in place through
+    a reference kept from before (here: from inside no_sync()) would be silently ignored by the step, so the step
+    refuses, on every rank, and changes nothing. Gradients changed by a hook before the reduction,
+    model.zero_grad() and opt.clip_grad_norm_ are fine."""
     model = build(torch.float32)
     opt = ZeroAdamW(model.named_parameters(), **HYPER, stage=1, bucket_size=BUCKET, module=model)
     loss_fn(model, batch(0, rank)).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    before = _full_params(model, opt)
+    with pytest.raises(RuntimeError, match=r"sharded over the ranks.*opt\.clip_grad_norm_"):
+        torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+    assert all(torch.equal(a, b) for a, b in zip(before, _full_params(model, opt)))
+    opt.zero_grad()
+    with opt.no_sync():
+        loss_fn(model, batch(0, rank)).backward()
+    kept = model.head.weight.grad  # this rank's accumulated gradient, a view of the flat buffer
+    loss_fn(model, batch(0, rank)).backward()
+    kept.mul_(0.5)
     _refused(model, opt, opt.step, r"changed in place after backward.*opt\.clip_grad_norm_")
     assert opt.step_count == 0
     model.zero_grad()
@@ -309,6 +321,7 @@ def _moved_after_construction(rank, world, stage, how):
                 move()
         opt.step()
         return True
+    model.zero_grad()  # (after backward .grad is a placeholder of the sharded gradient, which a cast refuses)
     if rank == world - 1:
         move()
     match = "no longer lives in the optimizer's flat buffer" if rank == world - 1 else r"failed on 1 other rank"

@@ -78,6 +78,9 @@ class GradStrategy:
     def after_step(self) -> None:
         """``step()`` has read the grad shards."""
 
+    def rescaled(self) -> None:
+        """The gradients were scaled in place by the engine itself (``grad_placeholders.py``: torch's clipping)."""
+
     def zero_grad(self, set_to_none: bool) -> None:
         for group in self.state.groups:
             group.state.grad.zero_()
@@ -240,23 +243,28 @@ class BufferedGrads(GradStrategy):
         self._reduced_at = [g.grad_buffer._version for g in self.state.groups]
 
     def check_no_foreign_grads(self) -> None:
-        """A .grad changed in place after backward had reduced it (torch.nn.utils.clip_grad_norm_ or
-        clip_grad_value_, a mask, a manual scale) would be silently ignored: the step applies the reduction."""
+        """A .grad changed in place after backward had reduced it (through a reference kept from before: ``.grad``
+        itself is then a placeholder, grad_placeholders.py) would be silently ignored: the step applies the
+        reduction."""
         if self._reduced_at is None:
             return
         for group, version in zip(self.state.groups, self._reduced_at):
             if group.grad_buffer._version != version:
                 raise ValueError(
                     "zero_ext.ZeroAdamW.step: a gradient (`.grad`) was changed in place after backward had already "
-                    "reduced it into the optimizer's gradient shard (e.g. by torch.nn.utils.clip_grad_norm_ or "
-                    "clip_grad_value_); the step applies the shard, so the change would be silently ignored. Clip with "
-                    "opt.clip_grad_norm_(max_norm); change gradients in a hook (param.register_hook) before "
-                    "they are reduced"
+                    "reduced it into the optimizer's gradient shard (through a reference to `.grad` kept from before "
+                    "that backward); the step applies the shard, so the change would be silently ignored. Clip with "
+                    "opt.clip_grad_norm_(max_norm) or torch.nn.utils.clip_grad_norm_; change gradients in a hook "
+                    "(param.register_hook) before they are reduced"
                 )
 
     def after_step(self) -> None:
         super().after_step()
         self._reduced_at = None
+
+    def rescaled(self) -> None:
+        if self._reduced_at is not None:  # the engine's own change: the reduction still stands for the buffers
+            self._reduced_at = [g.grad_buffer._version for g in self.state.groups]
 
     def _adopt(self, group: FlatGroup, slot: Slot, param: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
         """Make ``param``'s slot of the flat grad buffer hold ``grad`` and ``param.grad`` a view of it. A slot

@@ -214,6 +214,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         if getattr(self, "_closed", True):
             return
         self.finish_sync()
+        self._grad_sync.placeholders.drop()
         self._grad_sync.remove_hooks()
         self._param_sync.remove_hooks()
         if self._state.model is not None:
@@ -333,10 +334,10 @@ class ZeroAdamW(torch.optim.Optimizer):
         """Clip the gradients about to be applied to a global L2 norm of ``max_norm`` and return their norm before
         clipping, as ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` would (a 0-d tensor on the
         device; no host sync). The scaling happens inside the next ``step()``'s fused kernel; the gradients
-        themselves (sharded, at stages 2 and 3 not in ``.grad`` at all) are not rewritten. Collective: call it on
-        every rank, after backward, before ``step()``. Use it instead of torch's function, which sees no
-        gradients at stages 2 and 3, and at stage 1 rewrites ``.grad`` after its reduction (the next ``step()``
-        then raises rather than ignore the change)."""
+        themselves (sharded, not in ``.grad``) are not rewritten. Collective: call it on every rank, after
+        backward, before ``step()``. ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` works too, at
+        every stage (also collective): after a synchronised backward each ``.grad`` is a placeholder of the sharded
+        mean gradient whose norm and in-place scaling the engine implements (:mod:`zero_ext.grad_placeholders`)."""
         self._check_open()
         if norm_type != 2.0:
             raise ValueError(
@@ -354,9 +355,9 @@ class ZeroAdamW(torch.optim.Optimizer):
         stage 1's next gradient is then copied into the parameter's slot of the flat grad buffer (no pass over
         the whole buffer now, no read-add-write later) and ``param.grad`` points at that slot again. Without
         it stage 1 zeroes the buffer in place and ``param.grad`` stays a view of it. Stage 2's ``param.grad``
-        is always None between backward passes, and its gradients live in the fp32 grad shard, which ``step()``
-        already consumed (zeroed); ``zero_grad()`` zeroes it too (gradients accumulated since the last step are
-        dropped)."""
+        is None (after a backward pass: a placeholder, see :meth:`clip_grad_norm_`); its gradients live in the
+        fp32 grad shard, which ``step()`` already consumed (zeroed); ``zero_grad()`` zeroes it too (gradients
+        accumulated since the last step are dropped)."""
         self._check_open()
         self._grad_sync.zero_grad(set_to_none)
 

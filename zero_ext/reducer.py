@@ -19,6 +19,7 @@ import torch
 
 from .bucket_runtime import BucketRuntime, GradState
 from .buffers import ShardedState
+from .grad_placeholders import GradPlaceholders
 from .grads import GradStrategy
 from .weak_hooks import remove_all, remove_with, weak_call
 
@@ -53,6 +54,8 @@ class GradSync:
                 gb = by_key[(group.index, slot.bucket)]
                 self._hooks.append(p.register_post_accumulate_grad_hook(weak_call(self._on_grad, gb, slot)))
         remove_with(self, self._hooks)  # dropped without close(): the model's hooks go with it
+        # .grad after a synchronised backward: placeholders of the sharded mean gradients (torch's clipping works)
+        self.placeholders = GradPlaceholders(state, self)
 
     def remove_hooks(self) -> None:
         remove_all(self._hooks)
@@ -61,6 +64,8 @@ class GradSync:
     @torch.compiler.disable
     def _on_grad(self, gb: BucketRuntime, slot, param: torch.Tensor) -> None:
         self.epoch += 1
+        if self.placeholders.active:  # the gradients change from here: the placeholders go first
+            self.placeholders.on_backward()
         if not self.strategy.on_grad(gb, slot, param, self.sync_enabled):
             return
         self._open_round()
@@ -97,6 +102,7 @@ class GradSync:
             self.on_round_end()
         if getattr(self.strategy, "waits_at_round_end", False):
             self.wait_inflight()
+        self.placeholders.install()
 
     def start_grad_sync(self, gb: BucketRuntime) -> None:
         """Launch ``gb``'s reduce-scatter into its grad shard (the strategy says what goes on the wire)."""
@@ -146,10 +152,12 @@ class GradSync:
             group.state.finish_landing()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.placeholders.zero_grad()
         self.finish_grad_sync()
         self.strategy.zero_grad(set_to_none)
         self.epoch += 1
 
     def after_step(self) -> None:
         self.strategy.after_step()
+        self.placeholders.after_step()
         self.epoch += 1

@@ -97,6 +97,7 @@ class Stepper:
         return active, scalars
 
     def clip_grad_norm_(self, param_groups: Sequence[dict], max_norm: float) -> torch.Tensor:
+        self.grad_sync.placeholders.settle(defer=False)  # after torch's clipping: the norm of the clipped gradients
         self.agree(param_groups)
         self._clip_to = float(max_norm)
         return self.grad_norm
@@ -114,8 +115,11 @@ class Stepper:
     def step(self, param_groups: Sequence[dict]) -> bool:
         """One step; False when no parameter had a gradient on any rank (torch then does nothing)."""
         state = self.state
+        # torch.nn.utils.clip_grad_norm_ on the .grad placeholders: its coefficient, when it scaled every gradient
+        # alike and the engine does not clip too, is the kernel's grad_scale (else it was applied to the shards)
+        clipped = self.grad_sync.placeholders.settle(defer=self._clip_to is None and self.max_grad_norm is None)
         active, scalars = self.agree(param_groups)
-        grad_scale = self._grad_scale()
+        grad_scale = clipped if clipped is not None else self._grad_scale()
         self._agreed, self._clip_to = None, None
         if state.param_edits is not None:  # the master follows parameters changed in place since the last step
             state.param_edits.adopt(checked=True)
