@@ -57,6 +57,7 @@ import torch
 from .backward_hooks import Call, hook_outputs, in_backward, wrap_inputs
 from .bucket_runtime import BucketRuntime, Hold, Key, ParamState
 from .buffers import ShardedState
+from .model_state import wrapping_in_ddp
 from .sharded_params import shard_class
 
 SHARDED, GATHERING, GATHERED = ParamState.SHARDED, ParamState.GATHERING, ParamState.GATHERED
@@ -212,6 +213,9 @@ class ParamGather:
             self._gather(rt, wait=True)
             return
         if not (self._stack or self._manual or in_backward()):
+            refusal = wrapping_in_ddp()
+            if refusal is not None:
+                raise RuntimeError(refusal)
             name = getattr(func, "__name__", str(func))
             raise RuntimeError(
                 f"zero_ext.ZeroAdamW(stage=3): parameter {param._zero_ext_name!r} is sharded here (outside forward "
