@@ -36,7 +36,9 @@ and the window as the training forwards left them. That is what makes evaluation
 would prefetch differently from the others' and their all-gathers would pair up wrongly (gloo aborts: "op.preamble
 .length <= op.nbytes"). Its graph (grad enabled) cannot be backpropagated: the gradients would be reduced by that
 rank alone, so a backward into it raises (inside the context or after). A rank that enters the context while the
-others do not gathers alone: wrong, the context is collective (gloo aborts on the size mismatch, NCCL hangs).
+others do not gathers alone: wrong, the context is collective (its all-gathers pair with the others' training
+ones: on gloo the process receiving the larger message aborts, "op.preamble.length <= op.nbytes"; NCCL may hang or
+mix up data). Telling that apart before the first gather needs an out-of-band check (the store): not done here.
 
 [Note: stage 3 timeline]
 ``nn.Sequential`` of three Linear layers, one bucket each, ``prefetch=1``, ``reshard_after_forward=True``, a step
