@@ -58,10 +58,10 @@ def _run(rank, world, reshard, prefetch, evaluate):
                     reshard_after_forward=reshard, prefetch=prefetch)  # fmt: skip
     for steps in (range(0, 2), range(2, 4), range(4, 6)):
         # Before the first step (as trainers evaluate at iteration 0: no order learned yet on any rank), then
-        # between steps; twice in a row the second time.
+        # between steps; twice in a row before the last ones.
         for _ in range(1 if steps.start < 4 else 2):
-            with opt.gathered_params():  # every rank enters (both runs); only rank 0 runs forwards inside, in one
-                if rank == 0 and evaluate:
+            with opt.gathered_params():  # every rank enters, in both runs
+                if rank == 0 and evaluate:  # only rank 0 runs forwards inside
                     evaluated = _evaluate(model)
                     plain = build(torch.float32, unused_branch=True)
                     plain.load_state_dict(model.state_dict())
