@@ -64,3 +64,15 @@ def hook_outputs(module: torch.nn.Module, output, starts: Callable[[Call], None]
     for t in tensors:
         t.register_hook(lambda grad, c=call: starts(c) or grad)
     return bool(tensors)
+
+
+def refuse_backward(output, message: str) -> None:
+    """Make a backward into ``output`` raise ``RuntimeError(message)`` when its gradient arrives (before the
+    backward of what produced it runs). Leaves are skipped: a hook on a parameter would outlive this call."""
+    for t in tree_flatten(output)[0]:
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
+            t.register_hook(lambda grad: _raise(message))
+
+
+def _raise(message: str):
+    raise RuntimeError(message)

@@ -9,6 +9,7 @@ consolidated checkpoint's ``model.safetensors`` has exactly the keys ``model.loa
 
 from __future__ import annotations
 
+import sys
 from typing import Iterable, Optional
 
 import torch
@@ -20,6 +21,18 @@ _DDP_HINT = (
     "ZeroAdamW reduces the gradients itself: pass the unwrapped model (model.module) and do not wrap it in "
     "DistributedDataParallel (with HF Trainer, use zero_ext.integrations.transformers)"
 )
+
+
+def wrapping_in_ddp() -> Optional[str]:
+    """When DistributedDataParallel's own code is running (its constructor broadcasts the parameters: stage 3 sees a
+    read of a sharded parameter), the refusal to give instead of stage 3's "sharded here"; else None. Called only on
+    that error path: it walks the Python stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__") == DistributedDataParallel.__module__:
+            return f"zero_ext.ZeroAdamW: the model is being wrapped in DistributedDataParallel. {_DDP_HINT}."
+        frame = frame.f_back
+    return None
 
 
 class ModelState:

@@ -279,9 +279,12 @@ class ZeroAdamW(torch.optim.Optimizer):
         """Full parameters on every rank inside the context, at any stage (collective: every rank enters it).
 
         At stage 3 every bucket is gathered for the duration (the whole model in memory); at stages 1 and 2 the
-        parameters are full anyway. For reading (evaluation, export, logging) or, with ``modifier_rank``, for
-        editing: on exit that rank's parameters are copied to every rank and written back to the shards; the fp32
-        master follows every element whose value changed (unchanged ones keep their fp32 bits)."""
+        parameters are full anyway. A forward inside issues no collective (at stage 3 nor does it change the gather
+        schedule; a backward through it raises), so one rank may evaluate or generate alone:
+        ``with opt.gathered_params(): if rank == 0: evaluate()``. For reading (evaluation, export, logging) or, with
+        ``modifier_rank``, for editing: on exit that rank's parameters are copied to every rank and written back to
+        the shards; the fp32 master follows every element whose value changed (unchanged ones keep their fp32
+        bits)."""
         self._check_open()
         world = self._state.world_size
         if modifier_rank is not None and not (isinstance(modifier_rank, int) and 0 <= modifier_rank < world):

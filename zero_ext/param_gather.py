@@ -29,6 +29,17 @@ child's weight works from the first step); outside, a clear error. The order is 
 flow that changes between steps costs extra gathers, never correctness. Every rank must run the same modules in
 the same order (the gathers are collectives), as with any ZeRO-3.
 
+Inside ``gathered_params()`` (:meth:`gathered`: collective, every bucket gathered on entry) a forward is local to
+its rank: its hooks return at once, so it issues no collective and leaves the learned order, the prefetch schedule
+and the window as the training forwards left them. That is what makes evaluation or generation on one rank work
+(``with opt.gathered_params(): if rank == 0: evaluate()``): had it fed the order, that rank's next training forward
+would prefetch differently from the others' and their all-gathers would pair up wrongly (gloo aborts: "op.preamble
+.length <= op.nbytes"). Its graph (grad enabled) cannot be backpropagated: the gradients would be reduced by that
+rank alone, so a backward into it raises (inside the context or after). A rank that enters the context while the
+others do not gathers alone: wrong, the context is collective (its all-gathers pair with the others' training
+ones: on gloo the process receiving the larger message aborts, "op.preamble.length <= op.nbytes"; NCCL may hang or
+mix up data). Telling that apart before the first gather needs an out-of-band check (the store): not done here.
+
 [Note: stage 3 timeline]
 ``nn.Sequential`` of three Linear layers, one bucket each, ``prefetch=1``, ``reshard_after_forward=True``, a step
 after the first (the order is known); traced from the engine. ``[`` start_param_sync (the storage gets its bytes
@@ -54,12 +65,20 @@ import contextlib
 
 import torch
 
-from .backward_hooks import Call, hook_outputs, in_backward, wrap_inputs
+from .backward_hooks import Call, hook_outputs, in_backward, refuse_backward, wrap_inputs
 from .bucket_runtime import BucketRuntime, Hold, Key, ParamState
 from .buffers import ShardedState
+from .model_state import wrapping_in_ddp
 from .sharded_params import shard_class
 
 SHARDED, GATHERING, GATHERED = ParamState.SHARDED, ParamState.GATHERING, ParamState.GATHERED
+
+_LOCAL_BACKWARD = (
+    "zero_ext.ZeroAdamW(stage=3): backward through a forward that ran inside `opt.gathered_params()`. A forward "
+    "there is local to its rank (evaluation, generation: no collective, the gather schedule untouched), so its "
+    "gradients cannot be reduced with the other ranks'. Run training forwards and backwards outside the context; "
+    "evaluate inside it under `torch.no_grad()`"
+)
 
 
 class ParamGather:
@@ -212,6 +231,9 @@ class ParamGather:
             self._gather(rt, wait=True)
             return
         if not (self._stack or self._manual or in_backward()):
+            refusal = wrapping_in_ddp()
+            if refusal is not None:
+                raise RuntimeError(refusal)
             name = getattr(func, "__name__", str(func))
             raise RuntimeError(
                 f"zero_ext.ZeroAdamW(stage=3): parameter {param._zero_ext_name!r} is sharded here (outside forward "
@@ -227,8 +249,17 @@ class ParamGather:
                 rt.forward_users += 1  # in use like its own parameters until the module's post-hook
 
     # ---------------------------------------------------------------- forward
+    def _local(self) -> bool:
+        """A forward that began inside ``gathered_params()``: every bucket is gathered and in use, so it needs no
+        gather, and it is often one rank's alone (evaluation or generation on rank 0). It runs on the hooks'
+        bypass: no collective, and nothing it does reaches the trace, the prefetch schedule or the window, which
+        must stay the same on every rank (the next step's gathers pair up across ranks in their order)."""
+        return bool(self._manual) and not self._stack
+
     @torch.compiler.disable
     def _pre_forward(self, module, args):
+        if self._local():
+            return None
         if in_backward():
             # Activation checkpointing recomputing a forward inside backward (and perhaps stopping it early, so
             # no post-hook may follow): gather, and hold until the module's backward or the bucket's READY.
@@ -256,6 +287,10 @@ class ParamGather:
 
     @torch.compiler.disable
     def _post_forward(self, module, _args, output) -> None:
+        if self._local():
+            if torch.is_grad_enabled():
+                refuse_backward(output, _LOCAL_BACKWARD)
+            return
         if in_backward():
             return
         self._stack.pop()
@@ -395,7 +430,8 @@ class ParamGather:
 
     @contextlib.contextmanager
     def gathered(self):
-        """Every bucket gathered and in use for the duration (collective)."""
+        """Every bucket gathered and in use for the duration (collective: every rank enters). A forward that begins
+        inside is local to its rank (see :meth:`_local`): rank 0 alone may evaluate or generate."""
         self._manual += 1
         try:
             for rt in self.runtime.values():

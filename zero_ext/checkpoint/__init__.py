@@ -3,7 +3,8 @@ consolidate offline.
 
 - :func:`save` / :func:`load` (``saving.py``, ``loading.py``): collective; every rank writes or reads only its own
   byte ranges.
-- :class:`Checkpoint` (``reader.py``): a checkpoint's verified metadata and where any parameter's elements live.
+- :class:`Checkpoint` (``reader.py``): a checkpoint's verified metadata and where any parameter's elements live;
+  :func:`read_extra`: the ``extra`` it was saved with, read before the model is built (no process group).
 - :func:`consolidate` / ``python -m zero_ext.checkpoint consolidate PATH OUT`` (``consolidate.py``): no process
   group, no GPU; streams parameter by parameter into ``OUT/optimizer.safetensors`` (fp32 ``param/<name>``, then
   ``<kind>/<name>`` for every moment of the parameter's update rule under torch.optim's names, ``step/<name>``;
@@ -15,7 +16,16 @@ consolidate offline.
 from .consolidate import adamw_state_dict, consolidate
 from .format import FORMAT_VERSION, CheckpointError
 from .loading import load
-from .reader import Checkpoint
+from .reader import Checkpoint, read_extra
 from .saving import save
 
-__all__ = ["save", "load", "consolidate", "adamw_state_dict", "Checkpoint", "CheckpointError", "FORMAT_VERSION"]
+__all__ = [
+    "save",
+    "load",
+    "read_extra",
+    "consolidate",
+    "adamw_state_dict",
+    "Checkpoint",
+    "CheckpointError",
+    "FORMAT_VERSION",
+]

@@ -9,10 +9,12 @@ import bisect
 import glob
 import os
 import zlib
+from typing import Any
 
 import numpy as np
 import torch
 
+from . import side_files
 from .format import MARKER, META, CheckpointError, dtype_of, rank_stem, read_json
 from .schema import check_coverage, check_marker, check_meta, check_model_record, check_rank
 
@@ -209,3 +211,17 @@ class Checkpoint:
         for r in self._readers.values():
             r.close()
         self._readers.clear()
+
+
+def read_extra(path: str | os.PathLike) -> Any:
+    """The ``extra`` a checkpoint was saved with (``save(path, opt, extra=...)``), None when it has none: what
+    ``load`` returns, read before anything is built, so that a trainer can build its model from arguments it saved
+    there (``extra={"model_args": ..., "step": ...}``), then build the optimizer and ``load``. Needs no process group,
+    optimizer, model or GPU (tensors come back on the CPU); reads only, so every rank may call it. Verified as
+    ``load`` verifies: the completion marker, the metadata and the checksums of the files read; a damaged or
+    incomplete checkpoint raises :class:`CheckpointError`."""
+    ck = Checkpoint(path)
+    try:
+        return side_files.read_extra(ck.path, ck.crcs)
+    finally:
+        ck.close()

@@ -160,7 +160,8 @@ def save(path: str | os.PathLike, optimizer, *, extra: Any = None, timeout: floa
     With ``module=`` on the optimizer the checkpoint also holds the model's own state (frozen parameters, buffers,
     the names of tied weights, a transformers config). ``extra``: your own state saved beside it, taken from rank 0
     (e.g. ``{"scheduler": scheduler.state_dict(), "step": step}``; dicts, lists, tuples, strings, numbers, None and
-    tensors); :func:`zero_ext.checkpoint.load` returns it."""
+    tensors); :func:`zero_ext.checkpoint.load` returns it, and :func:`zero_ext.checkpoint.read_extra` reads it before
+    anything is built (e.g. the arguments to build the model from)."""
     state = sharded_state_of(optimizer, "save")
     comm = state.comm
     path = os.path.abspath(os.fspath(path))
