@@ -257,8 +257,12 @@ def _live_storage_bytes() -> int:
     seen = {}
     for obj in gc.get_objects():
         if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
-            s = obj.untyped_storage()
-            seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
+            try:
+                s = obj.untyped_storage()
+                ptr = s.data_ptr()
+            except RuntimeError:  # a .grad placeholder (grad_placeholders.py): no storage, no bytes
+                continue
+            seen[ptr] = max(seen.get(ptr, 0), s.nbytes())
     return sum(seen.values())
 
 
