@@ -4,6 +4,7 @@ gradients, and comparisons of a ZeroAdamW against it."""
 from __future__ import annotations
 
 import hashlib
+import os
 
 import torch
 
@@ -154,3 +155,13 @@ class FusedReference:
             for kind, full in kinds.items():
                 mine = ref.group.state.read(kind, ref.piece.shard_range).cpu()
                 assert torch.equal(mine, full[ref.param_index][ref.piece.start : ref.piece.end]), f"{ref.name} {kind}"
+
+
+def offload_kwargs(offload, root: str, rank: int, tag: str, window: int) -> dict:
+    """ZeroAdamW's offload keywords for a test run: nvme state in a directory of its own under ``root`` (one per
+    rank and run ``tag``) streamed through ``window`` bytes."""
+    if offload != "nvme":
+        return dict(offload=offload)
+    directory = os.path.join(root, f"{tag}-rank{rank}")
+    os.makedirs(directory, exist_ok=True)
+    return dict(offload="nvme", offload_dir=directory, offload_window=window)

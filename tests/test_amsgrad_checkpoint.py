@@ -23,6 +23,7 @@ from amsgrad_reference import (
     scaled_loss,
 )
 from distributed import run_on_ranks
+from engine_reference import offload_kwargs
 from safetensors.torch import load_file
 from tiny_transformer import batch, build
 
@@ -37,13 +38,7 @@ WINDOW = 3 * 20 * 2048
 
 
 def _optimizer(model, rank, root, tag, stage, offload):
-    kw = {}
-    if offload == "cpu":
-        kw = dict(offload="cpu")
-    elif offload == "nvme":
-        directory = os.path.join(root, f"{tag}-rank{rank}")
-        os.makedirs(directory, exist_ok=True)
-        kw = dict(offload="nvme", offload_dir=directory, offload_window=WINDOW)
+    kw = offload_kwargs(offload, root, rank, tag, WINDOW)
     return build_optimizer(model, AMSGRAD, MAXIMIZE, stage, BUCKET, **kw)
 
 

@@ -27,6 +27,7 @@ from amsgrad_reference import (
     scaled_loss,
 )
 from distributed import run_on_ranks
+from engine_reference import offload_kwargs
 from tiny_transformer import batch, build
 
 from zero_ext import ZeroAdamW
@@ -161,11 +162,7 @@ def test_amsgrad_differing_between_ranks_fails_construction_on_every_rank():
 
 # ---------------------------------------------------------------------------------------------- offload
 def _offload_kw(offload, root, rank, tag):
-    if offload != "nvme":
-        return dict(offload=offload)
-    directory = os.path.join(root, f"{tag}-rank{rank}")
-    os.makedirs(directory, exist_ok=True)
-    return dict(offload="nvme", offload_dir=directory, offload_window=WINDOW)
+    return offload_kwargs(offload, root, rank, tag, WINDOW)
 
 
 def _offload_same(rank, world, root, stage):

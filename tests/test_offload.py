@@ -20,6 +20,7 @@ from distributed import run_on_ranks
 from engine_reference import (
     FusedReference,
     check_against_reference,
+    offload_kwargs,
     rank_grads,
     reference,
     set_mean_grads,
@@ -37,11 +38,7 @@ WINDOW = 3 * 14 * 1024 * 2  # the smallest windows: chunks of 2048 elements, sev
 
 
 def _offload_kw(offload, root, rank, tag):
-    if offload != "nvme":
-        return dict(offload=offload)
-    directory = os.path.join(root, f"{tag}-rank{rank}")
-    os.makedirs(directory, exist_ok=True)
-    return dict(offload="nvme", offload_dir=directory, offload_window=WINDOW)
+    return offload_kwargs(offload, root, rank, tag, WINDOW)
 
 
 def _build(stage, dtype, offload, root, rank, tag, accum=None):
