@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import TYPE_CHECKING, Optional
 
-from .update_rule import MASTER, default_bytes_per_element
+from .update_rule import default_bytes_per_element
 
 if TYPE_CHECKING:  # a type only: buffers.py never imports this module back
     from .buffers import ShardedState
@@ -197,8 +197,7 @@ def report(state: "ShardedState", window=None) -> MemoryReport:
     stage 3's gather scheduler (``param_gather.ParamGather``), whose gathered buckets are bounded, not persistent."""
     stage, world, rank = state.stage, state.world_size, state.rank
     out = MemoryReport(stage, world, 0, 0, rank=rank)
-    state_kinds = [MASTER] + [k for g in state.groups for k in g.rule.kind_names if k != MASTER]
-    state_kinds = list(dict.fromkeys(state_kinds))  # every kind of every rule, once, in order
+    state_kinds = list(dict.fromkeys(k for g in state.groups for k in g.rule.kind_names))  # each once, master first
     alloc: dict[str, int] = dict.fromkeys(("params", "grads", *state_kinds, "grad_shard"), 0)
     where: dict[str, str] = {}
     for group in state.groups:

@@ -60,8 +60,9 @@ class StagingPool:
             raise RuntimeError("StagingPool.size: the pool is already in use")
         self.send_bytes, self.workspace_bytes = send_bytes, workspace_bytes
         self.used = send_bytes + workspace_bytes > 0
-        self.entries = [StagingEntry(send_bytes, workspace_bytes, self.device) for _ in range(self.capacity)]
-        self.entries = self.entries if self.used else []
+        self.entries = (
+            [StagingEntry(send_bytes, workspace_bytes, self.device) for _ in range(self.capacity)] if self.used else []
+        )
 
     @property
     def nbytes(self) -> int:
