@@ -78,23 +78,41 @@ def _trainer(world, out, kind, stage, save_steps, load_best):
     return ZeroSeq2SeqTrainer(model=model, args=args, zero_stage=stage, **data)
 
 
-def _run(rank, world, out, kind, stage, save_steps=EVAL_EVERY, load_best=True, resume=None):
+def _storage_bytes(model):
+    """Bytes of the distinct storages the model's parameters are views of: what is alive (a released stage 3 bucket's
+    storage has zero bytes), not what the engine counts."""
+    storages = {}
+    for p in model.parameters():
+        storage = p.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _run(rank, world, out, kind, stage, save_steps=EVAL_EVERY, load_best=True, resume=None, build_first=False):
     """Train (evaluating every EVAL_EVERY steps; saving every ``save_steps``; with ``load_best``, the best checkpoint
-    is loaded at the end), evaluate, predict with generation, save_model; rank 0 reloads the saved model with
-    from_pretrained. Returns what every rank saw (and how many forwards its generation ran), and on rank 0 the
-    reloaded weights and the trained ones."""
+    is loaded at the end; with ``build_first``, the optimizer exists before ``train()`` loads ``resume``'s weights),
+    evaluate, predict with generation, save_model; rank 0 reloads the saved model with from_pretrained. Returns what
+    every rank saw, how many forwards its generation ran, the parameter bytes alive during and after them and the
+    model's own parameter bytes, and on rank 0 the reloaded weights and the trained ones."""
     from transformers import GPT2LMHeadModel
 
     with _launched_as(rank, world):
         trainer = _trainer(world, out, kind, stage, save_steps, load_best)
+        if build_first:
+            trainer.create_optimizer()
         trainer.train(resume_from_checkpoint=resume)
         evals = [(e["step"], e["eval_loss"]) for e in trainer.state.log_history if "eval_loss" in e]
         metrics = trainer.evaluate()
         trainer.args.per_device_eval_batch_size = 1  # one prompt per batch: no padding
-        forwards = []
-        counting = trainer.model.register_forward_pre_hook(lambda *_: forwards.append(1))
+        alive = []  # at each forward of the generation
+        counting = trainer.model.register_forward_pre_hook(lambda m, _: alive.append(_storage_bytes(m)))
         predicted = trainer.predict(PromptDataset(), max_length=SEQ)
         counting.remove()
+        memory = (
+            max(alive),
+            _storage_bytes(trainer.model),
+            sum(p.numel() * p.element_size() for p in trainer.model.parameters()),
+        )
         final = os.path.join(out, "final")
         trainer.save_model(final)
         seen = (_curve(trainer), evals, metrics["eval_loss"], predicted.predictions.tolist())
@@ -106,7 +124,7 @@ def _run(rank, world, out, kind, stage, save_steps=EVAL_EVERY, load_best=True, r
         elif rank == 0:
             trained = _weights(trainer.model)
         loaded = _weights(GPT2LMHeadModel.from_pretrained(final)) if rank == 0 else None
-        return seen, len(forwards), loaded, trained
+        return seen, (len(alive), *memory), loaded, trained
 
 
 def _close(a, b, what):
@@ -137,7 +155,11 @@ def test_stage3_trains_evaluates_generates_and_saves_like_ddp(tmp_path, zero3):
     (curve, evals, eval_loss, predictions), _, loaded, trained = zero[0]
     (ref_curve, ref_evals, ref_eval_loss, ref_predictions), _, ref_loaded, _ = ddp[0]
     assert zero[1][0] == zero[0][0], "every rank sees the same curve, evaluations and predictions"
-    assert zero[0][1] != zero[1][1], "the ranks' generations must run different numbers of forwards"
+    assert zero[0][1][0] != zero[1][1][0], "the ranks' generations must run different numbers of forwards"
+    for rank, (_, during, after, model_bytes) in enumerate(r[1] for r in zero):
+        # The whole model is gathered for the loop (its buckets' padding aside) and released after it.
+        assert model_bytes <= during <= 1.05 * model_bytes, (rank, during, model_bytes)
+        assert after == 0, (rank, after)
     assert [c[0] for c in curve] == list(range(1, STEPS + 1))
     _close(curve, ref_curve, "training curve")
     assert [e[0] for e in evals] == list(range(EVAL_EVERY, STEPS + 1, EVAL_EVERY))
@@ -158,14 +180,15 @@ def test_stage3_trains_evaluates_generates_and_saves_like_ddp(tmp_path, zero3):
 @needs_hf
 def test_resume_crosses_stages_2_and_3(tmp_path, zero3):
     """Stage 2 resumes from the stage 3 run's checkpoint at step SAVE_AT and saves its own checkpoints; stage 3
-    resumes from its checkpoint at step SAVE_AT + 2. Both continue the uninterrupted stage 3 run bit for bit (the
+    resumes from its checkpoint at step SAVE_AT + 2, its optimizer built first (the Trainer loads the checkpoint's
+    weights into the sharded model, through gathered_params). Both continue the uninterrupted stage 3 run bit for bit (the
     optimizer shards, scheduler and every rank's generators come back; stages 2 and 3 compute the same values), and
     evaluate, generate and save what it does."""
     out, zero = zero3
     stage2 = str(tmp_path / "stage2")
     resumed2 = run_on_ranks(2, _run, stage2, "zero", 2, EVAL_EVERY, True, os.path.join(out, f"checkpoint-{SAVE_AT}"))
     resumed3 = run_on_ranks(2, _run, str(tmp_path / "stage3"), "zero", 3, EVAL_EVERY, True,
-                            os.path.join(stage2, f"checkpoint-{SAVE_AT + 2}"))  # fmt: skip
+                            os.path.join(stage2, f"checkpoint-{SAVE_AT + 2}"), True)  # fmt: skip
     (curve, evals, eval_loss, predictions), _, loaded, _ = zero[0]
     for resumed, start, what in (
         (resumed2, SAVE_AT, "stage 2 from stage 3"),
