@@ -3,8 +3,10 @@
 
     from zero_ext.integrations.transformers import ZeroTrainer
     trainer = ZeroTrainer(model=model, args=TrainingArguments(...), train_dataset=ds, zero_stage=2)
-    trainer.train()                                # or train(resume_from_checkpoint=...) at any world size
+    trainer.train()                                # or train(resume_from_checkpoint=...) at any world size and stage
     trainer.save_model(out)                        # loads with from_pretrained(out)
+
+``ZeroSeq2SeqTrainer`` is the same over ``Seq2SeqTrainer`` (``predict_with_generate``).
 
 What happens to each of the Trainer's habits:
 
@@ -29,11 +31,36 @@ What happens to each of the Trainer's habits:
   samples, dropout masks differ from the uninterrupted run (without dropout the curve continues to fp32 rounding).
 - ``save_model``: at stages 1 and 2 every rank holds the full parameters after ``step()``, so the Trainer's own
   ``save_pretrained`` on the main process writes them: the optimizer's fp32 master, or its rounding to the param
-  dtype, exactly what :func:`zero_ext.checkpoint.consolidate` of the same step writes. Not collective.
+  dtype, exactly what :func:`zero_ext.checkpoint.consolidate` of the same step writes. Not collective at stages 1
+  and 2; collective at stage 3 (below), as transformers documents ``save_model`` anyway: call it on every rank.
 
 - *Device placement*: ZeroAdamW's flat buffers hold the parameters, so the model is placed before the optimizer is
   built and never moved after (a move copies tensors out of the buffers: refused). A placement that would move
   nothing is skipped; on CPU the Trainer's ``model.to("cpu:0")`` would otherwise copy every tensor.
+
+Stage 3 (``zero_stage=3``: the parameters are sharded too; outside forward and backward each rank holds only its
+shard, and reading a parameter there raises an error naming it):
+
+- *Training*: every module's forward and backward gathers its parameters (collectives), so every rank must run the
+  same forwards: the Trainer's training loop does (the distributed sampler gives every rank as many batches).
+- *Evaluation* (``evaluate()``, ``predict()``, the evaluations during ``train()``, ``Seq2SeqTrainer``'s generation):
+  ``evaluation_loop`` runs inside one ``opt.gathered_params()`` on every rank. A forward there is local (no
+  collective, the gather schedule untouched), so the ranks may run different numbers of forwards: generation runs
+  one per new token and stops when its batch is done, prompts differ in length per rank, and with accelerate's
+  ``even_batches=False`` the ranks get unequal batches. Chosen over forwards kept in step across ranks (generate's
+  ``synced_gpus``, as under DeepSpeed ZeRO-3: every rank runs as many forwards as the slowest, each gathering every
+  bucket) because it is right for any evaluation code and communicates the model once per loop instead of once
+  per forward and token. The cost: for the whole loop every rank holds the full parameters in the param dtype (2
+  or 4 bytes per parameter, what DDP holds throughout) beside its shards; a model whose parameters do not fit on
+  one device cannot evaluate here.
+- ``save_model`` (and each checkpoint's weights): inside ``opt.gathered_params()`` on every rank (the same full
+  parameters, briefly), then the main process writes; collective.
+- *Loading weights into the model* (``load_best_model_at_end``; ``resume_from_checkpoint`` once the optimizer
+  exists, e.g. after ``create_optimizer()``): inside ``opt.gathered_params(modifier_rank=0)``: every rank reads the
+  same file and rank 0's values go into the shards and the fp32 master.
+- Anything else that reads ``trainer.model``'s parameters after the optimizer exists (``model.generate`` in a
+  callback, ``model.save_pretrained``) does it inside ``with trainer.zero_optimizer.gathered_params():`` on every
+  rank. The Trainer itself reads only shapes and sizes, which shards keep.
 
 Refused with a clear error: DeepSpeed, FSDP, tensor/context parallelism (ZeroAdamW is the data-parallel engine),
 ``nn.DataParallel`` (several GPUs in one process), fp16 loss scaling (bf16 autocast and fp32 work),
@@ -94,8 +121,9 @@ class ZeroTrainer(Trainer):
     (see the module docstring for each Trainer habit).
 
     Args:
-        zero_stage: 1 (optimizer state sharded) or 2 (gradients too).
-        zero_options: further ZeroAdamW keywords: ``bucket_size``, ``reduce_dtype``, ``staging_buffers``. The
+        zero_stage: 1 (optimizer state sharded), 2 (gradients too) or 3 (parameters too).
+        zero_options: further ZeroAdamW keywords: ``bucket_size``, ``reduce_dtype``, ``staging_buffers``, ``offload``;
+            at stage 3 ``reshard_after_forward`` and ``prefetch``. The
             hyperparameters, ``stage``, ``module``, clipping and the process group (the world) come from the Trainer
             and its ``TrainingArguments``.
         *args, **kwargs: ``Trainer``'s. ``optimizers=(opt, scheduler)`` may pass a ZeroAdamW built with
