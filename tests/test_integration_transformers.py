@@ -142,6 +142,8 @@ def _refusals(rank, world, out):
     from zero_ext import ZeroAdamW
 
     with _launched_as(rank, world):
+        with pytest.raises(ValueError, match=r"`zero_stage` must be 1, 2 or 3, got 4"):
+            _trainer(world, out, stage=4)
         with pytest.raises(ValueError, match=r"`zero_options` may not set \['lr'\]"):
             _trainer(world, out, zero_options={"lr": 1.0})
         with pytest.raises(ValueError, match="`optim` must name plain AdamW"):
@@ -265,5 +267,7 @@ def test_without_transformers_zero_trainer_names_the_extra(monkeypatch):
     module = importlib.import_module("zero_ext.integrations.transformers")
     with pytest.raises(ImportError, match=r"pip install \"zero_ext\[hf\]\""):
         module.ZeroTrainer
+    with pytest.raises(ImportError, match=r"pip install \"zero_ext\[hf\]\""):
+        module.ZeroSeq2SeqTrainer
     with pytest.raises(ImportError, match=r"zero_ext\[hf\]"):
         exec("from zero_ext.integrations.transformers import ZeroTrainer", {})
