@@ -142,6 +142,8 @@ def _refusals(rank, world, out):
     from zero_ext import ZeroAdamW
 
     with _launched_as(rank, world):
+        with pytest.raises(ValueError, match=r"`zero_stage` must be 1, 2 or 3, got 4"):
+            _trainer(world, out, stage=4)
         with pytest.raises(ValueError, match=r"`zero_options` may not set \['lr'\]"):
             _trainer(world, out, zero_options={"lr": 1.0})
         with pytest.raises(ValueError, match="`optim` must name plain AdamW"):
@@ -179,7 +181,7 @@ RTOL = 1e-6
 @pytest.mark.parametrize("accumulate", [1, 2], ids=["no-accumulation", "accumulate-2"])
 def test_loss_and_grad_norm_match_ddp_and_torch_adamw(tmp_path, accumulate):
     """The same model, data order, dropout, schedule and max_grad_norm (active at every step) through transformers'
-    Trainer (which wraps the model in DDP and steps torch AdamW) and through ZeroTrainer at stages 2 and 1 (no
+    Trainer (which wraps the model in DDP and steps torch AdamW) and through ZeroTrainer at stages 3, 2 and 1 (no
     wrapper): the logged losses, grad norms and learning rates agree, and so do the final weights."""
     overrides = {"gradient_accumulation_steps": accumulate}
     if accumulate > 1:
@@ -187,7 +189,7 @@ def test_loss_and_grad_norm_match_ddp_and_torch_adamw(tmp_path, accumulate):
     ref, ref_wrapped, ref_weights = run_on_ranks(2, _train, str(tmp_path / "ddp"), "ddp", None, 0.1, None, None,
                                                  overrides)[0]  # fmt: skip
     assert ref_wrapped == "DistributedDataParallel"
-    for stage in (2, 1):
+    for stage in (3, 2, 1):
         results = run_on_ranks(2, _train, str(tmp_path / f"zero{stage}"), "zero", stage, 0.1, None, None, overrides)
         curve, wrapped, weights = results[0]
         assert wrapped == "GPT2LMHeadModel", "ZeroTrainer must not wrap the model"
@@ -265,5 +267,7 @@ def test_without_transformers_zero_trainer_names_the_extra(monkeypatch):
     module = importlib.import_module("zero_ext.integrations.transformers")
     with pytest.raises(ImportError, match=r"pip install \"zero_ext\[hf\]\""):
         module.ZeroTrainer
+    with pytest.raises(ImportError, match=r"pip install \"zero_ext\[hf\]\""):
+        module.ZeroSeq2SeqTrainer
     with pytest.raises(ImportError, match=r"zero_ext\[hf\]"):
         exec("from zero_ext.integrations.transformers import ZeroTrainer", {})

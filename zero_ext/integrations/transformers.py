@@ -3,8 +3,10 @@
 
     from zero_ext.integrations.transformers import ZeroTrainer
     trainer = ZeroTrainer(model=model, args=TrainingArguments(...), train_dataset=ds, zero_stage=2)
-    trainer.train()                                # or train(resume_from_checkpoint=...) at any world size
+    trainer.train()                                # or train(resume_from_checkpoint=...) at any world size and stage
     trainer.save_model(out)                        # loads with from_pretrained(out)
+
+``ZeroSeq2SeqTrainer`` is the same over ``Seq2SeqTrainer`` (``predict_with_generate``).
 
 What happens to each of the Trainer's habits:
 
@@ -29,11 +31,36 @@ What happens to each of the Trainer's habits:
   samples, dropout masks differ from the uninterrupted run (without dropout the curve continues to fp32 rounding).
 - ``save_model``: at stages 1 and 2 every rank holds the full parameters after ``step()``, so the Trainer's own
   ``save_pretrained`` on the main process writes them: the optimizer's fp32 master, or its rounding to the param
-  dtype, exactly what :func:`zero_ext.checkpoint.consolidate` of the same step writes. Not collective.
+  dtype, exactly what :func:`zero_ext.checkpoint.consolidate` of the same step writes. Not collective at stages 1
+  and 2; collective at stage 3 (below), as transformers documents ``save_model`` anyway: call it on every rank.
 
 - *Device placement*: ZeroAdamW's flat buffers hold the parameters, so the model is placed before the optimizer is
   built and never moved after (a move copies tensors out of the buffers: refused). A placement that would move
   nothing is skipped; on CPU the Trainer's ``model.to("cpu:0")`` would otherwise copy every tensor.
+
+Stage 3 (``zero_stage=3``: the parameters are sharded too; outside forward and backward each rank holds only its
+shard, and reading a parameter there raises an error naming it):
+
+- *Training*: every module's forward and backward gathers its parameters (collectives), so every rank must run the
+  same forwards: the Trainer's training loop does (the distributed sampler gives every rank as many batches).
+- *Evaluation* (``evaluate()``, ``predict()``, the evaluations during ``train()``, ``Seq2SeqTrainer``'s generation):
+  ``evaluation_loop`` runs inside one ``opt.gathered_params()`` on every rank. A forward there is local (no
+  collective, the gather schedule untouched), so the ranks may run different numbers of forwards: generation runs
+  one per new token and stops when its batch is done, prompts differ in length per rank, and with accelerate's
+  ``even_batches=False`` the ranks get unequal batches. Chosen over forwards kept in step across ranks (generate's
+  ``synced_gpus``, as under DeepSpeed ZeRO-3: every rank runs as many forwards as the slowest, each gathering every
+  bucket) because it is right for any evaluation code and communicates the model once per loop instead of once
+  per forward and token. The cost: for the whole loop every rank holds the full parameters in the param dtype (2
+  or 4 bytes per parameter, what DDP holds throughout) beside its shards; a model whose parameters do not fit on
+  one device cannot evaluate here.
+- ``save_model`` (and each checkpoint's weights): inside ``opt.gathered_params()`` on every rank (the same full
+  parameters, briefly), then the main process writes; collective.
+- *Loading weights into the model* (``load_best_model_at_end``; ``resume_from_checkpoint`` once the optimizer
+  exists, e.g. after ``create_optimizer()``): inside ``opt.gathered_params(modifier_rank=0)``: every rank reads the
+  same file and rank 0's values go into the shards and the fp32 master.
+- Anything else that reads ``trainer.model``'s parameters after the optimizer exists (``model.generate`` in a
+  callback, ``model.save_pretrained``) does it inside ``with trainer.zero_optimizer.gathered_params():`` on every
+  rank. The Trainer itself reads only shapes and sizes, which shards keep.
 
 Refused with a clear error: DeepSpeed, FSDP, tensor/context parallelism (ZeroAdamW is the data-parallel engine),
 ``nn.DataParallel`` (several GPUs in one process), fp16 loss scaling (bf16 autocast and fp32 work),
@@ -60,14 +87,14 @@ from . import rng
 # go back to its own (e.g. torch.save of rank 0's shard alone): refuse instead.
 _OVERRIDDEN = ("create_accelerator_and_postprocess", "create_optimizer", "_move_model_to_device",
                "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler", "_save_rng_state", "_load_rng_state",
-               "save_model")  # fmt: skip
+               "save_model", "_load_from_checkpoint", "_load_best_model", "evaluation_loop")  # fmt: skip
 # Without a suitable transformers this module still imports (as every zero_ext module does), but hands out no
 # ZeroTrainer: `from zero_ext.integrations.transformers import ZeroTrainer` raises this ImportError (see the end).
 _UNAVAILABLE: Optional[tuple[str, Optional[BaseException]]] = None
 try:
-    from transformers import Trainer
+    from transformers import Seq2SeqTrainer, Trainer
 except ImportError as e:
-    Trainer = object  # type: ignore[assignment,misc]
+    Trainer = Seq2SeqTrainer = object  # type: ignore[assignment,misc]
     _UNAVAILABLE = ('zero_ext.integrations.transformers needs transformers (with accelerate): pip install "zero_ext[hf]"',
                     e)  # fmt: skip
 else:
@@ -76,7 +103,7 @@ else:
         _UNAVAILABLE = (f"zero_ext.integrations.transformers: this transformers' Trainer has no {_gone}; "
                         "ZeroTrainer supports transformers 5.x", None)  # fmt: skip
 
-__all__ = ["ZeroTrainer", "ZERO_CHECKPOINT"]
+__all__ = ["ZeroTrainer", "ZeroSeq2SeqTrainer", "ZERO_CHECKPOINT"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +121,9 @@ class ZeroTrainer(Trainer):
     (see the module docstring for each Trainer habit).
 
     Args:
-        zero_stage: 1 (optimizer state sharded) or 2 (gradients too).
-        zero_options: further ZeroAdamW keywords: ``bucket_size``, ``reduce_dtype``, ``staging_buffers``. The
+        zero_stage: 1 (optimizer state sharded), 2 (gradients too) or 3 (parameters too).
+        zero_options: further ZeroAdamW keywords: ``bucket_size``, ``reduce_dtype``, ``staging_buffers``, ``offload``;
+            at stage 3 ``reshard_after_forward`` and ``prefetch``. The
             hyperparameters, ``stage``, ``module``, clipping and the process group (the world) come from the Trainer
             and its ``TrainingArguments``.
         *args, **kwargs: ``Trainer``'s. ``optimizers=(opt, scheduler)`` may pass a ZeroAdamW built with
@@ -103,8 +131,8 @@ class ZeroTrainer(Trainer):
     """
 
     def __init__(self, *args, zero_stage: int = 2, zero_options: Optional[dict[str, Any]] = None, **kwargs):
-        if zero_stage not in (1, 2):
-            raise ValueError(f"ZeroTrainer: `zero_stage` must be 1 or 2, got {zero_stage!r}")
+        if zero_stage not in (1, 2, 3):
+            raise ValueError(f"ZeroTrainer: `zero_stage` must be 1, 2 or 3, got {zero_stage!r}")
         options = dict(zero_options or {})
         owned = sorted(set(options) & _TRAINER_OWNED)
         if owned:
@@ -293,18 +321,53 @@ class ZeroTrainer(Trainer):
         rng.restore(self._zero_rng[1], self.zero_optimizer.sharded_state.comm.rank)
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
-        """The Trainer's ``save_model`` (``save_pretrained`` on the main process; not collective), once this rank's
-        parameter all-gathers are complete."""
+        """The Trainer's ``save_model`` (``save_pretrained`` on the main process) on the full parameters: at stages 1
+        and 2 once this rank's parameter all-gathers are complete (not collective); at stage 3 inside
+        ``gathered_params()`` (collective: every rank calls it, as the Trainer does)."""
+        with self._full_parameters():
+            super().save_model(output_dir, _internal_call=_internal_call)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """The Trainer's, writing into the shards at stage 3 (every rank reads the same file; rank 0's copy is kept).
+        At the start of ``train()`` the optimizer does not exist yet and the model is an ordinary one."""
+        with self._full_parameters(modifier_rank=0):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self) -> None:
+        with self._full_parameters(modifier_rank=0):
+            super()._load_best_model()
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluation_loop(self, *args, **kwargs):
+        """The Trainer's loop (``evaluate()``, ``predict()``, ``Seq2SeqTrainer``'s generation) on the full parameters
+        at stage 3: every rank runs it inside one ``gathered_params()``, so each forward is local (no collective),
+        and a rank may run more forwards than another (generation stops per batch; the last batch is smaller)."""
+        with self._full_parameters():
+            return super().evaluation_loop(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _full_parameters(self, modifier_rank: Optional[int] = None):
+        """Stage 3: the optimizer's ``gathered_params()`` (collective), writing rank ``modifier_rank``'s changes back;
+        otherwise (stages 1 and 2, or no optimizer yet) the parameters are full already: wait for their gathers."""
         opt = self.zero_optimizer
-        if opt is not None:
-            opt.wait_for_params()
-        super().save_model(output_dir, _internal_call=_internal_call)
+        if opt is None or opt.stage != 3:
+            if opt is not None:
+                opt.wait_for_params()
+            yield
+            return
+        with opt.gathered_params(modifier_rank=modifier_rank):
+            yield
 
     def _require_optimizer(self, what: str) -> ZeroAdamW:
         opt = self.zero_optimizer
         if opt is None:
             raise RuntimeError(f"ZeroTrainer: cannot {what} before the optimizer exists")
         return opt
+
+
+class ZeroSeq2SeqTrainer(ZeroTrainer, Seq2SeqTrainer):
+    """:class:`ZeroTrainer` over transformers' ``Seq2SeqTrainer``: ``predict_with_generate`` generates in
+    ``evaluate()`` and ``predict()`` (inside ``gathered_params()`` at stage 3, like every evaluation forward)."""
 
 
 def _on_device(model: torch.nn.Module, device) -> bool:
@@ -329,9 +392,9 @@ def _check_all_trainable(parameters, opt: ZeroAdamW) -> None:
 
 
 if _UNAVAILABLE is not None:
-    del ZeroTrainer
+    del ZeroTrainer, ZeroSeq2SeqTrainer
 
     def __getattr__(name: str):
-        if name == "ZeroTrainer":
+        if name in ("ZeroTrainer", "ZeroSeq2SeqTrainer"):
             raise ImportError(_UNAVAILABLE[0]) from _UNAVAILABLE[1]
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
