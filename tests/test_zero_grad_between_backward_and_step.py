@@ -160,3 +160,33 @@ def _replaced_at_stage1(rank, world, stage):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_gradient_replaced_after_backward_is_refused_on_every_rank(stage):
     assert all(run_on_ranks(2, _replaced_at_stage1, stage))
+
+
+def _create_graph(rank, world, stage):
+    """Under ``backward(create_graph=True)`` autograd adds a new gradient to ``.grad`` out of place, replacing the
+    placeholder with the sum it made: that is accumulation, not a drop (the earlier gradient stays), while a
+    ``model.zero_grad()`` between the two passes still drops the first."""
+    model = build(torch.float32)
+    opt = ZeroAdamW(model.named_parameters(), **HYPER, stage=stage, bucket_size=BUCKET, module=model)
+    ref_model = build(torch.float32)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), **HYPER)
+    for step in range(2):
+        for micro in range(2):
+            _accumulate(ref_model, 10 * step + micro, world)
+            loss_fn(model, batch(10 * step + micro, rank)).backward(create_graph=True)
+            if step == 1 and micro == 0:
+                ref_model.zero_grad()
+                model.zero_grad()
+        ref_opt.step()
+        opt.step()
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        with opt.gathered_params():
+            check_against_reference(opt, model, list(ref_model.parameters()), rank)
+    return True
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_accumulation_under_create_graph_is_not_a_drop(stage):
+    assert all(run_on_ranks(2, _create_graph, stage))

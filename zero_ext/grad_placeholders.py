@@ -172,10 +172,11 @@ class GradPlaceholders:
         with _plain_params():
             for _, gidx, p in self.members:
                 ph = self._ph[gidx]
-                if p.grad is ph:
+                grad = p.grad
+                if grad is ph:
                     p.grad = ph._added if ph._added is not None else self._restore.get(gidx)
-                elif gidx in self._restore:
-                    gone.append(gidx)
+                elif gidx in self._restore and (ph._added is None or grad is not ph._added):
+                    gone.append(gidx)  # (not the sum autograd made out of place, under create_graph=True)
                 ph._added = None
         self._restore.clear()
         self.installed = False
