@@ -115,6 +115,7 @@ def _eval_outside(rank, world, root):
     return True
 
 
+@pytest.mark.slow  # (~22 s while it fails: the bound, then the pool is respawned)
 @pytest.mark.xfail(
     strict=True,
     reason="rank-0 evaluation outside gathered_params() at stage 3 raises on every rank only with the branch that "
