@@ -162,7 +162,7 @@ def _wrong_state_dict_on_one_rank(rank, world):
     opt.step()
     before = _everything(model, opt)
     t0 = time.monotonic()
-    match = "saved rank=" if rank > 0 else r"failed to load on rank\(s\)"
+    match = "saved by rank" if rank > 0 else r"failed to load on rank\(s\)"
     with pytest.raises(ValueError, match=match):
         opt.load_state_dict(dicts[max(rank - 1, 0)])
     assert time.monotonic() - t0 < 10

@@ -26,9 +26,13 @@ Any other use (reading values: ``p.grad.sum()``, ``p.grad * 2``, ``.cpu()``, ``c
 into ``.grad``) raises on every rank that makes it, naming ``opt.clip_grad_norm_``; ``repr`` says what it is. The
 placeholders go before anything else touches the gradients: at the next backward's first gradient (scaling still
 pending is then applied, so accumulation continues from the clipped gradients, as with torch), at ``step()`` and at
-``zero_grad()``; ``model.zero_grad()`` just drops them (``.grad = None``). Stage 1 keeps its gradients across
-``step()`` as torch does, so after a step that applied a clipping they come back (see :meth:`after_step`). Inside
-``no_sync()`` stage 1's ``.grad`` is this rank's accumulated gradient, as under DDP; nothing is installed.
+``zero_grad()``. ``model.zero_grad()`` (or ``p.grad = None``) between backward and ``step()`` drops them, and with
+them the gradients, as torch drops a ``.grad`` set to None: a placeholder found gone at ``step()`` or at the next
+backward zeroes the parameter's pieces of the shards, and the step leaves the parameter alone (before, stages 2 and 3,
+whose shard is the only copy of the gradient, applied it anyway). Stage 1 keeps its gradients across ``step()`` as
+torch does, so after a step that applied a clipping (with ``grad_accum_dtype=torch.float32``: after every step, so that
+``model.zero_grad()`` reaches that buffer) they come back (see :meth:`after_step`). Inside ``no_sync()`` stage 1's
+``.grad`` is this rank's accumulated gradient, as under DDP; nothing is installed.
 
 Cost when nothing clips: installing and dropping them, ~0.9 us a parameter per step on this CPU (100 parameters,
 stages 1-3); no memory.
@@ -159,17 +163,37 @@ class GradPlaceholders:
 
     def drop(self) -> None:
         """Every ``.grad`` that is still a placeholder becomes what it stood for again (None; stage 1: its view of
-        the flat grad buffer, or None), or the gradient autograd added to it."""
+        the flat grad buffer, or None), or the gradient autograd added to it. A placeholder already gone (the user's
+        ``model.zero_grad()`` or ``p.grad = None`` between backward and step, or before the next backward) dropped
+        its gradient, as torch drops a ``.grad`` set to None: see :meth:`_forget`."""
         if not self.installed:
             return
+        gone = []
         with _plain_params():
             for _, gidx, p in self.members:
                 ph = self._ph[gidx]
-                if p.grad is ph:
+                grad = p.grad
+                if grad is ph:
                     p.grad = ph._added if ph._added is not None else self._restore.get(gidx)
+                elif gidx in self._restore and (ph._added is None or grad is not ph._added):
+                    gone.append(gidx)  # (not the sum autograd made out of place, under create_graph=True)
                 ph._added = None
         self._restore.clear()
         self.installed = False
+        if gone:
+            self._forget(gone)
+
+    def _forget(self, gone: list[int]) -> None:
+        """The gradients of ``gone`` were dropped by the user: their pieces of the grad shard (and stage 1's fp32
+        buffer slots) are zeroed before anything reads or adds to them (:meth:`settle` or :meth:`on_backward`
+        materialises), and they no longer count as having a gradient, so ``step()`` leaves them alone as torch
+        leaves a parameter whose ``.grad`` is None. At stages 2 and 3 the shard is the only copy of the gradient:
+        without this the step applied it anyway. (A ``.grad`` the user put in its place instead is refused at
+        ``step()`` at stages 2 and 3; before the next backward it is that backward's starting value, as in torch.)"""
+        for gidx in gone:
+            self._pending[gidx] = [_ZERO]
+        self.grad_sync.strategy.forget(gone)
+        self._norms = None
 
     def on_backward(self) -> None:
         """A gradient arrived: the gradients change from here, so the placeholders go and recorded scaling is
@@ -195,8 +219,11 @@ class GradPlaceholders:
     def after_step(self) -> None:
         """``step()`` applied the deferred coefficient in its kernel. Stage 1 keeps its gradients until
         ``zero_grad()`` (as torch does), and they still owe it: the placeholders go back on, so that a backward
-        without ``zero_grad()`` first applies it (in :meth:`_accumulate` or :meth:`on_backward`) and then adds."""
-        if self.deferred is not None and self.state.stage == 1:
+        without ``zero_grad()`` first applies it (in :meth:`_accumulate` or :meth:`on_backward`) and then adds.
+        With the fp32 grad buffer they always go back on, so that ``model.zero_grad()`` drops what it holds."""
+        if self.state.stage == 1 and (self.deferred is not None or self._fp32_buffer):
+            # (the fp32 buffer's .grad is None whatever it holds: without placeholders model.zero_grad() could not
+            # reach it, and the gradients would accumulate across steps)
             self._owed = self.deferred
             self.install()
         self.deferred = None
@@ -208,8 +235,8 @@ class GradPlaceholders:
 
     def _uniform(self) -> bool:
         first = self._pending.get(self.members[0][1])
-        if first is None or len(self._pending) != len(self.members):
-            return False
+        if first is None or len(self._pending) != len(self.members) or any(c is _ZERO for c in first):
+            return False  # (a zeroed gradient is zeroed where it is: 0 * inf would be nan in the kernel)
         return all(len(c) == len(first) and all(a is b for a, b in zip(c, first)) for c in self._pending.values())
 
     def _materialise(self) -> None:
@@ -218,6 +245,7 @@ class GradPlaceholders:
         self.grad_sync.finish_grad_sync()
         dev = self.state.update_device
         pending = {g: _product(c, dev) for g, c in self._pending.items()}
+        zeroed = {g for g, c in self._pending.items() if any(x is _ZERO for x in c)}  # zero_(), as torch: inf * 0
         for every in (self.deferred, self._owed):  # coefficients of every gradient
             if every is not None:
                 pending = {g: pending.get(g, 1.0) * every for _, g, _ in self.members}
@@ -227,15 +255,21 @@ class GradPlaceholders:
             for group in self.state.groups:
                 shard = group.state.grad
                 for piece in group.owned_pieces():
-                    coef = pending.get(group.param_indices[piece.index])
-                    if coef is not None:
+                    gidx = group.param_indices[piece.index]
+                    coef = pending.get(gidx)
+                    if gidx in zeroed:
+                        shard[piece.shard_offset : piece.shard_offset + piece.numel].zero_()
+                    elif coef is not None:
                         shard[piece.shard_offset : piece.shard_offset + piece.numel].mul_(coef)
                 if group.grad_buffer is not None:
                     for slot, p in zip(group.layout.slots, group.params):
                         if not self._slot_holds_grad(group.param_indices[slot.index], p):
                             continue  # .grad None: the slot is stale, the next gradient overwrites it (_adopt)
-                        coef = pending.get(group.param_indices[slot.index])
-                        if coef is not None:
+                        gidx = group.param_indices[slot.index]
+                        coef = pending.get(gidx)
+                        if gidx in zeroed:
+                            slot.param_range.of(group.grad_buffer).zero_()
+                        elif coef is not None:
                             slot.param_range.of(group.grad_buffer).mul_(coef.to(group.grad_buffer.device))
         self.grad_sync.strategy.rescaled()
         self.grad_sync.epoch += 1

@@ -81,6 +81,10 @@ class GradStrategy:
     def rescaled(self) -> None:
         """The gradients were scaled in place by the engine itself (``grad_placeholders.py``: torch's clipping)."""
 
+    def forget(self, gidxs: list[int]) -> None:
+        """The user dropped these parameters' gradients (``.grad`` set to None after backward,
+        ``grad_placeholders.py``), whose pieces are being zeroed: they have no gradient for the next ``step()``."""
+
     def zero_grad(self, set_to_none: bool) -> None:
         for group in self.state.groups:
             group.state.grad.zero_()
@@ -144,8 +148,12 @@ class ShardedGradStrategy(GradStrategy):
         self._clean = True
         self._got.clear()
 
+    def forget(self, gidxs: list[int]) -> None:
+        self._got.difference_update(gidxs)
+
     def zero_grad(self, set_to_none: bool) -> None:
-        self._got.clear()
+        if set_to_none:  # (zeroed in place, a gradient is still applied, as zero: torch's decay and moments move)
+            self._got.clear()
         if not self._clean:  # after step() there is nothing to zero: no second pass over the shards
             super().zero_grad(set_to_none)
             self._clean = True
@@ -171,6 +179,7 @@ class BufferedGrads(GradStrategy):
         # The grad buffers' version counters (which every .grad, a view of them, moves) when the last backward had
         # reduced them; None while the buffers hold gradients no reduction has read yet.
         self._reduced_at: Optional[list[int]] = None
+        self._forgotten: dict[int, tuple[FlatGroup, Slot]] = {}  # gidx -> where: a .grad the user replaced?
         for group in state.groups:
             if group.grad_buffer is None or group.grad_buffer.dtype != self.buffer_dtype(group):
                 raise AssertionError(
@@ -241,11 +250,26 @@ class BufferedGrads(GradStrategy):
     def end_round(self) -> None:
         self._unreduced = False
         self._reduced_at = [g.grad_buffer._version for g in self.state.groups]
+        self._forgotten.clear()  # every .grad is its slot again (adopted at launch)
+
+    def forget(self, gidxs: list[int]) -> None:
+        where = {g.param_indices[s.index]: (g, s) for g in self.state.groups for s in g.layout.slots}
+        self._forgotten.update((gidx, where[gidx]) for gidx in gidxs)
 
     def check_no_foreign_grads(self) -> None:
         """A .grad changed in place after backward had reduced it (through a reference kept from before: ``.grad``
         itself is then a placeholder, grad_placeholders.py) would be silently ignored: the step applies the
-        reduction."""
+        reduction. So would a ``.grad`` replaced by another tensor after backward (torch would apply that tensor)."""
+        for group, slot in self._forgotten.values():
+            p = group.params[slot.index]
+            if p.grad is not None and p.grad.data_ptr() != slot.param_range.of(group.grad_buffer).data_ptr():
+                raise ValueError(
+                    f"zero_ext.ZeroAdamW.step: the `.grad` of parameter {group.names[slot.index]!r} was replaced by "
+                    "another tensor after backward; the mean gradient lives in the optimizer's gradient shard, so the "
+                    "new tensor would be silently ignored. Set `.grad` to None to drop a gradient, scale it with "
+                    "torch.nn.utils.clip_grad_norm_ or opt.clip_grad_norm_, or change it in a hook "
+                    "(param.register_hook) before it is reduced"
+                )
         if self._reduced_at is None:
             return
         for group, version in zip(self.state.groups, self._reduced_at):
@@ -284,6 +308,7 @@ class BufferedGrads(GradStrategy):
     def zero_grad(self, set_to_none: bool) -> None:
         super().zero_grad(set_to_none)
         self._reduced_at = None
+        self._forgotten.clear()
         for group in self.state.groups:
             if set_to_none:
                 # No pass over the buffer: the next gradient is copied into its slot (_adopt), and a slot whose
@@ -316,6 +341,9 @@ class Fp32GradBuffer(BufferedGrads):
 
     def got_grads(self) -> set[int]:
         return set(self._got)
+
+    def forget(self, gidxs: list[int]) -> None:
+        self._got.difference_update(gidxs)
 
     def check_no_foreign_grads(self) -> None:
         ShardedGradStrategy.check_no_foreign_grads(self)
@@ -357,7 +385,8 @@ class Fp32GradBuffer(BufferedGrads):
 
     def zero_grad(self, set_to_none: bool) -> None:
         GradStrategy.zero_grad(self, set_to_none)
-        self._got.clear()
+        if set_to_none:  # (zeroed in place, a gradient is still applied, as zero)
+            self._got.clear()
         for group in self.state.groups:
             group.grad_buffer.zero_()
 

@@ -360,7 +360,9 @@ class ZeroAdamW(torch.optim.Optimizer):
         it stage 1 zeroes the buffer in place and ``param.grad`` stays a view of it. Stage 2's ``param.grad``
         is None (after a backward pass: a placeholder, see :meth:`clip_grad_norm_`); its gradients live in the
         fp32 grad shard, which ``step()`` already consumed (zeroed); ``zero_grad()`` zeroes it too (gradients
-        accumulated since the last step are dropped)."""
+        accumulated since the last step are dropped; with ``set_to_none=False`` their parameters keep a zero
+        gradient, which the next ``step()`` applies as torch does: decay and moments move). ``model.zero_grad()``
+        or ``p.grad = None`` between backward and ``step()`` drops those gradients at every stage, as in torch."""
         self._check_open()
         self._grad_sync.zero_grad(set_to_none)
 

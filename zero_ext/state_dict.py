@@ -25,6 +25,10 @@ from .update_rule import MASTER
 # implementation selectors stay as the optimizer has them).
 _HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "maximize")
 _WHERE = "zero_ext.ZeroAdamW.load_state_dict"
+_CHECKPOINT_HINT = (
+    "Save with zero_ext.checkpoint.save(path, opt) and resume with zero_ext.checkpoint.load(path, opt), on every rank "
+    "(any world size; the model's state included with module=)"
+)
 
 
 def _layout_record(state: ShardedState) -> dict[str, Any]:
@@ -70,6 +74,12 @@ def _validate(state: ShardedState, param_groups: Sequence[dict], sd: Any) -> lis
             raise ValueError(f"{_WHERE}: `state_dict` has no {key!r} entry (not a ZeroAdamW state dict?)")
     mine, theirs = _layout_record(state), sd["zero"]
     for key, value in mine.items():
+        if key == "rank" and theirs.get(key) != value and theirs.get("world_size") == state.world_size:
+            raise ValueError(
+                f"{_WHERE}: saved by rank {theirs.get(key)!r}, loaded on rank {value}: a state dict from "
+                f"opt.state_dict() holds its own rank's shard only (one saved by rank 0 alone, `if master_process: "
+                f"torch.save(opt.state_dict(), ...)`, lacks the other ranks'). {_CHECKPOINT_HINT}"
+            )
         if theirs.get(key) != value:
             raise ValueError(
                 f"{_WHERE}: saved {key}={theirs.get(key)!r} but this optimizer has {key}={value!r}; a local state "
@@ -141,7 +151,7 @@ def load_local_state_dict(state: ShardedState, param_groups: Sequence[dict], sd:
         raise error
     if failed:
         raise ValueError(f"{_WHERE}: the state dict failed to load on rank(s) {failed} (see their errors); "
-                         "nothing was changed on any rank")  # fmt: skip
+                         f"nothing was changed on any rank. {_CHECKPOINT_HINT}")  # fmt: skip
     theirs = sd["zero"]
     with torch.no_grad():
         for group in state.groups:
