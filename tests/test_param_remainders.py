@@ -285,3 +285,19 @@ def test_memory_nvme(tmp_path):
     live, ledger, shard, disk, fp32_files = run_on_ranks(2, _memory, 2, "nvme", str(tmp_path))[0]
     assert disk[0] - disk[1] == fp32_files["master"] > 0, (disk, fp32_files)
     assert live == ledger, (live, ledger)
+
+
+# ---------------------------------------------------------------- the rule and the formulas
+def test_rule_stores_a_remainder_and_saves_the_master():
+    from zero_ext.memory import estimate
+    from zero_ext.update_rule import MASTER, REMAINDER, AdamW
+
+    rule = AdamW(torch.bfloat16, amsgrad=True, param_remainders=True)
+    assert rule.kind_names == (REMAINDER, "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    assert rule.kinds[0].dtype == torch.int16 and rule.bytes_per_element() == 14
+    assert rule.saved_kind_names == (MASTER, "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    assert rule.state_dict_names() == ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", MASTER)
+    assert "param_remainders=True" in rule.describe()  # ranks must agree on it
+    assert estimate(1000, 4, 2, param_remainders=True) == 1000 * 2 + 1000 * (2 + 10) / 4
+    with pytest.raises(ValueError, match=r"`param_remainders=True`.*torch.float16"):
+        AdamW(torch.float16, param_remainders=True)

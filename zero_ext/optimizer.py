@@ -112,7 +112,9 @@ class ZeroAdamW(torch.optim.Optimizer):
             whose parameter rounds away from zero instead of to even for that step. State dicts and checkpoints
             hold the fp32 master, so they load across the setting. At stage 3 without offload it saves nothing
             (the kept bf16 shard plus the remainder are the 4 bytes of the fp32 master, which is cast at each
-            gather otherwise); with offload it saves 2 bytes per element of host memory.
+            gather otherwise); with offload it saves 2 bytes per element of host memory. A parameter written in
+            place between steps keeps its remainder: the master becomes the written value plus the old low bits
+            (which still round to it), where the fp32 master would take the written value exactly.
         offload_window: ``offload="nvme"``: bytes of host memory per rank the state streams through (default
             ``zero_ext.offload.DEFAULT_WINDOW``, 128 MiB), split evenly between the flat groups; each share is at least
             one 4 KiB block per kind per slot, and a shard smaller than its share allocates only what it needs.
