@@ -87,12 +87,14 @@ def _against_fp32(fp32, rem, names, fp32_opt, what) -> bool:
     """The remainder run's snapshot against the fp32 run's: state bitwise; params bitwise but at ties, one ulp
     away from zero there. Returns whether some master on some rank is a tie (the runs part from the next step)."""
     _assert_same((fp32[0][:0], fp32[1], fp32[2]), (rem[0][:0], rem[1], rem[2]), what)
-    ties = _ties(fp32_opt)
+    ties, differing = _ties(fp32_opt), 0
     for name, p, q in zip(names, fp32[0], rem[0]):
         diff = p.view(torch.int16) != q.view(torch.int16)
         if diff.any():
             assert ties, f"{what}: {name} differs in {int(diff.sum())} elements and no master is a tie"
             assert torch.equal(q.view(torch.int16)[diff], p.view(torch.int16)[diff] + 1), f"{what}: {name}"
+            differing += int(diff.sum())
+    assert differing == ties, f"{what}: {differing} parameters differ, {ties} masters are ties"  # one each
     return ties > 0
 
 
