@@ -1,6 +1,8 @@
 """The fused AdamW kernel with ``param_remainders`` (bf16 param + int16 remainder as the master) against the default
-fp32 master with a bf16 param_out, on one shard, interleaved round-robin in one process; and the engine's state
-bytes per element of the two (the update rule's kinds, as memory_report() counts them).
+fp32 master with a bf16 param_out, on one shard, interleaved round-robin in one process; and the bytes per
+parameter each saves on the device, in host memory and on disk for every stage and offload, from memory_report()
+of the benchmark GPT on one rank (tests/test_param_remainders.py checks that the ledger's differences are those of
+the live storages).
 
     python bench/bench_param_remainders.py                 # CPU, 2^24 elements
     python bench/bench_param_remainders.py --device cuda   # on a GPU machine
@@ -13,18 +15,43 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness  # noqa: E402
 import torch  # noqa: E402
+from gpt_model import GPT, GPTConfig  # noqa: E402
 
-from zero_ext import master_split, ops  # noqa: E402
+from zero_ext import ZeroAdamW, master_split, ops  # noqa: E402
 from zero_ext.update_rule import AdamW  # noqa: E402
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=3)
 BYTES = {"fp32_master": 28, "remainders": 26}
+
+
+def saved_bytes(device: torch.device) -> list[list]:
+    """[offload, stage, params, B/param saved on the device, host, disk] (fp32 master minus remainders)."""
+    rows = []
+    for offload in (None, "cpu", "nvme"):
+        for stage in (1, 2, 3):
+            media = {}
+            for remainders in (False, True):
+                model = GPT(GPTConfig(d_model=128, n_layers=2)).to(device, torch.bfloat16)
+                kw = dict(offload=offload)
+                scratch = tempfile.mkdtemp(prefix="zero_ext_bench_")
+                if offload == "nvme":
+                    kw.update(offload_dir=scratch, offload_window=1 << 20)
+                opt = ZeroAdamW(model.parameters(), stage=stage, param_remainders=remainders, module=model, **kw)
+                r = opt.memory_report()
+                media[remainders] = [r.bytes_on(m) for m in ("device", "host", "disk")]
+                n = r.num_params
+                opt.close()
+                shutil.rmtree(scratch, ignore_errors=True)
+            rows.append([offload, stage, n, *(f"{(a - b) / n:.2f}" for a, b in zip(media[False], media[True]))])
+    return rows
 
 
 def main() -> None:
@@ -68,7 +95,17 @@ def main() -> None:
         + f"\n\nOptimizer state per owned element: fp32 master {state[False]} B, remainders {state[True]} B "
         "(the bf16 parameter is the master's high half).\n"
     )
+    saved = saved_bytes(device)
+    payload["saved_bytes_per_param"] = [
+        dict(zip(("offload", "stage", "params", "device", "host", "disk"), r)) for r in saved
+    ]
+    headers = ["offload", "stage", "params", "device B/param", "host B/param", "disk B/param"]
+    body += (
+        "\nBytes per parameter that param_remainders=True saves (fp32 master run minus remainders run, one rank, "
+        "memory_report(); negative: more):\n\n" + harness.markdown_table(headers, saved) + "\n"
+    )
     print(harness.text_table(["kernel", "median ms", "q1-q3 ms", "B/elem", "GB/s", "x fp32"], rows))
+    print(harness.text_table(headers, saved))
     for path in harness.write_results(f"param_remainders_{device.type}", meta, payload, body):
         print("wrote", path)
 
