@@ -108,7 +108,7 @@ def state_shards(opt) -> list:
     rule), flat group by flat group, on the host, read through the documented seam (``state_dict()`` would first
     let the master follow changed parameters)."""
     return [g.state.read(k, Range(0, g.layout.shard_numel)).cpu().clone() for g in opt.sharded_state.groups
-            for k in g.rule.kind_names]  # fmt: skip
+            for k in g.rule.saved_kind_names]  # fmt: skip
 
 
 def params_digest(model) -> str:

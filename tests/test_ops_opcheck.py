@@ -43,6 +43,18 @@ def test_fused_adamw_opcheck(device, variant):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", ["plain", "amsgrad_found_inf"])
+def test_fused_adamw_remainder_opcheck(device, variant):
+    """param_remainders' mode: `master` is the bf16 parameter, `remainder` (int16) a fifth mutated tensor,
+    Tensor(f!)? in the schema."""
+    master, grad, exp_avg, exp_avg_sq = _adamw_args(device)
+    kwargs = dict(SCALARS, remainder=torch.randint(-(2**15), 2**15, (97,), device=device, dtype=torch.int16))
+    if variant == "amsgrad_found_inf":
+        kwargs.update(max_exp_avg_sq=torch.rand(97, device=device) * 0.01, found_inf=torch.zeros((), device=device))
+    torch.library.opcheck(ADAMW, (master.to(torch.bfloat16), grad, exp_avg, exp_avg_sq), kwargs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_flatten_opcheck(device):
     tensors = [torch.randn(5, device=device), torch.randn(7, device=device, dtype=torch.float16)]
     flat = torch.zeros(16, device=device, dtype=torch.bfloat16)

@@ -30,15 +30,16 @@ def estimate_breakdown(
     param_bytes: int = 2,
     grad_bytes: int = 2,
     optimizer_state_bytes: Optional[int] = None,
+    param_remainders: bool = False,
 ) -> dict[str, Fraction]:
     """Per-rank bytes of params, grads and optimizer states under ZeRO ``stage`` (exact fractions).
 
     The defaults are the paper's mixed-precision Adam (``optimizer_state_bytes``: the AdamW rule's bytes per
-    element, 12); fp32 training with the params as their own master is ``param_bytes=4, grad_bytes=4,
-    optimizer_state_bytes=8``.
+    element, 12; 10 with ``param_remainders``, whose int16 remainder replaces the fp32 master); fp32 training with
+    the params as their own master is ``param_bytes=4, grad_bytes=4, optimizer_state_bytes=8``.
     """
     if optimizer_state_bytes is None:
-        optimizer_state_bytes = default_bytes_per_element()
+        optimizer_state_bytes = default_bytes_per_element(param_remainders=param_remainders)
     if not isinstance(num_params, int) or num_params < 0:
         raise ValueError(f"num_params must be an int >= 0, got {num_params!r}")
     if not isinstance(world_size, int) or world_size < 1:
@@ -207,11 +208,11 @@ def report(state: "ShardedState", window=None) -> MemoryReport:
         where.update(group.state.where())
         disk = group.state.disk_bytes()
         if disk:
-            kinds = group.rule.kinds
+            kinds = [k for k in group.rule.kinds if group.state.where().get(k.name) == "disk"]  # not a remainder
             per_kind = disk // len(kinds)  # one file per kind, each the same size (fp32 kinds)
-            for kind in group.rule.kind_names:
-                out.on_disk[kind] = out.on_disk.get(kind, 0) + per_kind
-            out.padding += disk - group.rule.bytes_per_element() * group.layout.shard_numel  # the files' last block
+            for kind in kinds:
+                out.on_disk[kind.name] = out.on_disk.get(kind.name, 0) + per_kind
+            out.padding += disk - sum(k.itemsize for k in kinds) * group.layout.shard_numel  # the files' last block
         pw = group.dtype.itemsize
         gw = pw  # the formula's gradients have the param dtype
         sw = group.rule.bytes_per_element(master_copy=group.state.master_copy)

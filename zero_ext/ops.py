@@ -39,6 +39,7 @@ def fused_adamw_(
     found_inf: Optional[torch.Tensor] = None,
     max_exp_avg_sq: Optional[torch.Tensor] = None,
     maximize: bool = False,
+    remainder: Optional[torch.Tensor] = None,
 ) -> None:
     """One fused AdamW update of a contiguous shard, in place.
 
@@ -50,6 +51,11 @@ def fused_adamw_(
     ``maximize``: ``max_exp_avg_sq`` (fp32, same numel) makes the step amsgrad (it is updated to
     ``maximum(max_exp_avg_sq, exp_avg_sq)``, NaN-propagating, and divides instead of ``exp_avg_sq``);
     ``maximize=True`` negates the gradient.
+
+    ``remainder`` (int16, same numel; ``param_remainders=True``): the fp32 master is kept as ``master``, then the
+    bf16 parameter itself (its high half), plus this 16-bit remainder: master bits = (param bits << 16) +
+    remainder, read and written back split the same way (param = (bits + 0x8000) >> 16, remainder = the low 16
+    bits; ``zero_ext.master_split``). The update is bitwise the fp32 master's; ``param_out`` must be None.
 
     Scalars given as numbers or CPU tensors (read on the host, no device sync) are validated: lr, eps and
     weight_decay finite and >= 0, betas in [0, 1), step finite and >= 1, grad_scale finite. Scalars given as
@@ -72,6 +78,7 @@ def fused_adamw_(
         found_inf=found_inf,
         max_exp_avg_sq=max_exp_avg_sq,
         maximize=bool(maximize),
+        remainder=remainder,
     )
 
 
@@ -143,7 +150,17 @@ def _check_scalar_tensor(name: str, t: Optional[torch.Tensor], master: torch.Ten
 
 @torch.library.register_fake("zero_ext::fused_adamw_")
 def _fused_adamw_fake(master, grad, exp_avg, exp_avg_sq, **kwargs) -> None:
-    _check_dense("fused_adamw_", "master", master, "master", master, (torch.float32,))
+    remainder = kwargs.get("remainder")
+    _check_dense("fused_adamw_", "master", master, "master", master,
+                 (torch.bfloat16,) if remainder is not None else (torch.float32,))  # fmt: skip
+    if remainder is not None:
+        _check_dense("fused_adamw_", "remainder", remainder, "master", master, (torch.int16,))
+        torch._check(
+            remainder.numel() == master.numel(), lambda: "zero_ext.fused_adamw_: `remainder` numel != master's"
+        )
+        torch._check(
+            kwargs.get("param_out") is None, lambda: "zero_ext.fused_adamw_: `param_out` must be None with `remainder`"
+        )
     for name, t, dtypes in (("grad", grad, _FLOATS), ("exp_avg", exp_avg, (torch.float32,)),
                             ("exp_avg_sq", exp_avg_sq, (torch.float32,))):  # fmt: skip
         _check_dense("fused_adamw_", name, t, "master", master, dtypes)

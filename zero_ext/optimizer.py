@@ -24,7 +24,7 @@ from .reducer import GradSync
 from .state_builder import BuildOptions, StateBuilder
 from .state_dict import load_local_state_dict, local_state_dict
 from .step import Stepper
-from .update_rule import MASTER, rule_for_group
+from .update_rule import MASTER, check_flag, rule_for_group
 
 
 def _cuda_graph_capturing() -> bool:
@@ -105,6 +105,16 @@ class ZeroAdamW(torch.optim.Optimizer):
         offload_dir: ``offload="nvme"``: a directory on a fast local disk, created with its parents when missing
             (each rank makes its own subdirectory, deleted by :meth:`close` or at exit; the files are working memory,
             not a checkpoint).
+        param_remainders: bf16 parameters only: keep the fp32 master as the bf16 parameter itself (its high half)
+            plus an int16 remainder (apex's ``store_param_remainders``), 2 bytes per owned element instead of 4.
+            The master is exact (:mod:`zero_ext.master_split`): training matches the fp32 master's bit for bit but
+            where a master's low 16 bits are exactly 0x8000 with bit 16 clear (one in 2^17 per element and step),
+            whose parameter rounds away from zero instead of to even for that step. State dicts and checkpoints
+            hold the fp32 master, so they load across the setting. At stage 3 without offload it saves nothing
+            (the kept bf16 shard plus the remainder are the 4 bytes of the fp32 master, which is cast at each
+            gather otherwise); with offload it saves 2 bytes per element of host memory. A parameter written in
+            place between steps keeps its remainder: the master becomes the written value plus the old low bits
+            (which still round to it), where the fp32 master would take the written value exactly.
         offload_window: ``offload="nvme"``: bytes of host memory per rank the state streams through (default
             ``zero_ext.offload.DEFAULT_WINDOW``, 128 MiB), split evenly between the flat groups; each share is at least
             one 4 KiB block per kind per slot, and a shard smaller than its share allocates only what it needs.
@@ -150,12 +160,14 @@ class ZeroAdamW(torch.optim.Optimizer):
         offload: Optional[str] = None,
         offload_dir: Optional[str] = None,
         offload_window: Optional[int] = None,
+        param_remainders: bool = False,
     ):
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps,
                         weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, foreach=foreach,
                         capturable=capturable, differentiable=differentiable, fused=fused)  # fmt: skip
         # 1. every argument checked, before anything is built or any rank is waited for
         check_offload_options(offload, offload_dir, offload_window)
+        check_flag("zero_ext.ZeroAdamW", "param_remainders", param_remainders)
         check_options(stage, defaults, max_grad_norm, bucket_size, staging_buffers, reduce_dtype, grad_accum_dtype)
         check_stage3_options(stage, module, reshard_after_forward, prefetch, defer_all_gather_to)
         check_process_group(process_group, communicator)
@@ -170,7 +182,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         # 3. every rank plans its flat groups and agrees on them (collective; a failure anywhere fails every rank)
         options = BuildOptions(stage, process_group, communicator, bucket_size, reduce_dtype, grad_accum_dtype,
                                module, sync_module_states, param_init, param_device, staging_buffers, offload,
-                               offload_dir, offload_window)  # fmt: skip
+                               offload_dir, offload_window, param_remainders)  # fmt: skip
         builder = StateBuilder(self.param_groups, options)
         self.bucket_size = builder.bucket_size
         # 4. the sharded state: parameters re-pointed into flat buffers, optimizer state allocated

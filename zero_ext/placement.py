@@ -9,7 +9,10 @@ Serialisers read and write through :meth:`read` / :meth:`write` by shard range.
 
 Kinds: those of the rule (:mod:`.update_rule`; the fp32 ``master`` first, absent in memory for fp32 params kept
 with their parameters: its views then come from the param buffer) and ``grad`` (the reduced gradient shard).
-``master_copy`` says whether this placement stores a master apart from the parameters.
+``master_copy`` says whether this placement stores a master apart from the parameters. With the rule's
+``param_remainders`` it does not: the master is the parameters' rank slices joined with the ``remainder`` kind
+(:mod:`.master_split`); :meth:`read` and :meth:`write` of ``master`` convert, so serialisers see an fp32 master
+either way.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from typing import Iterator, NamedTuple, Optional, Sequence
 
 import torch
 
+from . import master_split
 from .layout import Bucket, Layout, Range
-from .update_rule import MASTER, UpdateRule
+from .update_rule import MASTER, REMAINDER, UpdateRule
 
 
 class BucketState(NamedTuple):
@@ -27,7 +31,7 @@ class BucketState(NamedTuple):
 
     state: dict[str, torch.Tensor]  # every kind of the rule (the master included), viewed over the run
     grad: torch.Tensor
-    param_out: Optional[torch.Tensor]  # the low-precision param slice to write, None for fp32 params
+    param_out: Optional[torch.Tensor]  # the low-precision param slice to write (param_remainders: read too)
 
     @property
     def master(self) -> torch.Tensor:
@@ -63,7 +67,8 @@ class DeviceState:
         n = layout.shard_numel
         self.layout, self.params, self.rule = layout, params, rule
         self.update_device = torch.device(device)  # where the update runs and the step's scalars live
-        self.master_copy = not rule.master_is_param  # fp32 parameters are their own master here
+        # fp32 parameters are their own master here; with remainders the parameters are the master's high half
+        self.master_copy = not rule.master_is_param and not rule.param_remainders
         # One buffer per kind of the rule (the state starts at zero; the master is set from the parameters below).
         self.buffers = {
             k.name: torch.zeros(n, dtype=k.dtype, device=device)
@@ -75,7 +80,9 @@ class DeviceState:
 
     def reset_master(self) -> None:
         """The fp32 master := the (already adopted or initialised) parameters' values."""
-        if self.master_copy:
+        if self.rule.param_remainders:
+            self._remainder().zero_()
+        elif self.master_copy:
             for bucket in self.layout.buckets:
                 bucket.shard_range.of(self.buffers[MASTER]).copy_(self.params.rank_slice(bucket))
 
@@ -95,7 +102,7 @@ class DeviceState:
     def bucket_state(self, bucket: Bucket) -> BucketState:
         r = bucket.shard_range
         views = views_of(self.buffers, r)
-        if self.master_copy:  # param_out None: stage 3 without a kept shard casts the master when it gathers
+        if self.master_copy or self.rule.param_remainders:  # None: stage 3 casting the master keeps no shard
             param_out = self.params.rank_slice(bucket)
         else:
             views[MASTER], param_out = self.params.rank_slice(bucket), None
@@ -122,6 +129,10 @@ class DeviceState:
         params' master, one run per bucket slice of the param buffer the range crosses."""
         if kind != MASTER or self.master_copy:
             return [(shard_range, shard_range.of(self._buffer(kind)))]
+        return self._param_runs(shard_range)
+
+    def _param_runs(self, shard_range: Range) -> list[tuple[Range, torch.Tensor]]:
+        """The parameters' rank slices over ``shard_range``: one run per bucket the range crosses."""
         runs = []
         for bucket in self.layout.buckets:
             part = bucket.shard_range.intersect(shard_range)
@@ -130,15 +141,37 @@ class DeviceState:
                 runs.append((part, local.of(self.params.rank_slice(bucket))))
         return runs
 
+    # ---------------------------------------------------------------- param_remainders: the master in two halves
+    def _remainder(self) -> torch.Tensor:
+        return self.buffers[REMAINDER]
+
+    def _read_joined_master(self, shard_range: Range) -> torch.Tensor:
+        remainder = shard_range.of(self._remainder())
+        with torch._C.DisableTorchFunctionSubclass():  # stage 3's shard is a ShardedParameter's storage
+            params = torch.cat([v.to(remainder.device) for _, v in self._param_runs(shard_range)])
+        return master_split.join(params, remainder)
+
+    def _write_split_master(self, shard_range: Range, values: torch.Tensor) -> None:
+        remainder = shard_range.of(self._remainder())
+        param, low = master_split.split(values.detach().to(remainder.device, torch.float32))
+        remainder.copy_(low)
+        with torch._C.DisableTorchFunctionSubclass():
+            for part, view in self._param_runs(shard_range):
+                view.copy_(part.shifted(-shard_range.start).of(param))
+
     def read(self, kind: str, shard_range: Range) -> torch.Tensor:
         """``shard_range`` of ``kind`` (fp32, on the state's device): a view where the range is one run of memory,
         else a copy. Do not modify it: :meth:`write` changes the state."""
+        if kind == MASTER and self.rule.param_remainders:
+            return self._read_joined_master(shard_range)
         runs = self._views(kind, shard_range)
         return runs[0][1] if len(runs) == 1 else torch.cat([v for _, v in runs])
 
     def host_view(self, kind: str, shard_range: Range) -> Optional[torch.Tensor]:
         """A writable view of ``shard_range`` of ``kind`` when it is one run of fp32 host memory (a loader can
         read straight into it), else None."""
+        if kind == MASTER and self.rule.param_remainders:
+            return None
         runs = self._views(kind, shard_range)
         if len(runs) == 1 and runs[0][1].device.type == "cpu" and runs[0][1].dtype == torch.float32:
             return runs[0][1]
@@ -146,6 +179,8 @@ class DeviceState:
 
     def write(self, kind: str, shard_range: Range, values: torch.Tensor) -> None:
         """Overwrite ``shard_range`` of ``kind`` with ``values`` (any device; cast to fp32)."""
+        if kind == MASTER and self.rule.param_remainders:
+            return self._write_split_master(shard_range, values)
         for part, view in self._views(kind, shard_range):
             view.copy_(part.shifted(-shard_range.start).of(values))
 

@@ -53,6 +53,7 @@ class BuildOptions:
     offload: Optional[str]
     offload_dir: Optional[str]
     offload_window: Optional[int]
+    param_remainders: bool = False
 
 
 class StateBuilder:
@@ -95,8 +96,18 @@ class StateBuilder:
             tensors_to_sync(self.everything, owned) if o.sync_module_states is True and not self.on_meta else []
         )
         self.device = plan.device or fallback_device(o.process_group)
+        if o.param_remainders:
+            for gi, members in plan.groups:
+                if members[0][1].dtype != torch.bfloat16:
+                    plan.error = plan.error or (
+                        f"`param_remainders=True` keeps the fp32 master as the bfloat16 parameter plus a 16-bit "
+                        f"remainder: it needs bfloat16 parameters, but param group {gi} has {members[0][1].dtype} "
+                        "ones (use the default param_remainders=False: an fp32 master)"
+                    )
         self.rules: list[UpdateRule] = [
-            rule_for_group(members[0][1].dtype, self.param_groups[gi]) for gi, members in plan.groups
+            rule_for_group(dtype, self.param_groups[gi], o.param_remainders and dtype == torch.bfloat16)
+            for gi, members in plan.groups
+            for dtype in [members[0][1].dtype]
         ]
         return plan
 

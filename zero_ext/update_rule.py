@@ -9,6 +9,12 @@ and in the kernel that applies it, nowhere else.
 :class:`AdamW` is ``torch.optim.AdamW``'s update, bitwise, with its ``amsgrad`` (a fourth kind, ``max_exp_avg_sq``)
 and ``maximize``. Its kinds are fp32 and live beside the fp32 master; the "master" is the first kind.
 
+With ``param_remainders`` (bf16 parameters only) the master is not stored as fp32: the kind ``remainder`` (int16)
+replaces it, and the master is the bf16 parameter joined with it (:mod:`.master_split`; the kernel reads and
+writes both halves). :attr:`AdamW.kinds` are what a placement stores; :attr:`AdamW.saved_kinds` what state dicts,
+checkpoints and consolidation hold (the fp32 master first, whatever is stored), so a state saved with either
+setting loads into the other: the placements convert on read and write.
+
 Two questions about the master have two names on purpose. :attr:`UpdateRule.master_is_param`: the parameters' own
 values are the master (fp32 parameters), so a state dict holds no separate copy and the model's state dict carries
 it. A placement's ``master_copy``: that placement stores a separate fp32 master buffer (bf16/fp16 parameters
@@ -25,7 +31,8 @@ import torch
 from . import ops
 from .hyperparams import Scalar, check_hyperparameters
 
-MASTER = "master"  # the fp32 master copy of the parameters, the one kind every rule keeps
+MASTER = "master"  # the fp32 master copy of the parameters, the one kind every rule saves
+REMAINDER = "remainder"  # param_remainders: the master's low 16 bits, stored instead of the fp32 master
 
 
 @dataclass(frozen=True)
@@ -85,21 +92,35 @@ class AdamW:
 
     name = "adamw"
 
-    def __init__(self, param_dtype: torch.dtype, amsgrad: bool = False):
+    def __init__(self, param_dtype: torch.dtype, amsgrad: bool = False, param_remainders: bool = False):
         self.param_dtype = param_dtype
         self.amsgrad = bool(amsgrad)
-        moments = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.amsgrad else [])
-        self.kinds: tuple[StateKind, ...] = (StateKind(MASTER), *(StateKind(m) for m in moments))
+        self.param_remainders = bool(param_remainders)
+        if self.param_remainders and param_dtype != torch.bfloat16:
+            raise ValueError(
+                f"`param_remainders=True` keeps the fp32 master as the bfloat16 parameter plus a 16-bit remainder: "
+                f"it needs bfloat16 parameters, got {param_dtype}"
+            )
+        moments = tuple(StateKind(m) for m in ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.amsgrad else []))
+        self.saved_kinds: tuple[StateKind, ...] = (StateKind(MASTER), *moments)
+        stored = StateKind(REMAINDER, torch.int16) if self.param_remainders else StateKind(MASTER)
+        self.kinds: tuple[StateKind, ...] = (stored, *moments)
 
     # ---------------------------------------------------------------- what it keeps
     @property
     def kind_names(self) -> tuple[str, ...]:
+        """The kinds a placement stores (with ``param_remainders`` the remainder, not the master)."""
         return tuple(k.name for k in self.kinds)
+
+    @property
+    def saved_kind_names(self) -> tuple[str, ...]:
+        """The kinds checkpoints and consolidation hold: the fp32 master first, then the moments."""
+        return tuple(k.name for k in self.saved_kinds)
 
     @property
     def moment_names(self) -> tuple[str, ...]:
         """Every kind but the master: what a torch.optim state dict holds per parameter (besides ``step``)."""
-        return tuple(k.name for k in self.kinds if k.name != MASTER)
+        return tuple(k.name for k in self.saved_kinds if k.name != MASTER)
 
     @property
     def master_is_param(self) -> bool:
@@ -116,7 +137,7 @@ class AdamW:
 
     def describe(self) -> str:
         """What every rank must agree on (part of the layout fingerprint)."""
-        return f"{self.name}(amsgrad={self.amsgrad})"
+        return f"{self.name}(amsgrad={self.amsgrad}, param_remainders={self.param_remainders})"
 
     # ---------------------------------------------------------------- its scalars
     def check_group(self, where: str, group: Mapping[str, Any], device: Optional[torch.device] = None,
@@ -144,21 +165,27 @@ class AdamW:
     # ---------------------------------------------------------------- the update
     def apply(self, state: Mapping[str, torch.Tensor], grad: torch.Tensor, param_out: Optional[torch.Tensor],
               s: AdamWScalars, step, grad_scale, found_inf: Optional[torch.Tensor]) -> None:  # fmt: skip
-        """One fused update of a contiguous run: ``state`` maps each kind to its view of the run."""
+        """One fused update of a contiguous run: ``state`` maps each kind to its view of the run. With
+        ``param_remainders`` ``param_out`` is the bf16 parameter, the master's high half, read and written."""
+        if self.param_remainders:
+            master, param_out, remainder = param_out, None, state[REMAINDER]
+        else:
+            master, remainder = state[MASTER], None
         ops.fused_adamw_(
-            state[MASTER], grad, state["exp_avg"], state["exp_avg_sq"],
+            master, grad, state["exp_avg"], state["exp_avg_sq"],
             lr=s.lr, beta1=s.beta1, beta2=s.beta2, eps=s.eps, weight_decay=s.weight_decay, step=step,
             grad_scale=grad_scale, param_out=param_out, found_inf=found_inf,
-            max_exp_avg_sq=state.get("max_exp_avg_sq"), maximize=bool(s.maximize),
+            max_exp_avg_sq=state.get("max_exp_avg_sq"), maximize=bool(s.maximize), remainder=remainder,
         )  # fmt: skip
 
 
 UpdateRule = AdamW  # the interface the engine codes against; AdamW is its one implementation today
 
 
-def rule_for_group(param_dtype: torch.dtype, group: Mapping[str, Any]) -> UpdateRule:
-    """The rule a flat group of ``param_dtype`` parameters of param group ``group`` keeps."""
-    return AdamW(param_dtype, amsgrad=bool(group.get("amsgrad", False)))
+def rule_for_group(param_dtype: torch.dtype, group: Mapping[str, Any], param_remainders: bool = False) -> UpdateRule:
+    """The rule a flat group of ``param_dtype`` parameters of param group ``group`` keeps (``param_remainders``:
+    the optimizer's option; a ValueError naming it unless the parameters are bf16)."""
+    return AdamW(param_dtype, amsgrad=bool(group.get("amsgrad", False)), param_remainders=param_remainders)
 
 
 def rule_for_saved_group(hyperparameters: Mapping[str, Any], param_dtype: torch.dtype = torch.bfloat16) -> UpdateRule:
@@ -170,15 +197,16 @@ def rule_for_saved_group(hyperparameters: Mapping[str, Any], param_dtype: torch.
 
 def all_kind_names() -> tuple[str, ...]:
     """Every kind any rule may save (a checkpoint section must be one of these, or the parameters)."""
-    return AdamW(torch.bfloat16, amsgrad=True).kind_names
+    return AdamW(torch.bfloat16, amsgrad=True).saved_kind_names
 
 
-def default_bytes_per_element() -> int:
-    """Mixed-precision AdamW's state per parameter: fp32 master + two fp32 moments (ZeRO's K = 12)."""
-    return AdamW(torch.bfloat16).bytes_per_element()
+def default_bytes_per_element(param_remainders: bool = False) -> int:
+    """Mixed-precision AdamW's state per parameter: fp32 master + two fp32 moments (ZeRO's K = 12); with
+    ``param_remainders`` an int16 remainder instead of the master (K = 10)."""
+    return AdamW(torch.bfloat16, param_remainders=param_remainders).bytes_per_element()
 
 
 __all__: Sequence[str] = [
-    "MASTER", "StateKind", "AdamWScalars", "AdamW", "UpdateRule", "rule_for_group", "rule_for_saved_group",
+    "MASTER", "REMAINDER", "StateKind", "AdamWScalars", "AdamW", "UpdateRule", "rule_for_group", "rule_for_saved_group",
     "all_kind_names", "default_bytes_per_element", "IMPLEMENTATION_KEYWORDS",
 ]  # fmt: skip

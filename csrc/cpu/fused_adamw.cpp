@@ -11,6 +11,7 @@
 
 #include <algorithm>
 
+#include "../master_split.h"
 #include "float_convert.h"
 #include "fused_adamw_paths.h"
 #include "kernels.h"
@@ -22,27 +23,36 @@ namespace {
 // 2-core dev VM, 64K elements take ~15 us on one thread, about the cost of waking the OpenMP team.
 constexpr int64_t kChunk = int64_t{1} << 16;
 
-template <DType kGrad, int kOut, bool kAmsgrad>  // kOut: 0 = no param_out, 1 = bf16, 2 = fp16
+// kOut: 0 = no param_out, 1 = bf16, 2 = fp16, 3 = the master is bf16 param_out + remainder
+template <DType kGrad, int kOut, bool kAmsgrad>
 void scalar_range(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c) {
+  uint16_t* const param = static_cast<uint16_t*>(b.param_out);
   for (int64_t i = begin; i < end; ++i) {
-    float p = b.master[i];
+    float p = kOut == 3 ? bits_float(join_master_bits(param[i], b.remainder[i])) : b.master[i];
     float m = b.exp_avg[i];
     float v = b.exp_avg_sq[i];
     float v_max = kAmsgrad ? b.max_exp_avg_sq[i] : 0.0f;
     adamw_update<kAmsgrad>(p, load_as_float(b.grad, kGrad, i), m, v, v_max, c);
-    b.master[i] = p;
+    if constexpr (kOut == 3) {
+      param[i] = param_of_master_bits(float_bits(p));
+      b.remainder[i] = remainder_of_master_bits(float_bits(p));
+    } else {
+      b.master[i] = p;
+    }
     b.exp_avg[i] = m;
     b.exp_avg_sq[i] = v;
     if constexpr (kAmsgrad) b.max_exp_avg_sq[i] = v_max;
-    if constexpr (kOut == 1) static_cast<uint16_t*>(b.param_out)[i] = float_to_bf16(p);
-    if constexpr (kOut == 2) static_cast<uint16_t*>(b.param_out)[i] = float_to_fp16(p);
+    if constexpr (kOut == 1) param[i] = float_to_bf16(p);
+    if constexpr (kOut == 2) param[i] = float_to_fp16(p);
   }
 }
 
 template <DType kGrad, bool kAmsgrad>
 void scalar_range_out(const AdamWBuffers& b, int64_t begin, int64_t end,
                       const AdamWCoefficients& c) {
-  if (b.param_out == nullptr) {
+  if (b.remainder != nullptr) {
+    scalar_range<kGrad, 3, kAmsgrad>(b, begin, end, c);
+  } else if (b.param_out == nullptr) {
     scalar_range<kGrad, 0, kAmsgrad>(b, begin, end, c);
   } else if (b.param_out_dtype == DType::kBFloat16) {
     scalar_range<kGrad, 1, kAmsgrad>(b, begin, end, c);
@@ -91,7 +101,7 @@ int64_t fused_adamw_scalar(const AdamWBuffers& b, int64_t begin, int64_t end,
 
 void fused_adamw(float* master, const void* grad, DType grad_dtype, float* exp_avg,
                  float* exp_avg_sq, float* max_exp_avg_sq, void* param_out, DType param_out_dtype,
-                 int64_t n, const AdamWCoefficients& coeffs, int num_threads) {
+                 int64_t n, const AdamWCoefficients& coeffs, int num_threads, int16_t* remainder) {
   if (n <= 0) return;
   // NOTE: non-temporal param_out stores (the SIMD paths) skip the write-allocate read of its lines.
   // On the 2-core dev VM (Zen 4, 2 MB L2, 32 MB L3), zero_ext / torch AdamW(fused=True) median
@@ -101,15 +111,9 @@ void fused_adamw(float* master, const void* grad, DType grad_dtype, float* exp_a
   // and dropped: software prefetch 128/256/1024 elements ahead (no consistent change), one
   // contiguous range per thread instead of 64K chunks (none), 16K chunks round-robin (worse),
   // non-temporal master/m/v stores too (1.7x slower: those lines are read first anyway).
-  const AdamWBuffers b{master,
-                       grad,
-                       grad_dtype,
-                       exp_avg,
-                       exp_avg_sq,
-                       max_exp_avg_sq,
-                       param_out,
-                       param_out_dtype,
-                       n >= (int64_t{1} << 20)};
+  const AdamWBuffers b{
+      master,         grad,      grad_dtype,      exp_avg,   exp_avg_sq,
+      max_exp_avg_sq, param_out, param_out_dtype, remainder, n >= (int64_t{1} << 20)};
   const Isa isa = active_isa();
   const int64_t chunks = (n + kChunk - 1) / kChunk;
   if (chunks <= 1 || num_threads <= 1) {

@@ -41,6 +41,33 @@ inline __m128i float_to_bf16(__m256 x) {
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
+// The master of a remainder run (kOut 3): param bits << 16 plus the sign-extended remainder
+// (master_split.h join_master_bits).
+inline __m256 load_joined_master(const AdamWBuffers& b, int64_t i) {
+  const __m128i param =
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<uint16_t*>(b.param_out) + i));
+  const __m128i rem = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.remainder + i));
+  const __m256i hi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(param), 16);
+  return _mm256_castsi256_ps(_mm256_add_epi32(hi, _mm256_cvtepi16_epi32(rem)));
+}
+
+// Every lane <= 0xFFFF: the unsigned-saturating pack is an exact narrowing.
+inline __m128i narrow(__m256i r) {
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+// master_split.h's param_of_master_bits and remainder_of_master_bits: (u + 0x8000) >> 16 (0xFFFF
+// for NaN) and the low 16 bits.
+inline void store_split_master(const AdamWBuffers& b, int64_t i, __m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  __m256i hi = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x8000)), 16);
+  const __m256 ordered = _mm256_cmp_ps(x, x, _CMP_ORD_Q);
+  hi = _mm256_blendv_epi8(_mm256_set1_epi32(0xFFFF), hi, _mm256_castps_si256(ordered));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(b.param_out) + i), narrow(hi));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(b.remainder + i),
+                   narrow(_mm256_and_si256(u, _mm256_set1_epi32(0xFFFF))));
+}
+
 template <DType kGrad, int kOut, bool kAmsgrad, bool kSmallWeight, bool kStream>
 int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c) {
   const __m256 grad_scale = _mm256_set1_ps(c.grad_scale);
@@ -55,7 +82,8 @@ int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoeff
   int64_t i = begin;
   for (; i + kWidth <= end; i += kWidth) {
     const __m256 g = _mm256_mul_ps(load_grad<kGrad>(b.grad, i), grad_scale);
-    const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(b.master + i), decay);
+    const __m256 master = kOut == 3 ? load_joined_master(b, i) : _mm256_loadu_ps(b.master + i);
+    const __m256 p = _mm256_mul_ps(master, decay);
     __m256 m = _mm256_loadu_ps(b.exp_avg + i);
     __m256 v = _mm256_loadu_ps(b.exp_avg_sq + i);
     const __m256 diff = _mm256_sub_ps(g, m);
@@ -75,10 +103,14 @@ int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoeff
     }
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v_hat), bc2_sqrt), eps);
     const __m256 p_new = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(neg_step_size, m), denom));
-    _mm256_storeu_ps(b.master + i, p_new);
+    if constexpr (kOut == 3) {
+      store_split_master(b, i, p_new);
+    } else {
+      _mm256_storeu_ps(b.master + i, p_new);
+    }
     _mm256_storeu_ps(b.exp_avg + i, m);
     _mm256_storeu_ps(b.exp_avg_sq + i, v);
-    if constexpr (kOut != 0) {
+    if constexpr (kOut == 1 || kOut == 2) {
       const __m128i h =
           kOut == 1 ? float_to_bf16(p_new) : _mm256_cvtps_ph(p_new, _MM_FROUND_TO_NEAREST_INT);
       __m128i* dst = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(b.param_out) + i);
@@ -114,6 +146,7 @@ int64_t body_store(const AdamWBuffers& b, int64_t begin, int64_t end, const Adam
 
 template <DType kGrad, bool kAmsgrad>
 int64_t body_out(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c) {
+  if (b.remainder != nullptr) return body_lerp<kGrad, 3, kAmsgrad, false>(b, begin, end, c);
   if (b.param_out == nullptr) return body_lerp<kGrad, 0, kAmsgrad, false>(b, begin, end, c);
   if (b.param_out_dtype == DType::kBFloat16)
     return body_store<kGrad, 1, kAmsgrad>(b, begin, end, c);

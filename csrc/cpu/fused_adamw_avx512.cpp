@@ -43,6 +43,28 @@ inline __m256i float_to_bf16(__m512 x) {
   return _mm512_cvtepi32_epi16(r);
 }
 
+// The master of a remainder run (kOut 3): param bits << 16 plus the sign-extended remainder
+// (master_split.h join_master_bits).
+inline __m512 load_joined_master(const AdamWBuffers& b, int64_t i) {
+  const __m256i param =
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<uint16_t*>(b.param_out) + i));
+  const __m256i rem = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.remainder + i));
+  const __m512i hi = _mm512_slli_epi32(_mm512_cvtepu16_epi32(param), 16);
+  return _mm512_castsi512_ps(_mm512_add_epi32(hi, _mm512_cvtepi16_epi32(rem)));
+}
+
+// master_split.h's param_of_master_bits and remainder_of_master_bits: (u + 0x8000) >> 16 (0xFFFF
+// for NaN) and the low 16 bits (VPMOVDW truncates).
+inline void store_split_master(const AdamWBuffers& b, int64_t i, __m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  __m512i hi = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x8000)), 16);
+  const __mmask16 ordered = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);
+  hi = _mm512_mask_blend_epi32(ordered, _mm512_set1_epi32(0xFFFF), hi);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(b.param_out) + i),
+                      _mm512_cvtepi32_epi16(hi));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(b.remainder + i), _mm512_cvtepi32_epi16(u));
+}
+
 template <DType kGrad, int kOut, bool kAmsgrad, bool kSmallWeight, bool kStream>
 int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c) {
   const __m512 grad_scale = _mm512_set1_ps(c.grad_scale);
@@ -57,7 +79,8 @@ int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoeff
   int64_t i = begin;
   for (; i + kWidth <= end; i += kWidth) {
     const __m512 g = _mm512_mul_ps(load_grad<kGrad>(b.grad, i), grad_scale);
-    const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(b.master + i), decay);
+    const __m512 master = kOut == 3 ? load_joined_master(b, i) : _mm512_loadu_ps(b.master + i);
+    const __m512 p = _mm512_mul_ps(master, decay);
     __m512 m = _mm512_loadu_ps(b.exp_avg + i);
     __m512 v = _mm512_loadu_ps(b.exp_avg_sq + i);
     const __m512 diff = _mm512_sub_ps(g, m);
@@ -77,10 +100,14 @@ int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoeff
     }
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v_hat), bc2_sqrt), eps);
     const __m512 p_new = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(neg_step_size, m), denom));
-    _mm512_storeu_ps(b.master + i, p_new);
+    if constexpr (kOut == 3) {
+      store_split_master(b, i, p_new);
+    } else {
+      _mm512_storeu_ps(b.master + i, p_new);
+    }
     _mm512_storeu_ps(b.exp_avg + i, m);
     _mm512_storeu_ps(b.exp_avg_sq + i, v);
-    if constexpr (kOut != 0) {
+    if constexpr (kOut == 1 || kOut == 2) {
       const __m256i h =
           kOut == 1 ? float_to_bf16(p_new) : _mm512_cvtps_ph(p_new, _MM_FROUND_TO_NEAREST_INT);
       __m256i* dst = reinterpret_cast<__m256i*>(static_cast<uint16_t*>(b.param_out) + i);
@@ -116,6 +143,7 @@ int64_t body_store(const AdamWBuffers& b, int64_t begin, int64_t end, const Adam
 
 template <DType kGrad, bool kAmsgrad>
 int64_t body_out(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c) {
+  if (b.remainder != nullptr) return body_lerp<kGrad, 3, kAmsgrad, false>(b, begin, end, c);
   if (b.param_out == nullptr) return body_lerp<kGrad, 0, kAmsgrad, false>(b, begin, end, c);
   if (b.param_out_dtype == DType::kBFloat16)
     return body_store<kGrad, 1, kAmsgrad>(b, begin, end, c);

@@ -19,9 +19,12 @@ const char* isa_name(Isa isa);
 // One fused AdamW step over n elements (see adamw_math.h). grad has grad_dtype; max_exp_avg_sq,
 // when not null, makes it an amsgrad step (maximize is in coeffs); param_out, when not null,
 // receives the updated master rounded to nearest-even in param_out_dtype (bf16 or fp16).
+// With remainder (not null): master is null, param_out is bf16 and the master is param_out joined
+// with remainder (master_split.h), read and written back split the same way.
 void fused_adamw(float* master, const void* grad, DType grad_dtype, float* exp_avg,
                  float* exp_avg_sq, float* max_exp_avg_sq, void* param_out, DType param_out_dtype,
-                 int64_t n, const AdamWCoefficients& coeffs, int num_threads);
+                 int64_t n, const AdamWCoefficients& coeffs, int num_threads,
+                 int16_t* remainder = nullptr);
 
 // to_flat:  flat[s.offset + i] = convert(s.data[i] * scale)   (flatten)
 // !to_flat: s.data[i] = convert(flat[s.offset + i] * scale)   (unflatten)

@@ -6,6 +6,7 @@
 #include <type_traits>
 
 #include "../adamw_math.h"
+#include "../master_split.h"
 #include "common.cuh"
 #include "kernels.h"
 
@@ -13,6 +14,37 @@ namespace zero_ext::cuda {
 namespace {
 
 struct NoParamOut {};  // param_out == nullptr: the store is compiled out.
+
+// P = uint16_t: param_remainders. `master` is null, `param_out` holds the bf16 parameter's bits and
+// the master is it joined with `remainder` (master_split.h), read and written back split.
+template <typename P>
+constexpr bool kSplit = std::is_same_v<P, uint16_t>;
+
+__device__ __forceinline__ void load4_joined(const uint16_t* param, const int16_t* remainder,
+                                             float (&out)[kVec]) {
+  const ushort4 p = *reinterpret_cast<const ushort4*>(param);
+  const short4 r = *reinterpret_cast<const short4*>(remainder);
+  out[0] = __uint_as_float(join_master_bits(p.x, r.x));
+  out[1] = __uint_as_float(join_master_bits(p.y, r.y));
+  out[2] = __uint_as_float(join_master_bits(p.z, r.z));
+  out[3] = __uint_as_float(join_master_bits(p.w, r.w));
+}
+
+__device__ __forceinline__ void store4_split(uint16_t* param, int16_t* remainder,
+                                             const float (&in)[kVec]) {
+  ushort4 p;
+  short4 r;
+  p.x = param_of_master_bits(__float_as_uint(in[0]));
+  p.y = param_of_master_bits(__float_as_uint(in[1]));
+  p.z = param_of_master_bits(__float_as_uint(in[2]));
+  p.w = param_of_master_bits(__float_as_uint(in[3]));
+  r.x = remainder_of_master_bits(__float_as_uint(in[0]));
+  r.y = remainder_of_master_bits(__float_as_uint(in[1]));
+  r.z = remainder_of_master_bits(__float_as_uint(in[2]));
+  r.w = remainder_of_master_bits(__float_as_uint(in[3]));
+  *reinterpret_cast<ushort4*>(param) = p;
+  *reinterpret_cast<short4*>(remainder) = r;
+}
 
 __device__ __forceinline__ double read_scalar(const DeviceScalar& s) {
   return s.ptr != nullptr ? static_cast<double>(*s.ptr) : s.value;
@@ -24,8 +56,8 @@ template <typename G, typename P, bool kVectorized, bool kAmsgrad>
 __global__ void __launch_bounds__(kThreads)
     fused_adamw_kernel(float* __restrict__ master, const G* __restrict__ grad,
                        float* __restrict__ exp_avg, float* __restrict__ exp_avg_sq,
-                       float* __restrict__ max_exp_avg_sq, P* __restrict__ param_out, int64_t n,
-                       AdamWArgs args) {
+                       float* __restrict__ max_exp_avg_sq, P* __restrict__ param_out,
+                       int16_t* __restrict__ remainder, int64_t n, AdamWArgs args) {
   // found_inf is read by every thread (one cached 4-byte load) so that a skipped step never needs
   // the host: nonzero (NaN included) => return before any write.
   if (args.found_inf != nullptr && *args.found_inf != 0.0f) return;
@@ -48,34 +80,52 @@ __global__ void __launch_bounds__(kThreads)
     for (int64_t i = tid; i < nvec; i += stride) {
       const int64_t base = i * kVec;
       float p[kVec], g[kVec], m[kVec], v[kVec], v_max[kVec] = {};
-      load4(master + base, p);
+      if constexpr (kSplit<P>) {
+        load4_joined(param_out + base, remainder + base, p);
+      } else {
+        load4(master + base, p);
+      }
       load4(grad + base, g);
       load4(exp_avg + base, m);
       load4(exp_avg_sq + base, v);
       if constexpr (kAmsgrad) load4(max_exp_avg_sq + base, v_max);
 #pragma unroll
       for (int k = 0; k < kVec; ++k) adamw_update<kAmsgrad>(p[k], g[k], m[k], v[k], v_max[k], c);
-      store4(master + base, p);
+      if constexpr (kSplit<P>) {
+        store4_split(param_out + base, remainder + base, p);
+      } else {
+        store4(master + base, p);
+      }
       store4(exp_avg + base, m);
       store4(exp_avg_sq + base, v);
       if constexpr (kAmsgrad) store4(max_exp_avg_sq + base, v_max);
-      if constexpr (!std::is_same_v<P, NoParamOut>) store4(param_out + base, p);
+      if constexpr (!std::is_same_v<P, NoParamOut> && !kSplit<P>) store4(param_out + base, p);
     }
     scalar_begin = nvec * kVec;  // the < kVec-element tail
   }
 
   for (int64_t i = scalar_begin + tid; i < n; i += stride) {
-    float p = master[i];
+    float p;
+    if constexpr (kSplit<P>) {
+      p = __uint_as_float(join_master_bits(param_out[i], remainder[i]));
+    } else {
+      p = master[i];
+    }
     float m = exp_avg[i];
     float v = exp_avg_sq[i];
     float v_max = 0.0f;
     if constexpr (kAmsgrad) v_max = max_exp_avg_sq[i];
     adamw_update<kAmsgrad>(p, to_float(grad[i]), m, v, v_max, c);
-    master[i] = p;
+    if constexpr (kSplit<P>) {
+      param_out[i] = param_of_master_bits(__float_as_uint(p));
+      remainder[i] = remainder_of_master_bits(__float_as_uint(p));
+    } else {
+      master[i] = p;
+    }
     exp_avg[i] = m;
     exp_avg_sq[i] = v;
     if constexpr (kAmsgrad) max_exp_avg_sq[i] = v_max;
-    if constexpr (!std::is_same_v<P, NoParamOut>) param_out[i] = from_float<P>(p);
+    if constexpr (!std::is_same_v<P, NoParamOut> && !kSplit<P>) param_out[i] = from_float<P>(p);
   }
 }
 
@@ -87,6 +137,7 @@ struct Buffers {
   float* exp_avg_sq;
   float* max_exp_avg_sq;  // null unless amsgrad
   void* param_out;        // null when there is no low-precision copy
+  int16_t* remainder;     // null unless param_remainders (then master is null)
 };
 
 template <typename G, typename P, bool kAmsgrad>
@@ -98,16 +149,17 @@ cudaError_t launch_typed(const Buffers& b, int64_t n, const AdamWArgs& args, cud
   // take the scalar path: correct, about half the bandwidth.
   const bool vectorized = vec_aligned(b.master, 4) && vec_aligned(b.exp_avg, 4) &&
                           vec_aligned(b.exp_avg_sq, 4) && vec_aligned(b.max_exp_avg_sq, 4) &&
-                          vec_aligned(g, sizeof(G)) && (out == nullptr || vec_aligned(out, 2));
+                          vec_aligned(g, sizeof(G)) && (out == nullptr || vec_aligned(out, 2)) &&
+                          vec_aligned(b.remainder, 2);
   cudaError_t err = cudaSuccess;
   const unsigned grid = grid_for(vectorized ? (n + kVec - 1) / kVec : n, &err);
   if (err != cudaSuccess) return err;
   if (vectorized) {
     fused_adamw_kernel<G, P, true, kAmsgrad><<<grid, kThreads, 0, stream>>>(
-        b.master, g, b.exp_avg, b.exp_avg_sq, b.max_exp_avg_sq, out, n, args);
+        b.master, g, b.exp_avg, b.exp_avg_sq, b.max_exp_avg_sq, out, b.remainder, n, args);
   } else {
     fused_adamw_kernel<G, P, false, kAmsgrad><<<grid, kThreads, 0, stream>>>(
-        b.master, g, b.exp_avg, b.exp_avg_sq, b.max_exp_avg_sq, out, n, args);
+        b.master, g, b.exp_avg, b.exp_avg_sq, b.max_exp_avg_sq, out, b.remainder, n, args);
   }
   return cudaGetLastError();
 }
@@ -122,6 +174,7 @@ cudaError_t launch_for_amsgrad(const Buffers& b, int64_t n, const AdamWArgs& arg
 template <typename G>
 cudaError_t launch_for_grad(const Buffers& b, DType param_out_dtype, int64_t n,
                             const AdamWArgs& args, cudaStream_t stream) {
+  if (b.remainder != nullptr) return launch_for_amsgrad<G, uint16_t>(b, n, args, stream);
   if (b.param_out == nullptr) return launch_for_amsgrad<G, NoParamOut>(b, n, args, stream);
   switch (param_out_dtype) {
     case DType::kBFloat16:
@@ -138,9 +191,9 @@ cudaError_t launch_for_grad(const Buffers& b, DType param_out_dtype, int64_t n,
 cudaError_t launch_fused_adamw(float* master, const void* grad, DType grad_dtype, float* exp_avg,
                                float* exp_avg_sq, float* max_exp_avg_sq, void* param_out,
                                DType param_out_dtype, int64_t n, const AdamWArgs& args,
-                               cudaStream_t stream) {
+                               cudaStream_t stream, int16_t* remainder) {
   if (n <= 0) return cudaSuccess;  // nothing to launch
-  const Buffers b{master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out};
+  const Buffers b{master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out, remainder};
   switch (grad_dtype) {
     case DType::kFloat32:
       return launch_for_grad<float>(b, param_out_dtype, n, args, stream);

@@ -28,11 +28,12 @@ struct AdamWArgs {
 // result should be the CPU kernel's bits; not yet checked on a GPU (the tests allow a few ulp).
 // max_exp_avg_sq may be null; otherwise it makes the step amsgrad (fp32, n elements, updated in
 // place). param_out may be null; otherwise bf16 or fp16, rounded to nearest-even from this kernel's
-// master.
+// master. With remainder (param_remainders): master is null, param_out is the bf16 parameter and
+// the master is it joined with remainder (master_split.h), both read and written back split.
 cudaError_t launch_fused_adamw(float* master, const void* grad, DType grad_dtype, float* exp_avg,
                                float* exp_avg_sq, float* max_exp_avg_sq, void* param_out,
                                DType param_out_dtype, int64_t n, const AdamWArgs& args,
-                               cudaStream_t stream);
+                               cudaStream_t stream, int16_t* remainder = nullptr);
 
 // Multi-tensor copy between a flat buffer and `count` tensors in ONE launch. `device_slices` is
 // device memory holding `count` TensorSlice records; max_numel is the largest slice (sizes the

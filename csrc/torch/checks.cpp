@@ -89,9 +89,22 @@ void check_fused_adamw_args(const at::Tensor& master, const at::Tensor& grad,
                             const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                             const std::optional<at::Tensor>& max_exp_avg_sq,
                             const std::optional<at::Tensor>& param_out,
-                            const std::optional<at::Tensor>& found_inf) {
-  TORCH_CHECK(master.scalar_type() == at::kFloat,
-              "zero_ext.fused_adamw_: `master` must be float32, got ", master.scalar_type());
+                            const std::optional<at::Tensor>& found_inf,
+                            const std::optional<at::Tensor>& remainder) {
+  if (remainder.has_value()) {
+    TORCH_CHECK(master.scalar_type() == at::kBFloat16,
+                "zero_ext.fused_adamw_: with `remainder`, `master` must be the bfloat16 parameter "
+                "(the master's high half), got ",
+                master.scalar_type());
+    TORCH_CHECK(remainder->scalar_type() == at::kShort,
+                "zero_ext.fused_adamw_: `remainder` must be int16, got ", remainder->scalar_type());
+    TORCH_CHECK(!param_out.has_value(),
+                "zero_ext.fused_adamw_: `param_out` must be None with `remainder` (`master` is the "
+                "parameter)");
+  } else {
+    TORCH_CHECK(master.scalar_type() == at::kFloat,
+                "zero_ext.fused_adamw_: `master` must be float32, got ", master.scalar_type());
+  }
   TORCH_CHECK(master.is_contiguous() && master.layout() == at::kStrided,
               "zero_ext.fused_adamw_: `master` must be a contiguous dense tensor");
   TORCH_CHECK(exp_avg.scalar_type() == at::kFloat,
@@ -109,6 +122,7 @@ void check_fused_adamw_args(const at::Tensor& master, const at::Tensor& grad,
                 max_exp_avg_sq->scalar_type());
     check_state_tensor(*max_exp_avg_sq, master, "max_exp_avg_sq");
   }
+  if (remainder.has_value()) check_state_tensor(*remainder, master, "remainder");
   if (param_out.has_value()) {
     TORCH_CHECK(param_out->scalar_type() == at::kBFloat16 || param_out->scalar_type() == at::kHalf,
                 "zero_ext.fused_adamw_: `param_out` must be bfloat16 or float16, got ",
@@ -124,6 +138,7 @@ void check_fused_adamw_args(const at::Tensor& master, const at::Tensor& grad,
     writes.push_back(byte_range(*max_exp_avg_sq, "`max_exp_avg_sq`"));
   }
   if (param_out.has_value()) writes.push_back(byte_range(*param_out, "`param_out`"));
+  if (remainder.has_value()) writes.push_back(byte_range(*remainder, "`remainder`"));
   check_no_overlap("fused_adamw_", writes, {byte_range(grad, "`grad`")});
 }
 

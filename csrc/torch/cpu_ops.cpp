@@ -13,20 +13,19 @@
 namespace zero_ext {
 namespace {
 
-void fused_adamw_cpu(const at::Tensor& master, const at::Tensor& grad, const at::Tensor& exp_avg,
-                     const at::Tensor& exp_avg_sq, double lr, double beta1, double beta2,
-                     double eps, double weight_decay, double step, double grad_scale,
-                     const std::optional<at::Tensor>& lr_tensor,
-                     const std::optional<at::Tensor>& beta1_tensor,
-                     const std::optional<at::Tensor>& beta2_tensor,
-                     const std::optional<at::Tensor>& eps_tensor,
-                     const std::optional<at::Tensor>& weight_decay_tensor,
-                     const std::optional<at::Tensor>& step_tensor,
-                     const std::optional<at::Tensor>& grad_scale_tensor,
-                     const std::optional<at::Tensor>& param_out,
-                     const std::optional<at::Tensor>& found_inf,
-                     const std::optional<at::Tensor>& max_exp_avg_sq, bool maximize) {
-  check_fused_adamw_args(master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out, found_inf);
+void fused_adamw_cpu(
+    const at::Tensor& master, const at::Tensor& grad, const at::Tensor& exp_avg,
+    const at::Tensor& exp_avg_sq, double lr, double beta1, double beta2, double eps,
+    double weight_decay, double step, double grad_scale, const std::optional<at::Tensor>& lr_tensor,
+    const std::optional<at::Tensor>& beta1_tensor, const std::optional<at::Tensor>& beta2_tensor,
+    const std::optional<at::Tensor>& eps_tensor,
+    const std::optional<at::Tensor>& weight_decay_tensor,
+    const std::optional<at::Tensor>& step_tensor,
+    const std::optional<at::Tensor>& grad_scale_tensor, const std::optional<at::Tensor>& param_out,
+    const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& max_exp_avg_sq,
+    bool maximize, const std::optional<at::Tensor>& remainder) {
+  check_fused_adamw_args(master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out, found_inf,
+                         remainder);
   // A skipped step is a no-op before its scalars are read: the step that found the inf is the one
   // whose clip coefficient is nan and, when it is a parameter's first, whose step count is still 0
   // (the CUDA kernel reads found_inf first too).
@@ -45,15 +44,17 @@ void fused_adamw_cpu(const at::Tensor& master, const at::Tensor& grad, const at:
   const AdamWCoefficients coeffs =
       adamw_coefficients(s.lr.value, s.beta1.value, s.beta2.value, s.eps.value,
                          s.weight_decay.value, s.step.value, s.grad_scale.value, maximize);
-  void* out = param_out.has_value() ? param_out->data_ptr() : nullptr;
+  // With a remainder the kernel's master is the bf16 parameter (`master`) joined with it.
+  const bool split = remainder.has_value();
+  void* out = split ? master.data_ptr() : param_out.has_value() ? param_out->data_ptr() : nullptr;
   const DType out_dtype = param_out.has_value()
                               ? to_kernel_dtype(*param_out, "fused_adamw_", "param_out")
                               : DType::kBFloat16;
   float* v_max = max_exp_avg_sq.has_value() ? max_exp_avg_sq->data_ptr<float>() : nullptr;
-  cpu::fused_adamw(master.data_ptr<float>(), grad.const_data_ptr(),
+  cpu::fused_adamw(split ? nullptr : master.data_ptr<float>(), grad.const_data_ptr(),
                    to_kernel_dtype(grad, "fused_adamw_", "grad"), exp_avg.data_ptr<float>(),
                    exp_avg_sq.data_ptr<float>(), v_max, out, out_dtype, n, coeffs,
-                   at::get_num_threads());
+                   at::get_num_threads(), split ? remainder->data_ptr<int16_t>() : nullptr);
 }
 
 void flatten_cpu(const at::Tensor& flat, at::TensorList tensors, at::IntArrayRef offsets,

@@ -40,23 +40,22 @@ cuda::DeviceScalar device_scalar(const ResolvedScalar& s, std::vector<at::Tensor
   return {s.value, nullptr};
 }
 
-void fused_adamw_cuda(const at::Tensor& master, const at::Tensor& grad, const at::Tensor& exp_avg,
-                      const at::Tensor& exp_avg_sq, double lr, double beta1, double beta2,
-                      double eps, double weight_decay, double step, double grad_scale,
-                      const std::optional<at::Tensor>& lr_tensor,
-                      const std::optional<at::Tensor>& beta1_tensor,
-                      const std::optional<at::Tensor>& beta2_tensor,
-                      const std::optional<at::Tensor>& eps_tensor,
-                      const std::optional<at::Tensor>& weight_decay_tensor,
-                      const std::optional<at::Tensor>& step_tensor,
-                      const std::optional<at::Tensor>& grad_scale_tensor,
-                      const std::optional<at::Tensor>& param_out,
-                      const std::optional<at::Tensor>& found_inf,
-                      const std::optional<at::Tensor>& max_exp_avg_sq, bool maximize) {
+void fused_adamw_cuda(
+    const at::Tensor& master, const at::Tensor& grad, const at::Tensor& exp_avg,
+    const at::Tensor& exp_avg_sq, double lr, double beta1, double beta2, double eps,
+    double weight_decay, double step, double grad_scale, const std::optional<at::Tensor>& lr_tensor,
+    const std::optional<at::Tensor>& beta1_tensor, const std::optional<at::Tensor>& beta2_tensor,
+    const std::optional<at::Tensor>& eps_tensor,
+    const std::optional<at::Tensor>& weight_decay_tensor,
+    const std::optional<at::Tensor>& step_tensor,
+    const std::optional<at::Tensor>& grad_scale_tensor, const std::optional<at::Tensor>& param_out,
+    const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& max_exp_avg_sq,
+    bool maximize, const std::optional<at::Tensor>& remainder) {
   // --- validation: everything below this block may write ---
   TORCH_CHECK(master.is_cuda(), "zero_ext.fused_adamw_: `master` must be a CUDA tensor, got ",
               master.device());
-  check_fused_adamw_args(master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out, found_inf);
+  check_fused_adamw_args(master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out, found_inf,
+                         remainder);
   const AdamWScalars s = resolve_adamw_scalars({{lr, lr_tensor},
                                                 {beta1, beta1_tensor},
                                                 {beta2, beta2_tensor},
@@ -90,11 +89,14 @@ void fused_adamw_cuda(const at::Tensor& master, const at::Tensor& grad, const at
   args.maximize = maximize;
   args.found_inf =
       found_inf.has_value() && !found_inf_on_host ? device_fp32(*found_inf, keep) : nullptr;
-  void* out = param_out.has_value() ? param_out->data_ptr() : nullptr;
+  // With a remainder the kernel's master is the bf16 parameter (`master`) joined with it.
+  const bool split = remainder.has_value();
+  void* out = split ? master.data_ptr() : param_out.has_value() ? param_out->data_ptr() : nullptr;
   float* v_max = max_exp_avg_sq.has_value() ? max_exp_avg_sq->data_ptr<float>() : nullptr;
   C10_CUDA_CHECK(cuda::launch_fused_adamw(
-      master.data_ptr<float>(), grad.const_data_ptr(), grad_dtype, exp_avg.data_ptr<float>(),
-      exp_avg_sq.data_ptr<float>(), v_max, out, out_dtype, n, args, stream));
+      split ? nullptr : master.data_ptr<float>(), grad.const_data_ptr(), grad_dtype,
+      exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(), v_max, out, out_dtype, n, args,
+      stream, split ? remainder->data_ptr<int16_t>() : nullptr));
 }
 
 // flatten_ (to_flat) and unflatten_: one H2D copy of the slice records, one kernel launch.

@@ -56,7 +56,8 @@ TORCH_LIBRARY(zero_ext, m) {
       "float grad_scale=1.0, Tensor? lr_tensor=None, Tensor? beta1_tensor=None, "
       "Tensor? beta2_tensor=None, Tensor? eps_tensor=None, Tensor? weight_decay_tensor=None, "
       "Tensor? step_tensor=None, Tensor? grad_scale_tensor=None, Tensor(d!)? param_out=None, "
-      "Tensor? found_inf=None, Tensor(e!)? max_exp_avg_sq=None, bool maximize=False) -> ()");
+      "Tensor? found_inf=None, Tensor(e!)? max_exp_avg_sq=None, bool maximize=False, "
+      "Tensor(f!)? remainder=None) -> ()");
   m.def("flatten_(Tensor(a!) flat, Tensor[] tensors, int[] offsets, float scale=1.0) -> ()");
   m.def("unflatten_(Tensor flat, Tensor(a!)[] tensors, int[] offsets, float scale=1.0) -> ()");
   m.def("sum_squares(Tensor x) -> (Tensor sumsq, Tensor nonfinite)");

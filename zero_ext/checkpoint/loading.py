@@ -87,7 +87,7 @@ def _plan_reads(ck: Checkpoint, state: ShardedState, mapping: dict[int, int]) ->
             for piece in by_bucket.get(bucket.index, []):
                 local = piece.shard_offset - bucket.shard_offset
                 saved_index = mapping[group.param_indices[piece.index]]
-                for kind in group.rule.kinds:
+                for kind in group.rule.saved_kinds:  # the fp32 master even where a remainder is kept
                     for r, off, n, at in ck.plan(saved_index, kind.name, piece.start, piece.end):
                         plans.append((kind.name, r, off, n, local * kind.itemsize + at))
             if plans:
@@ -146,7 +146,7 @@ def load(path: str | os.PathLike, optimizer, *, timeout: float = 300.0) -> Any:
         with torch.no_grad():
             for group, bucket, plans in work:
                 # Straight into the state where it is host memory; else through a host copy of the bucket's shard.
-                kinds = {k.name: k.dtype for k in group.rule.kinds}
+                kinds = {k.name: k.dtype for k in group.rule.saved_kinds}
                 direct = {k: group.state.host_view(k, bucket.shard_range) for k in kinds}
                 dst = {
                     k: v if v is not None else torch.zeros(bucket.shard_numel, dtype=kinds[k])

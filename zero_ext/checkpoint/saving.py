@@ -39,8 +39,9 @@ from .side_files import encode_extra, write_extra, write_model_files
 
 
 def _sections(group: FlatGroup) -> list[str]:
-    """Every kind of the group's rule, and the parameters where they are not the master (bf16/fp16)."""
-    kinds = list(group.rule.kind_names)
+    """Every kind the group's rule saves (the fp32 master, also when it is kept as param + remainder: converted by
+    the placement), and the parameters where they are not the master (bf16/fp16)."""
+    kinds = list(group.rule.saved_kind_names)
     return kinds if group.rule.master_is_param else kinds + ["param"]
 
 

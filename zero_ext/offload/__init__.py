@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ..comm import Communicator
 from ..layout import Layout, fingerprint
 from ..placement import DeviceState
-from ..update_rule import AdamW, UpdateRule
+from ..update_rule import REMAINDER, AdamW, UpdateRule
 from . import leftovers
 from .disk import DiskState, min_window_bytes
 from .files import ALIGN
@@ -90,9 +90,10 @@ def warn_if_one_thread(offload) -> None:
 
 
 def disk_bytes_needed(groups: Sequence[tuple[Layout, UpdateRule]]) -> int:
-    """Bytes the state files of these flat groups take (one file per kind of each group's rule, whole blocks)."""
+    """Bytes the state files of these flat groups take (one file per kind of each group's rule, whole blocks; a
+    remainder stays in host memory)."""
     return sum(
-        sum(max(ALIGN, -(-layout.shard_numel * k.itemsize // ALIGN) * ALIGN) for k in rule.kinds)
+        sum(max(ALIGN, -(-layout.shard_numel * k.itemsize // ALIGN) * ALIGN) for k in rule.kinds if k.name != REMAINDER)
         for layout, rule in groups
     )
 
@@ -143,7 +144,7 @@ def prepare_offload(
 
 
 def _bytes_per_element(groups: Sequence[tuple[Layout, UpdateRule]]) -> str:
-    widths = sorted({rule.bytes_per_element() for _, rule in groups})
+    widths = sorted({sum(k.itemsize for k in rule.kinds if k.name != REMAINDER) for _, rule in groups})
     return " or ".join(map(str, widths))
 
 

@@ -28,17 +28,18 @@ import torch
 
 from ..layout import Bucket, Layout, Range
 from ..placement import BucketState, Unit
-from ..update_rule import UpdateRule
+from ..update_rule import MASTER, REMAINDER, UpdateRule
 from .files import ALIGN, ALIGN_ELEMENTS, StateFiles, aligned_buffer
-from .host import HostGradients, copy_runs_to_device
+from .host import HostGradients, copy_runs_to_device, fetch_params
 
 SLOTS = 3  # chunks in the window: one updated, one read ahead, one written behind
 
 
 def _window_bytes_per_element(rule: UpdateRule) -> int:
-    """A chunk's bytes per element: every kind of the rule and the new parameters (param dtype; none for fp32
-    parameters, copied from the master)."""
-    return rule.bytes_per_element() + (rule.param_dtype.itemsize if rule.param_dtype != torch.float32 else 0)
+    """A chunk's bytes per element: every kind in the files and the new parameters (param dtype; none for fp32
+    parameters, copied from the master). A remainder stays in host memory, outside the window."""
+    files = sum(k.itemsize for k in rule.kinds if k.name != REMAINDER)
+    return files + (rule.param_dtype.itemsize if rule.param_dtype != torch.float32 else 0)
 
 
 def chunk_numel(window_bytes: int, rule: UpdateRule, shard_numel: int) -> int:
@@ -57,7 +58,7 @@ class _Slot:
     """One chunk's buffers in the window, with the I/O and the host-to-device copy that use them."""
 
     def __init__(self, numel: int, rule: UpdateRule, cuda: bool):
-        self.raw = {k.name: _io_buffer(numel * 4, cuda) for k in rule.kinds}
+        self.raw = {k.name: _io_buffer(numel * 4, cuda) for k in rule.kinds if k.name != REMAINDER}
         self.fp32 = {kind: buf.view(torch.float32) for kind, buf in self.raw.items()}
         param_dtype = rule.param_dtype
         lowp = param_dtype != torch.float32
@@ -101,11 +102,16 @@ class DiskState(HostGradients):
 
     def __init__(self, layout: Layout, params, device: torch.device, rule: UpdateRule, directory: str, stem: str,
                  window: int):  # fmt: skip
-        if any(k.dtype != torch.float32 for k in rule.kinds):
+        # The files hold the fp32 kinds. param_remainders' int16 remainder stays in host memory beside the grad
+        # shard (2 bytes per element next to its 4): the disk then moves the moments only, 8 bytes per element each
+        # way instead of 12, and the files stay fp32 arrays; the master's high half is the parameters.
+        files = [k for k in rule.kinds if k.name != REMAINDER]
+        if any(k.dtype != torch.float32 for k in files):
             raise NotImplementedError("offload='nvme' keeps fp32 state kinds only (the files are fp32 arrays)")
         self._init_gradients(layout, params, device, rule)
         n = layout.shard_numel
-        self.kinds = rule.kind_names
+        self.kinds = tuple(k.name for k in files)
+        self.buffers = {REMAINDER: torch.zeros(n, dtype=torch.int16)} if rule.param_remainders else {}
         self.files = StateFiles(directory, stem, self.kinds, n)
         try:
             self.chunk = chunk_numel(window, rule, n)
@@ -150,7 +156,11 @@ class DiskState(HostGradients):
                     continue
                 local = part.shifted(-chunk.start)  # in the slot's buffers
                 out = None if slot.param_out is None else local.of(slot.param_out)
-                views = BucketState({k: local.of(t) for k, t in slot.fp32.items()}, part.of(self.grad), out)
+                kinds = {k: local.of(t) for k, t in slot.fp32.items()}
+                if self.rule.param_remainders:  # the remainder in host memory, the high half from the parameters
+                    kinds[REMAINDER] = part.of(self._remainder())
+                    fetch_params(self.params, bucket, part.shifted(-bucket.shard_offset), out)
+                views = BucketState(kinds, part.of(self.grad), out)
                 self._slot = slot
                 yield Unit(bucket, part.shifted(-bucket.shard_offset), views, part.end == bucket.shard_range.end)
             if self._dirty:  # some unit of the chunk updated: write it behind
@@ -191,6 +201,10 @@ class DiskState(HostGradients):
     def read(self, kind: str, shard_range: Range) -> torch.Tensor:
         if kind == "grad":
             return shard_range.of(self.grad)
+        if kind == MASTER and self.rule.param_remainders:
+            return self._read_joined_master(shard_range)
+        if kind in self.buffers:  # a remainder, in host memory
+            return shard_range.of(self.buffers[kind])
         return self.files.read_range(kind, shard_range.start, shard_range.numel)
 
     def host_view(self, kind: str, shard_range: Range) -> Optional[torch.Tensor]:
@@ -200,15 +214,18 @@ class DiskState(HostGradients):
         if kind == "grad":
             shard_range.of(self.grad).copy_(values)
             return
+        if kind == MASTER and self.rule.param_remainders:  # the remainder and the parameters: not the files
+            return self._write_split_master(shard_range, values)
         self._drop_read_ahead()
         self.files.write_range(kind, shard_range.start, values.detach().to("cpu", torch.float32))
 
     # ---------------------------------------------------------------- the ledger
     def tensors(self) -> dict[str, object]:
-        return {**self._landing_tensors(), "window": [t for s in self.slots for t in s.tensors()]}
+        return {**self.buffers, **self._landing_tensors(), "window": [t for s in self.slots for t in s.tensors()]}
 
     def where(self) -> dict[str, str]:
-        return {**dict.fromkeys(self.kinds, "disk"), "window": "host", **self._landing_where()}
+        kinds = {**dict.fromkeys(self.buffers, "host"), **dict.fromkeys(self.kinds, "disk")}
+        return {**kinds, "window": "host", **self._landing_where()}
 
     def disk_bytes(self) -> int:
         return self.files.nbytes * len(self.kinds)

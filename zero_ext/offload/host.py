@@ -82,6 +82,15 @@ def copy_runs_to_device(params, unit: Unit, source: torch.Tensor, updated: Seque
             r.of(target).copy_(r.of(source), non_blocking=True)
 
 
+def fetch_params(params, bucket: Bucket, rows: Range, out: torch.Tensor) -> None:
+    """``rows`` of the rank's slice of ``bucket``'s parameters into ``out`` (host memory), for an update that reads
+    them (param_remainders: they are the master's high half). Synchronous: the CPU kernel reads ``out`` next.
+    NOTE: a device-to-host copy of 2 bytes per element before each bucket's CPU update, not overlapped with the
+    previous bucket's update; the host keeps 2 bytes per element less for it (not measured on a GPU)."""
+    with torch._C.DisableTorchFunctionSubclass():  # stage 3's shard is a ShardedParameter's storage
+        out.copy_(rows.of(params.rank_slice(bucket)))
+
+
 class HostGradients(DeviceState):
     """The reduced gradient shard in host memory, landed through :class:`LandingRing` (shared by both offloads)."""
 
@@ -90,7 +99,8 @@ class HostGradients(DeviceState):
     def _init_gradients(self, layout: Layout, params, device: torch.device, rule: UpdateRule) -> None:
         self.layout, self.params, self.device, self.rule = layout, params, torch.device(device), rule
         self.update_device = torch.device("cpu")
-        self.master_copy = True  # the master lives off the device even for fp32 parameters
+        # The master lives off the device even for fp32 parameters; with remainders its high half is the parameters.
+        self.master_copy = not rule.param_remainders
         self.cuda = self.device.type == "cuda"
         self.grad = torch.zeros(layout.shard_numel, dtype=torch.float32, pin_memory=self.cuda)
         largest = max((b.shard_numel for b in layout.buckets), default=0)
@@ -100,6 +110,9 @@ class HostGradients(DeviceState):
         self._landing: list[tuple] = []  # launched landings, oldest first
 
     def reset_master(self) -> None:
+        if self.rule.param_remainders:
+            self._remainder().zero_()
+            return
         for bucket in self.layout.buckets:
             with torch._C.DisableTorchFunctionSubclass():
                 self.write(MASTER, bucket.shard_range, self.params.rank_slice(bucket))
@@ -182,6 +195,8 @@ class HostState(HostGradients):
         for bucket in buckets:
             r = bucket.shard_range
             slot, out = self.out.take(bucket.shard_numel) if self.out is not None else (None, None)
+            if self.rule.param_remainders:  # the kernel reads the master's high half from the parameters
+                fetch_params(self.params, bucket, Range(0, bucket.shard_numel), out)
             views = BucketState(views_of(self.buffers, r), r.of(self.grad), out)
             self._out_slot = slot
             yield Unit(bucket, Range(0, bucket.shard_numel), views, True)
