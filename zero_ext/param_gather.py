@@ -277,7 +277,9 @@ class ParamGather:
             return None
         if module is self.module and (not self._stack or self._stack[0] is module):
             if self.comm.watch is not None:  # every rank starts the same phase (divergence.py)
-                self.comm.watch.boundary("forward" if torch.is_grad_enabled() else "forward (no_grad)")
+                phase = "forward" if torch.is_grad_enabled() else "forward (no_grad)"
+                self.position.at(phase, "")
+                self.comm.watch.boundary(phase)
             self._begin_forward()  # (a stack left over means the previous forward raised: start clean)
         self._stack.append(module)
         self.position.at("forward" if torch.is_grad_enabled() else "forward (no_grad)", self.names.get(id(module), ""))
