@@ -23,12 +23,25 @@ rank 1 in a staging acquire. Here:
 - ``gathered_params()`` is collective: at stage 3 its entry is a store barrier (two store round trips), so a rank
   entering it alone waits there, out of every collective, and is diagnosed as above instead of pairing its
   gathers with the others' training gathers.
+- Stage 3 starts every forward and backward with :meth:`DivergenceWatch.boundary`: one 3-element all-gather on the
+  host group of (step, phase, collectives issued), compared on every rank. gloo kills a process that receives a
+  larger message than the collective it posted ("op.preamble.length <= op.nbytes", in gloo's own thread, before
+  any timeout), and that is what followed when rank 0 evaluated or generated outside ``gathered_params()`` while
+  rank 1 trained (measured on the tests' model: rank 0's training forward paired its gathers with rank 1's
+  backward ones, 2304 elements into 1280). The check has the same size on every rank, so it pairs with whatever
+  stands in its place, and it is the first collective of a phase: ranks that parted at a phase boundary (the
+  evaluation, generation of different lengths, a skipped backward or step) raise there, before any mismatched
+  gather. It also bounds how far apart the hosts of NCCL ranks get (a phase), which never block otherwise.
 
-Not caught here: gloo kills a process whose receive buffer is smaller than the message paired with it ("op.preamble
-.length <= op.nbytes", in gloo's own thread) before any timeout; see the Stage 3 section of README.md for which
-cases do. On NCCL the host does not block in ``Pending.wait`` (the stream waits); a divergence is found where the
-host waits (step()'s host collective) and then the NCCL communicator is aborted, so that nothing waits for NCCL's
-watchdog.
+What still dies in gloo: a divergence *inside* a phase (a module run on some ranks only, data-dependent routing
+that skips a module on one rank) whose first mismatched collective sends a larger message than the receiver
+posted. The receiving process is killed by gloo at once; the others' waits then fail with gloo's "Connection
+reset/closed by peer" (no hang, but gloo's words). Where the message is not larger (the tests' extra module), the
+ranks wait and the comparison above names the first collective at which they differ.
+
+On NCCL the host does not block in ``Pending.wait`` (the stream waits): a divergence is found where the host waits
+(the phase checks, step()'s host collective, a gathered_params() entry), and then the NCCL communicator is aborted
+(:meth:`zero_ext.comm.Communicator.abort`), so that nothing waits for NCCL's watchdog. Not run here (no GPU).
 """
 
 from __future__ import annotations
@@ -41,7 +54,10 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-RING = 64  # collectives remembered per rank: enough to see where ranks parted in every case tested (<= 20 apart)
+# Collectives remembered per rank. The phase checks keep diverged ranks within a phase of each other (at most 2
+# collectives apart in the tests); 64 covers a phase of a model with up to ~30 buckets (a gather and a
+# reduce-scatter each).
+RING = 64
 
 GUIDE = (
     "At stage 3 every parameter gather is a collective issued from the model's hooks, so every rank must run the "
@@ -142,6 +158,10 @@ class DivergenceWatch:
         key = f"{self._prefix}gathered/{self._entries}"
         if store.add(key, 1) >= world:
             store.set(key + "/all", b"1")
+            if self._entries > 1:  # every rank is here, so past the previous entry's wait: its keys can go
+                previous = f"{self._prefix}gathered/{self._entries - 1}"
+                store.delete_key(previous)
+                store.delete_key(previous + "/all")
             return
 
         def arrived(seconds: float) -> bool:
@@ -181,6 +201,7 @@ class DivergenceWatch:
             for r, (step, c, count) in enumerate(rows):
                 lines.append(f"  rank {r}: starting a {BOUNDARIES[c]} at step {step}, {count} collectives issued")
             lines.append(GUIDE)
+            self.comm.abort()  # NCCL: the device may hold collectives issued before this check that never pair
             raise RanksDiverged("\n".join(lines))
 
     # ---------------------------------------------------------------- the slow path
