@@ -88,6 +88,7 @@ def _nothing(model, opt, rank, world):
 SCENARIOS["nothing"] = _nothing
 
 
+@pytest.mark.slow  # a fresh pool of ranks per test (a diverged group cannot be reused): ~10 s each
 @pytest.mark.parametrize(
     "scenario,skip",
     [
@@ -120,6 +121,7 @@ def test_every_rank_raises_naming_where_each_rank_is(world, scenario, skip):
         assert "phase_check of 3 elements (no bucket), forward, step 2" in message, message
 
 
+@pytest.mark.slow  # a fresh pool of ranks per test (a diverged group cannot be reused): ~10 s each
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_still_training_after_one_rank_stopped_raise(world):
     """Rank 0 skips an iteration (its backward and step), so the others run one more at the end: they wait in a
@@ -167,6 +169,7 @@ def _slow_rank(rank, world, timeout):
     return digest, stats
 
 
+@pytest.mark.slow  # the slow rank sleeps 3 s five times, in both runs: ~40 s each
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_slow_rank_is_waited_for_and_trains_as_the_plain_run(world):
     """Slow is not wrong: a rank sleeping past the timeout (less than twice it) before a forward, a backward, a step
