@@ -129,14 +129,17 @@ def wait_for(work, seconds: float) -> bool:
 class DivergenceWatch:
     """The waits of one communicator's collectives, with the out-of-band check past ``timeout`` seconds."""
 
-    _instances = 0  # per process: every rank builds its optimizers in the same order, so the keys pair up
+    # Watches built per process group: building an optimizer is collective over its group, so every rank of the
+    # group numbers its watches alike and their store keys pair up (a rank's optimizers over other groups aside).
+    _instances: dict[str, int] = {}
 
     def __init__(self, comm, timeout: float):
         self.comm, self.timeout = comm, float(timeout)
         self._limit = datetime.timedelta(seconds=self.timeout)
         self._poll = min(2.0, max(0.05, self.timeout / 20))
-        DivergenceWatch._instances += 1
-        self._prefix = f"zero_ext/divergence/{DivergenceWatch._instances}/"
+        name = self._group().group_name
+        number = DivergenceWatch._instances[name] = DivergenceWatch._instances.get(name, 0) + 1
+        self._prefix = f"zero_ext/divergence/{number}/"  # the group's store has the group's own prefix
         self._store = None  # found on the slow path only
         self._entries = 0  # gathered_params() entries
 
@@ -205,10 +208,12 @@ class DivergenceWatch:
             raise RanksDiverged("\n".join(lines))
 
     # ---------------------------------------------------------------- the slow path
+    def _group(self):
+        return self.comm.group if self.comm.group is not None else dist.distributed_c10d._get_default_group()
+
     def _get_store(self):
         if self._store is None:
-            group = self.comm.group if self.comm.group is not None else dist.distributed_c10d._get_default_group()
-            self._store = dist.distributed_c10d._get_process_group_store(group)
+            self._store = dist.distributed_c10d._get_process_group_store(self._group())
         return self._store
 
     def _key(self, rank: int) -> str:
