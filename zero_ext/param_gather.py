@@ -27,7 +27,9 @@ Any other read of a parameter goes through ``sharded_params``' check: inside for
 gathered on demand and remembered for the reading module (gathered with it from then on, so a parent reading a
 child's weight works from the first step); outside, a clear error. The order is relearned every forward: control
 flow that changes between steps costs extra gathers, never correctness. Every rank must run the same modules in
-the same order (the gathers are collectives), as with any ZeRO-3.
+the same order (the gathers are collectives), as with any ZeRO-3; where they do not, every waiting rank raises
+``RanksDiverged`` naming where each rank is (:mod:`zero_ext.divergence`: a phase check at the start of every
+forward and backward, and a comparison of positions through the store when a wait outlasts ``collective_timeout``).
 
 Inside ``gathered_params()`` (:meth:`gathered`: collective, every bucket gathered on entry) a forward is local to
 its rank: its hooks return at once, so it issues no collective and leaves the learned order, the prefetch schedule
@@ -38,7 +40,8 @@ would prefetch differently from the others' and their all-gathers would pair up 
 rank alone, so a backward into it raises (inside the context or after). A rank that enters the context while the
 others do not gathers alone: wrong, the context is collective (its all-gathers pair with the others' training
 ones: on gloo the process receiving the larger message aborts, "op.preamble.length <= op.nbytes"; NCCL may hang or
-mix up data). Telling that apart before the first gather needs an out-of-band check (the store): not done here.
+mix up data) unless the entry is checked: with ``collective_timeout`` (the default) it is a store barrier, so the
+lone rank waits there, out of every collective, and every rank raises ``RanksDiverged`` (divergence.py).
 
 [Note: stage 3 timeline]
 ``nn.Sequential`` of three Linear layers, one bucket each, ``prefetch=1``, ``reshard_after_forward=True``, a step
