@@ -7,8 +7,8 @@ does or fails on every rank within seconds, naming what to do:
   ``clip_grad_norm_``, ``model.zero_grad(set_to_none=True)``, rank-0 evaluation with eval()/train() (at stage 3
   inside ``gathered_params()``), the broadcast save decision, ``checkpoint.read_extra`` on resume;
 - refused: the DDP wrap (every stage), a rank-0 ``torch.save(optimizer.state_dict())`` when resuming from it;
-  rank-0 evaluation outside ``gathered_params()`` at stage 3 (expected to raise on every rank: xfail until the
-  branch that makes it raise is merged).
+  rank-0 evaluation outside ``gathered_params()`` at stage 3 (raises ``RanksDiverged`` on every rank, at the
+  phase check of the next forward).
 """
 
 import os
@@ -115,12 +115,6 @@ def _eval_outside(rank, world, root):
     return True
 
 
-@pytest.mark.slow  # (~22 s while it fails: the bound, then the pool is respawned)
-@pytest.mark.xfail(
-    strict=True,
-    reason="rank-0 evaluation outside gathered_params() at stage 3 raises on every rank only with the branch that "
-    "makes it do so (not merged yet: until then both ranks wait in gathers that do not pair up, past the bound)",
-)
 def test_stage3_rank0_evaluation_outside_gathered_params_raises_on_every_rank(tmp_path):
     try:
         assert all(run_on_ranks(2, _eval_outside, str(tmp_path), timeout=20))

@@ -164,6 +164,7 @@ class BucketRuntime:
         self._move_params(ParamState.GATHERING)
         flat = self.group.flat_params
         full = flat.unshard(self.bucket)
+        comm.position.bucket = self.key  # labels the collective (divergence.py)
         self.param_pending = comm.start_all_gather(full, flat.gather_input(self.bucket, full))
 
     def finish_param_sync(self) -> None:

@@ -14,10 +14,11 @@ import torch.distributed as dist
 from . import memory
 from .buffers import ShardedState
 from .comm import Communicator
+from .divergence import DivergenceWatch
 from .grads import grads_for
 from .meta_init import initialise_shards
 from .offload import check_offload_options, warn_if_one_thread
-from .options import check_options, check_process_group, check_stage3_options
+from .options import check_collective_timeout, check_options, check_process_group, check_stage3_options
 from .param_gather import ParamGather
 from .param_sync import ParamSync, write_back
 from .reducer import GradSync
@@ -118,6 +119,16 @@ class ZeroAdamW(torch.optim.Optimizer):
         offload_window: ``offload="nvme"``: bytes of host memory per rank the state streams through (default
             ``zero_ext.offload.DEFAULT_WINDOW``, 128 MiB), split evenly between the flat groups; each share is at least
             one 4 KiB block per kind per slot, and a shard smaller than its share allocates only what it needs.
+        collective_timeout: seconds a collective of the engine may wait before the ranks compare, out of band (the
+            process group's store), how far each got (default 300; None: never check). Ranks that stopped running
+            the same modules (an evaluation or generation on one rank outside :meth:`gathered_params`, loops of
+            different lengths, a rank skipping ``backward()`` or ``step()``) then raise
+            :class:`zero_ext.divergence.RanksDiverged` on every waiting rank, naming each rank's phase, module,
+            bucket and step, instead of hanging; ranks that are merely slow keep waiting. A rank issuing no
+            collective for twice this long while another waits is reported as diverged: 300 s (10 minutes in all,
+            NCCL's own default timeout) leaves room for a long evaluation or checkpoint on one rank, and a hung job
+            is explained within 5 minutes. Nothing is sent while collectives finish in time. See
+            :mod:`zero_ext.divergence`.
 
     The sharded state (flat groups, shards, counters) is :attr:`sharded_state`, the seam that
     :mod:`zero_ext.checkpoint`, :mod:`zero_ext.state_dict` and :mod:`zero_ext.memory` read.
@@ -161,6 +172,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         offload_dir: Optional[str] = None,
         offload_window: Optional[int] = None,
         param_remainders: bool = False,
+        collective_timeout: Optional[float] = 300.0,
     ):
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps,
                         weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, foreach=foreach,
@@ -171,6 +183,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         check_options(stage, defaults, max_grad_norm, bucket_size, staging_buffers, reduce_dtype, grad_accum_dtype)
         check_stage3_options(stage, module, reshard_after_forward, prefetch, defer_all_gather_to)
         check_process_group(process_group, communicator)
+        check_collective_timeout(collective_timeout)
         if defer_all_gather_to is not None and module is not None and defer_all_gather_to is not module:
             raise ValueError("zero_ext.ZeroAdamW: `defer_all_gather_to` and `module` must be the same model")
         module = module if module is not None else defer_all_gather_to
@@ -188,6 +201,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         # 4. the sharded state: parameters re-pointed into flat buffers, optimizer state allocated
         _take_over(builder.trainable, self)
         self._state = builder.build()
+        if collective_timeout is not None and self._state.comm.communicates:
+            self._state.comm.watch = DivergenceWatch(self._state.comm, collective_timeout)
         warn_if_one_thread(offload)
         # 5. the engine around it: gradient reduction, parameter gathers, the step
         self._grad_sync = GradSync(self._state, grads_for(self._state, reduce_dtype, grad_accum_dtype))

@@ -31,6 +31,17 @@ def check_options(stage, defaults, max_grad_norm, bucket_size, staging_buffers, 
         raise ValueError(f"{where}: `grad_accum_dtype` must be None or torch.float32, got {grad_accum_dtype}")
 
 
+def check_collective_timeout(collective_timeout) -> None:
+    if collective_timeout is None:
+        return
+    number = isinstance(collective_timeout, (int, float)) and not isinstance(collective_timeout, bool)
+    if not (number and 0 < collective_timeout < float("inf")):
+        raise ValueError(
+            f"{WHERE}: `collective_timeout` must be a number of seconds > 0 (how long a collective may wait before "
+            f"the ranks compare where they are) or None (never check), got {collective_timeout!r}"
+        )
+
+
 def check_process_group(process_group, communicator) -> None:
     where = "zero_ext.ZeroAdamW"
     if communicator is not None and process_group is not None:

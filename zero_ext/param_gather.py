@@ -27,7 +27,9 @@ Any other read of a parameter goes through ``sharded_params``' check: inside for
 gathered on demand and remembered for the reading module (gathered with it from then on, so a parent reading a
 child's weight works from the first step); outside, a clear error. The order is relearned every forward: control
 flow that changes between steps costs extra gathers, never correctness. Every rank must run the same modules in
-the same order (the gathers are collectives), as with any ZeRO-3.
+the same order (the gathers are collectives), as with any ZeRO-3; where they do not, every waiting rank raises
+``RanksDiverged`` naming where each rank is (:mod:`zero_ext.divergence`: a phase check at the start of every
+forward and backward, and a comparison of positions through the store when a wait outlasts ``collective_timeout``).
 
 Inside ``gathered_params()`` (:meth:`gathered`: collective, every bucket gathered on entry) a forward is local to
 its rank: its hooks return at once, so it issues no collective and leaves the learned order, the prefetch schedule
@@ -38,7 +40,8 @@ would prefetch differently from the others' and their all-gathers would pair up 
 rank alone, so a backward into it raises (inside the context or after). A rank that enters the context while the
 others do not gathers alone: wrong, the context is collective (its all-gathers pair with the others' training
 ones: on gloo the process receiving the larger message aborts, "op.preamble.length <= op.nbytes"; NCCL may hang or
-mix up data). Telling that apart before the first gather needs an out-of-band check (the store): not done here.
+mix up data) unless the entry is checked: with ``collective_timeout`` (the default) it is a store barrier, so the
+lone rank waits there, out of every collective, and every rank raises ``RanksDiverged`` (divergence.py).
 
 [Note: stage 3 timeline]
 ``nn.Sequential`` of three Linear layers, one bucket each, ``prefetch=1``, ``reshard_after_forward=True``, a step
@@ -111,6 +114,8 @@ class ParamGather:
                 self.classes.setdefault(key, []).append((p, original, type(p)))
         self.keys: dict[int, set[Key]] = {}  # id(module) -> buckets it uses (own parameters, then learned reads)
         self._hooks = []
+        self.position = self.comm.position  # where this rank is, for the divergence check (divergence.py)
+        self.names = {id(m): name for name, m in module.named_modules()}
         for m in module.modules():
             own = {where[id(p)] for p in m.parameters(recurse=False) if id(p) in where}
             if own or m is module:
@@ -119,6 +124,7 @@ class ParamGather:
                 self._hooks.append(m.register_forward_hook(self._post_forward))
         self._static_bound = self._bound()
         self._recompute_peak = 0  # the most bytes a recomputed (checkpointed) forward held gathered at once
+        self._backward_due = False  # a training forward ended: its backward's start is checked across ranks
 
     # ---------------------------------------------------------------- the window
     @property
@@ -263,6 +269,7 @@ class ParamGather:
         if in_backward():
             # Activation checkpointing recomputing a forward inside backward (and perhaps stopping it early, so
             # no post-hook may follow): gather, and hold until the module's backward or the bucket's READY.
+            self.position.at("backward (recomputing forward)", self.names.get(id(module), ""))
             for key in self.keys[id(module)]:
                 rt = self.runtime[key]
                 if rt.hold is not Hold.UNTIL_READY:
@@ -272,8 +279,13 @@ class ParamGather:
             self._recompute_peak = max(self._recompute_peak, recomputed)
             return None
         if module is self.module and (not self._stack or self._stack[0] is module):
+            if self.comm.watch is not None:  # every rank starts the same phase (divergence.py)
+                phase = "forward" if torch.is_grad_enabled() else "forward (no_grad)"
+                self.position.at(phase, "")
+                self.comm.watch.boundary(phase)
             self._begin_forward()  # (a stack left over means the previous forward raised: start clean)
         self._stack.append(module)
+        self.position.at("forward" if torch.is_grad_enabled() else "forward (no_grad)", self.names.get(id(module), ""))
         if self._stack[0] is self.module:
             self._trace.append(module)
         for key in self.keys[id(module)]:
@@ -331,6 +343,7 @@ class ParamGather:
         self._tail = self._backward_head(self._last)
 
     def _end_forward(self, training: bool) -> None:
+        self._backward_due = training
         for rt in self.runtime.values():
             rt.backward_uses_left = 0
         for m in self._trace:
@@ -397,6 +410,10 @@ class ParamGather:
             return
         call.started = True
         module = call.module
+        if self._backward_due and self.comm.watch is not None:  # every rank starts the same phase (divergence.py)
+            self._backward_due = False
+            self.comm.watch.boundary("backward")
+        self.position.at("backward", self.names.get(id(module), ""))
         for key in self.keys[id(module)]:
             rt = self.runtime[key]
             rt.backward_users += 1
@@ -432,6 +449,9 @@ class ParamGather:
     def gathered(self):
         """Every bucket gathered and in use for the duration (collective: every rank enters). A forward that begins
         inside is local to its rank (see :meth:`_local`): rank 0 alone may evaluate or generate."""
+        self.position.at("gathered_params")
+        if self.comm.watch is not None:  # collective: a rank entering alone waits here, out of every collective
+            self.comm.watch.enter_gathered()
         self._manual += 1
         try:
             for rt in self.runtime.values():

@@ -78,6 +78,8 @@ class GradSync:
         if self._round_open:
             return
         self._round_open = True
+        if not self.comm.position.phase.startswith("backward"):  # stages 1, 2 (stage 3's hooks name the module)
+            self.comm.position.at("backward")
         for gb in self.buckets:
             gb.move_grad(GradState.EMPTY)
             gb.arrived = 0
@@ -113,6 +115,7 @@ class GradSync:
             entry = gb.staging
             placement = gb.group.state
             target, direct = placement.grad_target(gb.bucket)  # the grad shard, or a landing buffer (offload)
+            self.comm.position.bucket = gb.key  # labels the collective (divergence.py)
             pending = self.comm.start_reduce_scatter(
                 send,
                 target,

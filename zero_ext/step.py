@@ -48,6 +48,7 @@ class Stepper:
     def agree(self, param_groups: Sequence[dict]) -> tuple[set[int], list]:
         """Steps 1 and 2 (cached while no gradient changes): the parameters that update, the scalars per group."""
         epoch = self.grad_sync.epoch
+        self.state.comm.position.at("step")
         if self._agreed is not None and self._agreed[0] == epoch:
             return self._agreed[1], self._agreed[2]
         state = self.state
@@ -114,6 +115,13 @@ class Stepper:
     # ---------------------------------------------------------------- 4-5
     def step(self, param_groups: Sequence[dict]) -> bool:
         """One step; False when no parameter had a gradient on any rank (torch then does nothing)."""
+        try:
+            return self._step(param_groups)
+        finally:  # the step count the divergence check names (divergence.py): one per call, on every rank
+            self.state.comm.position.step += 1
+            self.state.comm.position.at("after step")
+
+    def _step(self, param_groups: Sequence[dict]) -> bool:
         state = self.state
         # torch.nn.utils.clip_grad_norm_ on the .grad placeholders: its coefficient, when it scaled every gradient
         # alike and the engine does not clip too, is the kernel's grad_scale (else it was applied to the shards)

@@ -26,6 +26,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ..divergence import DivergenceWatch, Position
+
 # torch 2.13 renamed the flat-tensor collectives (*_into_tensor / *_tensor -> *_single); older releases
 # (the GPU machines' torch 2.11) only have the old names. Same arguments, same semantics.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -44,11 +46,15 @@ class Pending:
     """One collective in flight with its epilogue, holding every tensor it reads or writes until it is waited
     for (FSDP2's ``(result, event)`` pairs): nothing it touches can be freed or reused early."""
 
-    __slots__ = ("_work", "_event", "_device", "_epilogue", "_tensors", "_done")
+    __slots__ = ("_work", "_event", "_device", "_epilogue", "_tensors", "_done", "_watch", "_seq")
 
-    def __init__(self, work=None, event=None, device=None, epilogue: Optional[Callable[[], None]] = None, tensors=()):
+    def __init__(
+        self, work=None, event=None, device=None, epilogue: Optional[Callable[[], None]] = None, tensors=(),
+        watch=None, seq: int = 0,
+    ):  # fmt: skip
         self._work, self._event, self._device = work, event, device
         self._epilogue, self._tensors = epilogue, tensors
+        self._watch, self._seq = watch, seq  # the divergence watch that waits for ``work`` (collective ``seq``)
         self._done = work is None and event is None and epilogue is None
 
     @property
@@ -64,7 +70,10 @@ class Pending:
             torch.cuda.current_stream(self._device).wait_event(self._event)
         else:
             if self._work is not None:
-                self._work.wait()
+                if self._watch is None:
+                    self._work.wait()
+                else:  # with a deadline; past it, the ranks' positions are compared (divergence.py)
+                    self._watch.wait(self._work, self._seq)
             if self._epilogue is not None:
                 self._epilogue()
         self._done = True
@@ -119,6 +128,10 @@ class Communicator:
         self.world_size = world_size
         self.rank = rank
         self.counts = CommCounts()
+        # Where this rank is in its collectives, and the watch that compares every rank's position when a wait
+        # lasts past ZeroAdamW's collective_timeout (None: plain waits). See divergence.py.
+        self.position = Position()
+        self.watch: Optional[DivergenceWatch] = None
         # Collectives of host objects (CPU tensors, pickled objects): a group with a CPU backend. NCCL replaces it.
         self.cpu_group = group
         # Two streams, one per purpose (see [Note: streams]); None on CPU.
@@ -190,15 +203,26 @@ class Communicator:
         (seconds), a :class:`CollectiveTimeout` when some rank does not arrive in time (it is not calling)."""
         raise NotImplementedError
 
+    def abort(self) -> None:
+        """The ranks diverged (divergence.py): make whatever still waits on this group's collectives fail instead
+        of waiting. Nothing to do for gloo (its waits are the host's own, which raises); NCCL aborts."""
+
     # ---------------------------------------------------------------- helpers
+    def host_collective(self, kind: str, tensor: torch.Tensor, collective: Callable[[], object]) -> None:
+        """Run a synchronous host collective (``collective()`` returns its work) counted and waited for like the
+        engine's others: with the divergence watch's deadline (NCCL's host agreements on the CPU group)."""
+        seq = self.position.issued(kind, tensor.numel())
+        Pending(collective(), None, None, None, (tensor,), self.watch, seq).wait()
+
     def _on_stream(
         self, stream, kind: str, collective: Callable[[], object], epilogue: Optional[Callable[[], None]], tensors
     ) -> Pending:
         # A named range per collective, so that a profiler trace shows which device work each one launched.
         label = PROFILER_LABELS[kind]
+        seq = self.position.issued(kind, tensors[0].numel())
         if stream is None:
             with torch.profiler.record_function(label):
-                return Pending(collective(), None, None, epilogue, tensors)
+                return Pending(collective(), None, None, epilogue, tensors, self.watch, seq)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.profiler.record_function(label):
             work = collective()

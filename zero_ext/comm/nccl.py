@@ -61,12 +61,18 @@ class NcclCommunicator(Communicator):
     def reduce_step_stats(self, flags: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
         if stats.device.type == "cpu":  # offloaded state: the norm's sums are on the host too; one host collective
             both = torch.cat([stats, flags])
-            dist.all_reduce(both, group=self.cpu_group)
+            self.host_collective("all_reduce", both, lambda: dist.all_reduce(both, group=self.cpu_group, async_op=True))
             stats.copy_(both[: stats.numel()])
             return both[stats.numel() :]
-        dist.all_reduce(flags, group=self.cpu_group)
+        self.host_collective("all_reduce", flags, lambda: dist.all_reduce(flags, group=self.cpu_group, async_op=True))
         self.start_all_reduce(stats).wait()
         return flags
+
+    def abort(self) -> None:
+        # The ranks diverged (divergence.py, found where the host waits: step()'s host collective): the NCCL
+        # collectives queued on the device will never pair up. Aborting the communicator makes them, and every
+        # later use of the group, fail now instead of at NCCL's watchdog timeout (10 minutes by default).
+        dist.distributed_c10d._abort_process_group(self.group)
 
     def agree(self, value: int, timeout: Optional[float] = None) -> list[int]:
         # On the host, through the CPU group: no device sync, and no dependence on torch.cuda.current_device()
