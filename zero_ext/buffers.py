@@ -127,6 +127,7 @@ class ShardedState:
             (g.index, b.index): BucketRuntime(g, b, order) for order, (g, b) in enumerate(self.launch_order())
         }
         # The gradient staging pool: its entries are sized by the reducer, which knows how buckets travel.
+        self.staging_buffers = staging_buffers
         self.staging = StagingPool(min(staging_buffers, len(self.runtime)), device)
         self.model = model  # the model's names and state outside the optimizer (model_state.ModelState), with module=
         # Parameters given to the optimizer with requires_grad=False: left alone, and not sharded (step() refuses
@@ -134,6 +135,24 @@ class ShardedState:
         self.frozen: list[tuple[str, torch.nn.Parameter]] = list(frozen)
         # Stages 1 and 2: in-place changes to the full parameters, which the master must follow (param_edits.py).
         self.param_edits = ParamEdits(self.groups) if stage < 3 else None
+
+    def with_groups(self, added: Sequence[FlatGroup], names: dict[int, str]) -> "ShardedState":
+        """This state with the flat groups ``added`` after its own (``ZeroAdamW.add_param_group``; ``names``: their
+        parameters'): the same flat groups, model, frozen parameters and counters; every bucket's runtime, the staging
+        pool and the tracking of parameter edits made anew, so nothing may be in flight. Every parameter keeps its
+        step count; the added ones start at 0 (torch's state for a parameter that never stepped)."""
+        out = ShardedState(
+            self.comm, self.stage, self.bucket_size, [*self.groups, *added], {**self.names, **names}, self.device,
+            model=self.model, frozen=self.frozen, staging_buffers=self.staging_buffers,
+        )  # fmt: skip
+        out.step_count.copy_(self.step_count)
+        out.skipped.copy_(self.skipped)
+        counts = self.step_counts.values()  # one host read: parameters with equal counts share a class again
+        counts.update({gidx: 0.0 for g in added for gidx in g.param_indices})
+        out.step_counts.load(counts)
+        if self.param_edits is not None:  # a local adoption the next step still has to check on every rank
+            out.param_edits.unchecked = self.param_edits.unchecked
+        return out
 
     @property
     def world_size(self) -> int:

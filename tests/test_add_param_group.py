@@ -1,0 +1,169 @@
+"""opt.add_param_group() after construction (issue 25): progressive unfreezing. A model with its first block frozen
+trains, the block is unfrozen and added as a new group with its own lr, and training goes on like torch.optim.AdamW
+given the same add_param_group (tolerance), and bitwise like an unsharded run of the engine's own kernel (per-group
+lr, per-parameter step counts), on 1, 2 and 3 gloo ranks, stages 1-3, with and without offload. Checkpoints carry
+the group across world sizes, stages and offload; errors are agreed on every rank and change nothing."""
+
+import pytest
+import torch
+from distributed import run_on_ranks
+from engine_reference import check_against_reference, offload_kwargs, params_digest, rank_grads, state_shards
+from tiny_transformer import batch, build, loss_fn
+
+from zero_ext import ZeroAdamW, checkpoint, ops
+
+HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+BUCKET = 1500
+WINDOW = 3 * 14 * 1024 * 2  # test_offload's smallest nvme window
+
+
+def _frozen_start(dtype, stage, rank, world, offload=None, root=None, tag="run", **kw):
+    """The documented path's start: block 0 frozen, the optimizer built from the trainable parameters only."""
+    model = build(dtype)
+    model.blocks[0].requires_grad_(False)
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    extra = offload_kwargs(offload, root, rank, tag, WINDOW) if offload else {}
+    opt = ZeroAdamW(trainable, **HYPER, stage=stage, bucket_size=BUCKET, module=model, **extra, **kw)
+    return model, opt
+
+
+def _unfreeze(model, opt):
+    model.blocks[0].requires_grad_(True)
+    opt.add_param_group({"params": model.blocks[0].parameters(), "lr": HYPER["lr"] / 10})
+
+
+class KernelReference:
+    """Unsharded, bitwise: every trainable parameter's fp32 master and moments and its own step count, updated one
+    parameter at a time by the engine's kernel (``zero_ext.ops.fused_adamw_``) from the fp32 mean of the ranks'
+    gradients (sum in rank order / N: exact on gloo), each with its param group's lr; ``model`` holds the masters
+    rounded to the parameter dtype (its gradients are the ones the engine's ranks compute)."""
+
+    def __init__(self, dtype):
+        self.model = build(dtype)
+        self.model.requires_grad_(False)
+        self.named = dict(self.model.named_parameters())
+        self.state: dict[str, list] = {}
+        self.lr: dict[str, float] = {}
+
+    def add_group(self, names, lr):
+        for n in names:
+            self.named[n].requires_grad_(True)
+            self.state[n] = [self.named[n].detach().float().reshape(-1).clone(), None, None, 0]
+            self.state[n][1:3] = [torch.zeros_like(self.state[n][0]), torch.zeros_like(self.state[n][0])]
+            self.lr[n] = lr
+
+    def step(self, batches):
+        names = list(self.state)
+        params = [self.named[n] for n in names]
+        per_rank = rank_grads(self.model, params, batches, loss_fn)
+        for i, n in enumerate(names):
+            mean = sum(g[i].float() for g in per_rank) / len(per_rank)
+            s = self.state[n]
+            s[3] += 1
+            ops.fused_adamw_(s[0], mean.reshape(-1).contiguous(), s[1], s[2], lr=self.lr[n], beta1=HYPER["betas"][0],
+                             beta2=HYPER["betas"][1], eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], step=s[3])  # fmt: skip
+            with torch.no_grad():
+                self.named[n].copy_(s[0].view(self.named[n].shape))
+
+    def check(self, opt, model):
+        for (name, p), (_, ref) in zip(model.named_parameters(), self.model.named_parameters()):
+            assert torch.equal(p.detach(), ref.detach()), f"{name}: {int((p.detach() != ref.detach()).sum())} differ"
+        kinds = ("master", "exp_avg", "exp_avg_sq")
+        steps = {e["name"]: e["step"] for e in _param_steps(opt)}
+        for ref in opt.sharded_state.pieces():
+            full = self.state[ref.name]
+            for i, kind in enumerate(kinds):
+                mine = ref.group.state.read(kind, ref.piece.shard_range).cpu()
+                assert torch.equal(mine, full[i][ref.piece.start : ref.piece.end]), f"{ref.name} {kind}"
+            assert steps[ref.name] == full[3], f"{ref.name} step {steps[ref.name]} != {full[3]}"
+
+
+def _param_steps(opt):
+    state = opt.sharded_state
+    counts = state.step_counts.values()
+    return [{"name": state.names[gidx], "step": counts[gidx]} for _, gidx, _ in state.members()]
+
+
+def _block0(model):
+    return [n for n, _ in model.named_parameters() if n.startswith("blocks.0.")]
+
+
+def _world_batches(step, world):
+    return [batch(step, r) for r in range(world)]
+
+
+def _train(model, opt, kref, step, rank, world):
+    kref.step(_world_batches(step, world))
+    loss_fn(model, batch(step, rank)).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+# ---------------------------------------------------------------------------------------------------------- training
+def _trains_like_torch(rank, world, stage, dtype_name, offload, root):
+    dtype = getattr(torch, dtype_name)
+    model, opt = _frozen_start(dtype, stage, rank, world, offload, root)
+    kref = KernelReference(dtype)
+    kref.add_group([n for n, p in model.named_parameters() if p.requires_grad], HYPER["lr"])
+    # torch's AdamW, given the same groups, on fp32 copies fed the mean gradients
+    ref_model = build(dtype).float()  # fp32 copies of the rounded start
+    ref_named = dict(ref_model.named_parameters())
+    first = [n for n, p in model.named_parameters() if p.requires_grad]
+    torch_opt = torch.optim.AdamW([ref_named[n] for n in first], **HYPER)
+    ref_params = list(ref_model.parameters())
+
+    def torch_step(step):
+        # on the kernel reference's model: bitwise the engine's parameters (checked), and full at stage 3 too
+        ref_grads = rank_grads(kref.model, list(kref.model.parameters()), _world_batches(step, world), loss_fn)
+        for i, p in enumerate(ref_params):
+            gs = [g[i] for g in ref_grads]
+            p.grad = None if gs[0] is None else sum(g.float() for g in gs) / len(gs)
+        torch_opt.step()
+
+    for step in range(2):
+        torch_step(step)
+        _train(model, opt, kref, step, rank, world)
+    before = opt.memory_report()
+
+    _unfreeze(model, opt)
+    kref.add_group(_block0(model), HYPER["lr"] / 10)
+    torch_opt.add_param_group({"params": [ref_named[n] for n in _block0(model)], "lr": HYPER["lr"] / 10})
+    assert len(opt.param_groups) == len(torch_opt.param_groups) == 2
+    for key in ("betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "fused"):
+        assert opt.param_groups[1][key] == torch_opt.param_groups[1][key], key  # torch's defaults, filled as torch does
+    assert opt.param_groups[1]["lr"] == HYPER["lr"] / 10
+    assert opt.param_groups[1]["param_names"] == _block0(model)
+    assert any(g.group_index == 1 for g in opt.sharded_state.groups)
+    after = opt.memory_report()  # the new group's parameters and state counted
+    assert after.num_params == before.num_params + sum(p.numel() for p in model.blocks[0].parameters())
+    assert after.total > before.total
+
+    for step in range(2, 5):
+        torch_step(step)
+        _train(model, opt, kref, step, rank, world)
+    names = [n for n, _ in model.named_parameters()]
+    in_opt_order = [ref_named[n] for n in first + _block0(model)]
+    with opt.gathered_params():  # (stage 3: the parameters full)
+        kref.check(opt, model)  # bitwise: params, this rank's master and moments, every step count
+        check_against_reference(opt, model, [ref_named[n] for n in names], rank, ref_in_opt_order=in_opt_order)
+        digest = params_digest(model)
+    assert opt.step_count == 5
+    return digest
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_an_added_group_trains_like_torch(world, stage):
+    digests = run_on_ranks(world, _trains_like_torch, stage, "bfloat16", None, None)
+    assert len(set(digests)) == 1
+
+
+@pytest.mark.parametrize(("stage", "offload"), [(1, "cpu"), (2, "cpu"), (3, "cpu"), (2, "nvme"), (3, "nvme")])
+def test_an_added_group_trains_with_offload(tmp_path, stage, offload):
+    digests = run_on_ranks(2, _trains_like_torch, stage, "bfloat16", offload, str(tmp_path))
+    assert len(set(digests)) == 1
+
+
+def test_an_added_fp32_group_trains_like_torch():
+    digests = run_on_ranks(2, _trains_like_torch, 2, "float32", None, None)
+    assert len(set(digests)) == 1
