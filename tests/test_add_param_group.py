@@ -292,3 +292,100 @@ def _local_state_dict(rank, world, stage):
 @pytest.mark.parametrize("stage", [1, 3])
 def test_the_local_state_dict_carries_the_added_group(stage):
     run_on_ranks(3, _local_state_dict, stage)
+
+
+# ------------------------------------------------------------------------------------------------------------- errors
+def _refused_everywhere(opt, model, call, match):
+    """``call`` raises ``match`` on this rank; nothing changed: param groups, shards, parameters."""
+    groups, shards = [dict(g) for g in opt.param_groups], state_shards(opt)
+    with opt.gathered_params():
+        digest = params_digest(model)
+    with pytest.raises(ValueError, match=match):
+        call()
+    assert [dict(g) for g in opt.param_groups] == groups
+    assert all(torch.equal(a, b) for a, b in zip(shards, state_shards(opt)))
+    with opt.gathered_params():
+        assert params_digest(model) == digest
+
+
+def _errors(rank, world, stage):
+    model, opt = _frozen_start(torch.bfloat16, stage, rank, world)
+    kref = KernelReference(torch.bfloat16)
+    kref.add_group([n for n, p in model.named_parameters() if p.requires_grad], HYPER["lr"])
+    _train(model, opt, kref, 0, rank, world)
+    block = model.blocks[0]
+    add = opt.add_param_group
+    # block 0 still frozen: named
+    _refused_everywhere(
+        opt, model, lambda: add({"params": block.parameters()}), r"'blocks\.0\.ln1\.weight' has requires_grad=False"
+    )
+    block.requires_grad_(True)
+    # a parameter already in a group, named with its group
+    _refused_everywhere(
+        opt, model, lambda: add({"params": [block.fc.weight, model.pos]}), r"'pos' is already in param group 0"
+    )
+    _refused_everywhere(opt, model, lambda: add({"params": [block.fc.weight, block.fc.weight]}), "listed twice")
+    _refused_everywhere(opt, model, lambda: add({"params": []}), "has no parameters")
+    _refused_everywhere(opt, model, lambda: add({"params": {block.fc.weight}}), "is a set")
+    _refused_everywhere(opt, model, lambda: add({"params": [block.fc.weight * 2]}), "not a leaf")
+    stray = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    _refused_everywhere(opt, model, lambda: add({"params": [stray]}), "is not a parameter of `module`")
+    double = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    _refused_everywhere(opt, model, lambda: add({"params": [double]}), "has dtype torch.float64")
+    elsewhere = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16, device="meta"))
+    _refused_everywhere(
+        opt, model, lambda: add({"params": [elsewhere]}), "is on meta, the optimizer's parameters on cpu"
+    )
+    # any bad hyperparameter (torch's defaults fill the others)
+    _refused_everywhere(opt, model, lambda: add({"params": block.parameters(), "lr": -1.0}), r"param group 1.*lr")
+    _refused_everywhere(opt, model, lambda: add({"params": block.parameters(), "betas": (0.9, 1.5)}), "betas")
+    _refused_everywhere(opt, model, lambda: add({"params": block.parameters(), "eps": -1.0}), "eps")
+    if world > 1:
+        # a group that differs between ranks, or is invalid on one rank only: every rank raises
+        lr = HYPER["lr"] / (10 if rank == 0 else 20)
+        _refused_everywhere(opt, model, lambda: add({"params": block.parameters(), "lr": lr}), "differs between ranks")
+        params = list(block.parameters()) if rank == 0 else [*block.parameters(), model.pos]
+        _refused_everywhere(
+            opt, model, lambda: add({"params": params}), r"failed on rank\(s\) \[1, 2\]|already in param group 0"
+        )
+    if stage == 3:
+        with opt.gathered_params():
+            with pytest.raises(ValueError, match="while parameters are gathered"):
+                add({"params": block.parameters()})
+    assert len(opt.param_groups) == 1
+    # then the valid group is added and trains on (nothing half-done before)
+    add({"params": block.parameters(), "lr": HYPER["lr"] / 10})
+    kref.add_group(_block0(model), HYPER["lr"] / 10)
+    _train(model, opt, kref, 1, rank, world)
+    with opt.gathered_params():
+        kref.check(opt, model)
+
+
+@pytest.mark.parametrize(("world", "stage"), [(1, 2), (3, 1), (3, 3)])
+def test_errors_are_agreed_and_change_nothing(world, stage):
+    run_on_ranks(world, _errors, stage)
+
+
+# --------------------------------------------------------------------------------------------- when it is called
+def _between_backward_and_step(rank, world, stage, grad_accum_dtype):
+    """Added after backward, before step(): the gradients already reduced are applied by that step (the new
+    parameters have none yet: they do not move, as with torch); stage 1's .grad stays what it was."""
+    model, opt = _frozen_start(torch.bfloat16, stage, rank, world, grad_accum_dtype=grad_accum_dtype)
+    kref = KernelReference(torch.bfloat16)
+    kref.add_group([n for n, p in model.named_parameters() if p.requires_grad], HYPER["lr"])
+    _train(model, opt, kref, 0, rank, world)
+    loss_fn(model, batch(1, rank)).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # placeholders with a (no-op) scaling recorded
+    _unfreeze(model, opt)
+    opt.step()
+    opt.zero_grad()
+    kref.step(_world_batches(1, world))
+    kref.add_group(_block0(model), HYPER["lr"] / 10)
+    _train(model, opt, kref, 2, rank, world)
+    with opt.gathered_params():
+        kref.check(opt, model)
+
+
+@pytest.mark.parametrize(("stage", "grad_accum_dtype"), [(1, None), (1, torch.float32), (2, None), (3, None)])
+def test_added_between_backward_and_step(stage, grad_accum_dtype):
+    run_on_ranks(2, _between_backward_and_step, stage, grad_accum_dtype)
