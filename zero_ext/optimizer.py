@@ -46,7 +46,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             ``amsgrad``, ``maximize``.
             Params may be fp32 (their own master copy), bf16 or fp16; all on one device. Params with
             ``requires_grad=False`` are left alone; one made trainable later makes ``step()`` raise (it has no
-            shard: build the optimizer after changing which parameters train).
+            shard). To unfreeze gradually, leave frozen parameters out and add them with :meth:`add_param_group`.
         lr, betas, eps, weight_decay, amsgrad, maximize: ``torch.optim.AdamW``'s, with its meaning (the update
             rule, :mod:`zero_ext.update_rule`: torch's operation order, its moments to the bit). ``amsgrad`` keeps a
             fourth fp32 kind of state (torch's running maximum of the second moment) and is fixed per param group at
