@@ -389,3 +389,16 @@ def _between_backward_and_step(rank, world, stage, grad_accum_dtype):
 @pytest.mark.parametrize(("stage", "grad_accum_dtype"), [(1, None), (1, torch.float32), (2, None), (3, None)])
 def test_added_between_backward_and_step(stage, grad_accum_dtype):
     run_on_ranks(2, _between_backward_and_step, stage, grad_accum_dtype)
+
+
+def test_the_added_group_launches_in_the_models_order():
+    """Block 0's buckets launch after those of the parameters registered after it (block 1, ln_f: their gradients
+    come first in backward); by their optimizer indices, the largest, they would launch first and hold back every
+    other reduction until the end of backward."""
+    model, opt = _frozen_start(torch.bfloat16, 2, 0, 1)
+    _unfreeze(model, opt)
+    order = sorted(opt.sharded_state.runtime.values(), key=lambda rt: rt.order)
+    added = [k for k, rt in enumerate(order) if rt.group.group_index == 1]
+    later = [k for k, rt in enumerate(order) if all(rt.group.names[i] not in ("embed.weight", "pos") for i in
+             rt.bucket.slots) and rt.group.group_index == 0]  # fmt: skip
+    assert added and later and max(later) < min(added)

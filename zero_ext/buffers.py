@@ -121,6 +121,7 @@ class ShardedState:
         self.step_count = torch.zeros((), dtype=torch.float32, device=self.update_device)
         self.skipped = torch.zeros((), dtype=torch.float32, device=self.update_device)
         self.step_counts = StepCounts([gidx for _, gidx, _ in self.members()], self.update_device)
+        self.model = model  # the model's names and state outside the optimizer (model_state.ModelState), with module=
         # Every bucket's runtime (its gradients and parameters in flight), the one record of each: the reducer, the
         # parameter gathers and stage 3's scheduler act on these objects. ``order``: the launch order.
         self.runtime: dict[Key, BucketRuntime] = {
@@ -129,7 +130,6 @@ class ShardedState:
         # The gradient staging pool: its entries are sized by the reducer, which knows how buckets travel.
         self.staging_buffers = staging_buffers
         self.staging = StagingPool(min(staging_buffers, len(self.runtime)), device)
-        self.model = model  # the model's names and state outside the optimizer (model_state.ModelState), with module=
         # Parameters given to the optimizer with requires_grad=False: left alone, and not sharded (step() refuses
         # to go on if one becomes trainable: it would never be updated).
         self.frozen: list[tuple[str, torch.nn.Parameter]] = list(frozen)
@@ -170,8 +170,16 @@ class ShardedState:
 
     def launch_order(self) -> list[tuple[FlatGroup, Bucket]]:
         """Every (group, bucket) in the order their gradients are expected: the bucket whose parameters were
-        registered last first. Every rank launches collectives in this one order, so they always pair up."""
-        keyed = [(max(g.param_indices[i] for i in b.slots), g, b) for g, b in self.buckets()]
+        registered last first (in the model, with ``module=``; else in the order given to the optimizer). Every rank
+        launches collectives in this one order, so they always pair up. (The model's order matters for a group added
+        later, ``add_param_group``: typically early layers, unfrozen, whose gradients arrive last; by their indices,
+        the largest, their buckets would launch first and hold back every reduction until the end of backward.)"""
+        registered = {id(t): i for i, t in enumerate(self.model.tensor_of.values())} if self.model is not None else {}
+
+        def position(g: FlatGroup, i: int) -> int:
+            return registered.get(id(g.params[i]), g.param_indices[i])
+
+        keyed = [(max(position(g, i) for i in b.slots), g, b) for g, b in self.buckets()]
         keyed.sort(key=lambda k: -k[0])
         return [(g, b) for _, g, b in keyed]
 
