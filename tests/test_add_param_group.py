@@ -17,10 +17,12 @@ BUCKET = 1500
 WINDOW = 3 * 14 * 1024 * 2  # test_offload's smallest nvme window
 
 
-def _frozen_start(dtype, stage, rank, world, offload=None, root=None, tag="run", **kw):
+def _frozen_start(dtype, stage, rank, world, offload=None, root=None, tag="run", defer=False, **kw):
     """The documented path's start: block 0 frozen, the optimizer built from the trainable parameters only."""
     model = build(dtype)
     model.blocks[0].requires_grad_(False)
+    if defer:
+        kw["defer_all_gather_to"] = model
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     extra = offload_kwargs(offload, root, rank, tag, WINDOW) if offload else {}
     opt = ZeroAdamW(trainable, **HYPER, stage=stage, bucket_size=BUCKET, module=model, **extra, **kw)
@@ -60,8 +62,9 @@ class KernelReference:
             mean = sum(g[i].float() for g in per_rank) / len(per_rank)
             s = self.state[n]
             s[3] += 1
-            ops.fused_adamw_(s[0], mean.reshape(-1).contiguous(), s[1], s[2], lr=self.lr[n], beta1=HYPER["betas"][0],
-                             beta2=HYPER["betas"][1], eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], step=s[3])  # fmt: skip
+            beta1, beta2 = HYPER["betas"]
+            ops.fused_adamw_(s[0], mean.reshape(-1).contiguous(), s[1], s[2], lr=self.lr[n], beta1=beta1, beta2=beta2,
+                             eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], step=s[3])  # fmt: skip
             with torch.no_grad():
                 self.named[n].copy_(s[0].view(self.named[n].shape))
 
@@ -100,9 +103,9 @@ def _train(model, opt, kref, step, rank, world):
 
 
 # ---------------------------------------------------------------------------------------------------------- training
-def _trains_like_torch(rank, world, stage, dtype_name, offload, root):
+def _trains_like_torch(rank, world, stage, dtype_name, offload, root, defer=False):
     dtype = getattr(torch, dtype_name)
-    model, opt = _frozen_start(dtype, stage, rank, world, offload, root)
+    model, opt = _frozen_start(dtype, stage, rank, world, offload, root, defer=defer)
     kref = KernelReference(dtype)
     kref.add_group([n for n, p in model.named_parameters() if p.requires_grad], HYPER["lr"])
     # torch's AdamW, given the same groups, on fp32 copies fed the mean gradients
@@ -166,6 +169,12 @@ def test_an_added_group_trains_with_offload(tmp_path, stage, offload):
 
 def test_an_added_fp32_group_trains_like_torch():
     digests = run_on_ranks(2, _trains_like_torch, 2, "float32", None, None)
+    assert len(set(digests)) == 1
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_an_added_group_trains_with_deferred_gathers(stage):
+    digests = run_on_ranks(2, _trains_like_torch, stage, "bfloat16", None, None, True)
     assert len(set(digests)) == 1
 
 
@@ -402,3 +411,34 @@ def test_the_added_group_launches_in_the_models_order():
     later = [k for k, rt in enumerate(order) if all(rt.group.names[i] not in ("embed.weight", "pos") for i in
              rt.bucket.slots) and rt.group.group_index == 0]  # fmt: skip
     assert added and later and max(later) < min(added)
+
+
+def _clip_then_add(rank, world, stage, how):
+    """A clipping recorded before the group is added (``opt.clip_grad_norm_``, or torch's function on the .grad
+    placeholders) is applied by the step after it, as without the new group (which has no gradient yet)."""
+    runs = []
+    for adds in (True, False):
+        model, opt = _frozen_start(torch.bfloat16, stage, rank, world)
+        for step in range(2):
+            loss_fn(model, batch(step, rank)).backward()
+            if step == 1:
+                if how == "opt":
+                    norm = opt.clip_grad_norm_(0.05)
+                else:
+                    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+                assert norm > 0.1  # the clipping scales
+                if adds:
+                    _unfreeze(model, opt)
+            opt.step()
+            opt.zero_grad()
+        runs.append((model, opt))
+    (added, opt), (plain, opt_plain) = runs
+    shards = state_shards(opt_plain)
+    assert all(torch.equal(a, b) for a, b in zip(shards, state_shards(opt)[: len(shards)]))
+    with opt.gathered_params(), opt_plain.gathered_params():
+        assert params_digest(added) == params_digest(plain)  # block 0 unchanged: no gradient when it was added
+
+
+@pytest.mark.parametrize(("stage", "how"), [(1, "opt"), (2, "opt"), (1, "torch"), (3, "torch")])
+def test_a_clipping_recorded_before_adding_applies(stage, how):
+    run_on_ranks(2, _clip_then_add, stage, how)

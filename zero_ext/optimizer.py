@@ -253,7 +253,10 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.finish_sync()
         busy = None
         if self.stage == 3 and any(rt.params is not ParamState.SHARDED for rt in self._state.runtime.values()):
-            busy = "called while parameters are gathered (inside forward, backward or gathered_params()); call it between steps"
+            busy = (
+                "called while parameters are gathered (inside forward, backward or gathered_params()); call it "
+                "between steps"
+            )
         adder = GroupAdder(self, self._state, self._options, param_group, busy)  # collective; raises on every rank
         added = adder.build(self._offload_directory)
         self._grad_sync.placeholders.settle(defer=False)  # clipping recorded on .grad applied; .grad real again
@@ -266,7 +269,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._state = self._state.with_groups(added, adder.names)
         self._start_engine()
         self._grad_sync.strategy.keep_grads(old_grads.strategy)
-        self._stepper.grad_norm.copy_(old_stepper.grad_norm)
+        self._grad_sync.sync_enabled = old_grads.sync_enabled  # (inside no_sync())
+        self._stepper.take_over(old_stepper)
         if self.stage == 3:
             self._param_sync.peak_bytes = old_params.peak_bytes
             _cast_from_master(added)
@@ -275,9 +279,6 @@ class ZeroAdamW(torch.optim.Optimizer):
         for _, p in adder.members:
             p._zero_ext_owner = weakref.ref(self)
         self.param_groups.append(adder.group)
-        g = self.param_groups[-1]
-        where = f"zero_ext.ZeroAdamW: param group {len(self.param_groups) - 1}"
-        rule_for_group(torch.float32, g).check_group(where, g)
 
     @property
     def sharded_state(self) -> ShardedState:

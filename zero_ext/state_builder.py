@@ -145,9 +145,10 @@ def build_flat_groups(comm, o: BuildOptions, directory, names: dict[int, str], d
     try:
         for fi, (gi, members, layout, rule) in enumerate(specs, start=first_index):
             indices = [i for i, _ in members]
+            grads = grad_buffer_dtype(o.stage, o.grad_accum_dtype, members[0][1].dtype)
             groups.append(FlatGroup(
                 fi, gi, [p for _, p in members], indices, [names[i] for i in indices], layout, comm.rank,
-                params_cls, device, placement, rule, grad_buffer_dtype(o.stage, o.grad_accum_dtype, members[0][1].dtype),
+                params_cls, device, placement, rule, grads,
             ))  # fmt: skip
     except BaseException as e:
         for group in groups:  # files of the groups built so far

@@ -44,6 +44,12 @@ class Stepper:
         self._agreed: Optional[tuple[int, set[int], list]] = None  # (gradient epoch, active, scalars)
         self._clip_to: Optional[float] = None  # clip_grad_norm_'s max_norm for the step of the same epoch
 
+    def take_over(self, old: "Stepper") -> None:
+        """``add_param_group`` rebuilt the engine: the last norm, and a ``clip_grad_norm_`` owed to the next step
+        (the added parameters have no gradient yet: the norm it clips to is the same)."""
+        self.grad_norm.copy_(old.grad_norm)
+        self._clip_to = old._clip_to
+
     # ---------------------------------------------------------------- 1-3
     def agree(self, param_groups: Sequence[dict]) -> tuple[set[int], list]:
         """Steps 1 and 2 (cached while no gradient changes): the parameters that update, the scalars per group."""
