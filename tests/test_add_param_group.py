@@ -307,3 +307,37 @@ def _mixed_dtypes(rank, world, stage):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_a_group_of_two_dtypes_becomes_two_flat_groups(stage):
     assert len(set(run_on_ranks(2, _mixed_dtypes, stage))) == 1
+
+
+# ----------------------------------------------------------------------------------------------------------- memory
+def _memory_after_adding(rank, world, stage):
+    """After adding, the report counts the new group byte for byte (the storages alive in the flat groups and the
+    staging pool, the identity with the formula), and the replaced sharded state is gone with its staging pool (the
+    engine around it holds it: it is freed, not kept alive beside the new one)."""
+    import gc
+    import weakref
+
+    model, opt = frozen_start(torch.bfloat16, stage, rank, world)
+    kref = KernelReference(torch.bfloat16)
+    kref.add_group([n for n, p in model.named_parameters() if p.requires_grad], HYPER["lr"])
+    train(model, opt, kref, 0, rank, world)
+    old = [weakref.ref(opt.sharded_state), weakref.ref(opt.sharded_state.staging)]
+    unfreeze(model, opt)
+    kref.add_group(block0(model), HYPER["lr"] / 10)
+    train(model, opt, kref, 1, rank, world)
+    gc.collect()
+    assert [r() for r in old] == [None, None]
+    state, report = opt.sharded_state, opt.memory_report()
+    alive = [t for g in state.groups for t in g.tensors().values()] + state.staging.tensors()
+    assert report.total == sum(t.untyped_storage().nbytes() for t in alive)
+    assert report.total == (
+        report.formula + report.padding + report.staging + report.grad_shard_fp32 - report.param_shard_not_kept
+    )
+    assert report.num_params == sum(p.numel() for p in model.parameters())
+    return report.owned_numel
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_memory_report_counts_the_added_group(stage):
+    owned = run_on_ranks(3, _memory_after_adding, stage)
+    assert sum(owned) == sum(p.numel() for p in build().parameters())
