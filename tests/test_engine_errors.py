@@ -100,11 +100,12 @@ def _sparse_gradient(rank, world):
 
 
 def _add_param_group_later(rank, world):
+    """(Valid groups: test_add_param_group.py.) A frozen parameter is refused on every rank, named."""
     opt = ZeroAdamW(build().parameters())
     return _expect(
-        NotImplementedError,
-        "fixed at construction",
-        lambda: opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]}),
+        ValueError,
+        r"param_groups\[1\]\.params\[0\]' has requires_grad=False",
+        lambda: opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2), requires_grad=False)]}),
     )
 
 

@@ -121,19 +121,38 @@ class ShardedState:
         self.step_count = torch.zeros((), dtype=torch.float32, device=self.update_device)
         self.skipped = torch.zeros((), dtype=torch.float32, device=self.update_device)
         self.step_counts = StepCounts([gidx for _, gidx, _ in self.members()], self.update_device)
+        self.model = model  # the model's names and state outside the optimizer (model_state.ModelState), with module=
         # Every bucket's runtime (its gradients and parameters in flight), the one record of each: the reducer, the
         # parameter gathers and stage 3's scheduler act on these objects. ``order``: the launch order.
         self.runtime: dict[Key, BucketRuntime] = {
             (g.index, b.index): BucketRuntime(g, b, order) for order, (g, b) in enumerate(self.launch_order())
         }
         # The gradient staging pool: its entries are sized by the reducer, which knows how buckets travel.
+        self.staging_buffers = staging_buffers
         self.staging = StagingPool(min(staging_buffers, len(self.runtime)), device)
-        self.model = model  # the model's names and state outside the optimizer (model_state.ModelState), with module=
         # Parameters given to the optimizer with requires_grad=False: left alone, and not sharded (step() refuses
         # to go on if one becomes trainable: it would never be updated).
         self.frozen: list[tuple[str, torch.nn.Parameter]] = list(frozen)
         # Stages 1 and 2: in-place changes to the full parameters, which the master must follow (param_edits.py).
         self.param_edits = ParamEdits(self.groups) if stage < 3 else None
+
+    def with_groups(self, added: Sequence[FlatGroup], names: dict[int, str]) -> "ShardedState":
+        """This state with the flat groups ``added`` after its own (``ZeroAdamW.add_param_group``; ``names``: their
+        parameters'): the same flat groups, model, frozen parameters and counters; every bucket's runtime, the staging
+        pool and the tracking of parameter edits made anew, so nothing may be in flight. Every parameter keeps its
+        step count; the added ones start at 0 (torch's state for a parameter that never stepped)."""
+        out = ShardedState(
+            self.comm, self.stage, self.bucket_size, [*self.groups, *added], {**self.names, **names}, self.device,
+            model=self.model, frozen=self.frozen, staging_buffers=self.staging_buffers,
+        )  # fmt: skip
+        out.step_count.copy_(self.step_count)
+        out.skipped.copy_(self.skipped)
+        counts = self.step_counts.values()  # one host read: parameters with equal counts share a class again
+        counts.update({gidx: 0.0 for g in added for gidx in g.param_indices})
+        out.step_counts.load(counts)
+        if self.param_edits is not None:  # a local adoption the next step still has to check on every rank
+            out.param_edits.unchecked = self.param_edits.unchecked
+        return out
 
     @property
     def world_size(self) -> int:
@@ -151,8 +170,16 @@ class ShardedState:
 
     def launch_order(self) -> list[tuple[FlatGroup, Bucket]]:
         """Every (group, bucket) in the order their gradients are expected: the bucket whose parameters were
-        registered last first. Every rank launches collectives in this one order, so they always pair up."""
-        keyed = [(max(g.param_indices[i] for i in b.slots), g, b) for g, b in self.buckets()]
+        registered last first (in the model, with ``module=``; else in the order given to the optimizer). Every rank
+        launches collectives in this one order, so they always pair up. (The model's order matters for a group added
+        later, ``add_param_group``: typically early layers, unfrozen, whose gradients arrive last; by their indices,
+        the largest, their buckets would launch first and hold back every reduction until the end of backward.)"""
+        registered = {id(t): i for i, t in enumerate(self.model.tensor_of.values())} if self.model is not None else {}
+
+        def position(g: FlatGroup, i: int) -> int:
+            return registered.get(id(g.params[i]), g.param_indices[i])
+
+        keyed = [(max(position(g, i) for i in b.slots), g, b) for g, b in self.buckets()]
         keyed.sort(key=lambda k: -k[0])
         return [(g, b) for _, g, b in keyed]
 

@@ -89,6 +89,10 @@ class GradStrategy:
         for group in self.state.groups:
             group.state.grad.zero_()
 
+    def keep_grads(self, old: "GradStrategy") -> None:
+        """Take over what ``old`` (the same stage's strategy, before ``add_param_group`` rebuilt the engine around the
+        same flat groups) knew of the gradients still to be applied; its reductions are all finished."""
+
 
 class ShardedGradStrategy(GradStrategy):
     """Stages 2 and 3: the gradients live only in the fp32 grad shard, so ``step()`` consumes them (zeroes the
@@ -150,6 +154,9 @@ class ShardedGradStrategy(GradStrategy):
 
     def forget(self, gidxs: list[int]) -> None:
         self._got.difference_update(gidxs)
+
+    def keep_grads(self, old: GradStrategy) -> None:
+        self._got |= old.got_grads()
 
     def zero_grad(self, set_to_none: bool) -> None:
         if set_to_none:  # (zeroed in place, a gradient is still applied, as zero: torch's decay and moments move)
@@ -286,6 +293,12 @@ class BufferedGrads(GradStrategy):
         super().after_step()
         self._reduced_at = None
 
+    def keep_grads(self, old: GradStrategy) -> None:
+        # .grad (views of the same flat buffers) says which parameters have one; whether they are reduced yet is
+        # old's to say, or the added parameters' (an early gradient of theirs is not)
+        added = self.state.groups[len(old.state.groups) :]
+        self._unreduced = old.unreduced or any(p.grad is not None for g in added for p in g.params)
+
     def rescaled(self) -> None:
         if self._reduced_at is not None:  # the engine's own change: the reduction still stands for the buffers
             self._reduced_at = [g.grad_buffer._version for g in self.state.groups]
@@ -344,6 +357,10 @@ class Fp32GradBuffer(BufferedGrads):
 
     def forget(self, gidxs: list[int]) -> None:
         self._got.difference_update(gidxs)
+
+    def keep_grads(self, old: GradStrategy) -> None:
+        super().keep_grads(old)
+        self._got |= old.got_grads()
 
     def check_no_foreign_grads(self) -> None:
         ShardedGradStrategy.check_no_foreign_grads(self)

@@ -12,10 +12,12 @@ import torch
 import torch.distributed as dist
 
 from . import memory
+from .bucket_runtime import ParamState
 from .buffers import ShardedState
 from .comm import Communicator
 from .divergence import DivergenceWatch
 from .grads import grads_for
+from .group_adder import GroupAdder
 from .meta_init import initialise_shards
 from .offload import check_offload_options, warn_if_one_thread
 from .options import check_collective_timeout, check_options, check_process_group, check_stage3_options
@@ -45,7 +47,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             ``amsgrad``, ``maximize``.
             Params may be fp32 (their own master copy), bf16 or fp16; all on one device. Params with
             ``requires_grad=False`` are left alone; one made trainable later makes ``step()`` raise (it has no
-            shard: build the optimizer after changing which parameters train).
+            shard). To unfreeze gradually, leave frozen parameters out and add them with :meth:`add_param_group`.
         lr, betas, eps, weight_decay, amsgrad, maximize: ``torch.optim.AdamW``'s, with its meaning (the update
             rule, :mod:`zero_ext.update_rule`: torch's operation order, its moments to the bit). ``amsgrad`` keeps a
             fourth fp32 kind of state (torch's running maximum of the second moment) and is fixed per param group at
@@ -205,12 +207,13 @@ class ZeroAdamW(torch.optim.Optimizer):
             self._state.comm.watch = DivergenceWatch(self._state.comm, collective_timeout)
         warn_if_one_thread(offload)
         # 5. the engine around it: gradient reduction, parameter gathers, the step
-        self._grad_sync = GradSync(self._state, grads_for(self._state, reduce_dtype, grad_accum_dtype))
+        self._options, self._offload_directory = options, builder.directory  # (add_param_group builds more groups)
+        self._engine_options = (module, reshard_after_forward, prefetch, grad_accum_dtype, defer_all_gather_to)
+        self._start_engine()
         if stage == 3:
-            self._param_sync = self._stage3_params(module, reshard_after_forward, prefetch, builder, param_init)
-        else:
-            self._param_sync = ParamSync(self._state)
-        self._stepper = Stepper(self._state, self._grad_sync, self._param_sync, max_grad_norm)
+            if builder.on_meta:
+                initialise_shards(self._state, module, param_init, builder.device)
+            _cast_from_master(self._state.groups)
         self._has_stepped = False
         self._closed = False
         # 6. hooks on the model, and the parameters marked as this optimizer's
@@ -221,18 +224,19 @@ class ZeroAdamW(torch.optim.Optimizer):
         for p in builder.trainable:
             p._zero_ext_owner = weakref.ref(self)
 
-    def _stage3_params(self, module, reshard_after_forward, prefetch, builder: StateBuilder, param_init):
-        """Stage 3: the gather scheduler on the model's hooks; a meta model's shards initialised; the parameter
-        shards cast from the fp32 master where it is on the device."""
-        gather = ParamGather(self._state, module, reshard_after_forward, prefetch)
-        self._grad_sync.on_ready = gather.bucket_ready
-        self._grad_sync.on_round_end = gather.backward_done
-        if builder.on_meta:
-            initialise_shards(self._state, module, param_init, builder.device)
-        for group in self._state.groups:
-            if group.state.master_copy and group.state.resident:  # the fp32 master is on the device
-                group.flat_params.cast_from(lambda bucket, g=group: g.state.read(MASTER, bucket.shard_range))
-        return gather
+    def _start_engine(self) -> None:
+        """Gradient reduction, parameter gathers (stage 3: the gather scheduler on the model's hooks) and the step,
+        around ``self._state``."""
+        module, reshard_after_forward, prefetch, grad_accum_dtype, _ = self._engine_options
+        self._grad_sync = GradSync(self._state, grads_for(self._state, self.reduce_dtype, grad_accum_dtype))
+        if self.stage == 3:
+            gather = ParamGather(self._state, module, reshard_after_forward, prefetch)
+            self._grad_sync.on_ready = gather.bucket_ready
+            self._grad_sync.on_round_end = gather.backward_done
+            self._param_sync = gather
+        else:
+            self._param_sync = ParamSync(self._state)
+        self._stepper = Stepper(self._state, self._grad_sync, self._param_sync, self.max_grad_norm)
 
     def close(self) -> None:
         """Detach from the model: finish the communication in flight and remove every hook this optimizer put on
@@ -259,15 +263,49 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ construction
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if not getattr(self, "_constructing", False):
-            raise NotImplementedError(
-                "zero_ext.ZeroAdamW: param groups are fixed at construction (they define the sharded flat-buffer "
-                "layout); build a new optimizer instead"
+        """Add a param group, as torch does (its missing hyperparameters are the optimizer's defaults): a new flat
+        group of its parameters, sharded and stepped like the others from the next ``step()`` (their step counts
+        start at 0), and in checkpoints from then on (:mod:`zero_ext.group_adder`). Collective: every rank adds the
+        same group, between steps (not inside forward, backward or ``gathered_params()``); a group that is invalid
+        on some rank or differs between ranks raises on every rank, nothing changed. The way to unfreeze: build the
+        optimizer from the trainable parameters only, then ``p.requires_grad_(True)`` for a block and
+        ``opt.add_param_group({"params": block.parameters(), "lr": lr / 10})`` on every rank."""
+        if getattr(self, "_constructing", False):
+            super().add_param_group(param_group)
+            g = self.param_groups[-1]
+            where = f"zero_ext.ZeroAdamW: param group {len(self.param_groups) - 1}"
+            rule_for_group(torch.float32, g).check_group(where, g)
+            return
+        self._check_open()
+        self.finish_sync()
+        busy = None
+        if self.stage == 3 and any(rt.params is not ParamState.SHARDED for rt in self._state.runtime.values()):
+            busy = (
+                "called while parameters are gathered (inside forward, backward or gathered_params()); call it "
+                "between steps"
             )
-        super().add_param_group(param_group)
-        g = self.param_groups[-1]
-        where = f"zero_ext.ZeroAdamW: param group {len(self.param_groups) - 1}"
-        rule_for_group(torch.float32, g).check_group(where, g)
+        adder = GroupAdder(self, self._state, self._options, param_group, busy)  # collective; raises on every rank
+        added = adder.build(self._offload_directory)
+        self._grad_sync.placeholders.settle(defer=False)  # clipping recorded on .grad applied; .grad real again
+        old_grads, old_params, old_stepper = self._grad_sync, self._param_sync, self._stepper
+        old_grads.remove_hooks()
+        if self.stage == 3:
+            old_params.hand_over()
+        else:
+            old_params.remove_hooks()
+        self._state = self._state.with_groups(added, adder.names)
+        self._start_engine()
+        self._grad_sync.strategy.keep_grads(old_grads.strategy)
+        self._grad_sync.sync_enabled = old_grads.sync_enabled  # (inside no_sync())
+        self._stepper.take_over(old_stepper)
+        if self.stage == 3:
+            self._param_sync.peak_bytes = old_params.peak_bytes
+            _cast_from_master(added)
+        if self._engine_options[4] is not None:
+            self._param_sync.defer_to(self._engine_options[4])
+        for _, p in adder.members:
+            p._zero_ext_owner = weakref.ref(self)
+        self.param_groups.append(adder.group)
 
     @property
     def sharded_state(self) -> ShardedState:
@@ -430,6 +468,13 @@ class ZeroAdamW(torch.optim.Optimizer):
         fails to load on any rank changes nothing on any rank."""
         self.finish_sync()
         load_local_state_dict(self._state, self.param_groups, state_dict)
+
+
+def _cast_from_master(groups) -> None:
+    """Stage 3: the parameter shards of ``groups`` are cast from the fp32 master where it is on the device."""
+    for group in groups:
+        if group.state.master_copy and group.state.resident:
+            group.flat_params.cast_from(lambda bucket, g=group: g.state.read(MASTER, bucket.shard_range))
 
 
 def _take_over(params, new: "ZeroAdamW") -> None:

@@ -109,7 +109,7 @@ class ParamGather:
                 key = (group.index, slot.bucket)
                 where[id(p)] = key
                 p._zero_ext_key, p._zero_ext_name, p._zero_ext_gather = key, group.names[slot.index], self
-                original = type(p)
+                original = getattr(type(p), "_zero_ext_original", type(p))  # (already sharded: add_param_group)
                 p.__class__ = shard_class(original)
                 self.classes.setdefault(key, []).append((p, original, type(p)))
         self.keys: dict[int, set[Key]] = {}  # id(module) -> buckets it uses (own parameters, then learned reads)
@@ -482,3 +482,10 @@ class ParamGather:
 
     def remove_hooks(self) -> None:
         self.restore()
+
+    def hand_over(self) -> None:
+        """Remove the hooks and leave the parameters sharded (every bucket SHARDED): a new ParamGather over the same
+        buckets and more takes over (``ZeroAdamW.add_param_group``)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

@@ -135,33 +135,44 @@ class StateBuilder:
     def build(self) -> ShardedState:
         o, plan, comm = self.options, self.plan, self.comm
         broadcast_from_rank0(comm, self.to_sync)  # after the agreement (a failed one fails every rank), before shards
-        placement = placement_factory(o.offload, self.directory, o.offload_window, comm.rank, len(self.layouts))
-        params_cls = ShardedParams if o.stage == 3 else FullParams
-        groups, error = [], None
-        try:
-            for fi, ((gi, members), layout, rule) in enumerate(zip(plan.groups, self.layouts, self.rules)):
-                indices = [i for i, _ in members]
-                groups.append(FlatGroup(
-                    fi, gi, [p for _, p in members], indices, [plan.names[i] for i in indices], layout, comm.rank,
-                    params_cls, plan.device, placement, rule,
-                    grad_buffer_dtype(o.stage, o.grad_accum_dtype, members[0][1].dtype),
-                ))  # fmt: skip
-        except BaseException as e:
-            for group in groups:  # files of the groups built so far
-                group.state.close()
-            if o.offload != "nvme":
-                raise
-            error = e
-        if o.offload == "nvme":  # a disk that filled up since the check fails every rank, not just this one
-            failed = [r for r, f in enumerate(comm.agree(int(error is not None))) if f]
-            if error is not None:
-                raise error
-            if failed:
-                for group in groups:
-                    group.state.close()
-                raise RuntimeError(f"zero_ext.ZeroAdamW: creating the offload files failed on rank(s) {failed}")
+        specs = [
+            (gi, members, layout, rule) for (gi, members), layout, rule in zip(plan.groups, self.layouts, self.rules)
+        ]
+        groups = build_flat_groups(comm, o, self.directory, plan.names, plan.device, specs, first_index=0)
         frozen = [(plan.names[i], p) for i, p in enumerate(self.everything) if not p.requires_grad]
         return ShardedState(
             comm, o.stage, self.bucket_size, groups, plan.names, plan.device,
             model=self.model, frozen=frozen, staging_buffers=o.staging_buffers,
         )  # fmt: skip
+
+
+def build_flat_groups(comm, o: BuildOptions, directory, names: dict[int, str], device, specs, first_index: int):
+    """The flat groups of ``specs`` ``[(param group index, [(global index, parameter)], layout, rule)]``, numbered
+    from ``first_index`` (the parameters re-pointed into flat buffers, the placements allocated). With nvme offload
+    a failure to create the files on any rank fails every rank, the files made so far deleted."""
+    placement = placement_factory(o.offload, directory, o.offload_window, comm.rank, first_index + len(specs))
+    params_cls = ShardedParams if o.stage == 3 else FullParams
+    groups, error = [], None
+    try:
+        for fi, (gi, members, layout, rule) in enumerate(specs, start=first_index):
+            indices = [i for i, _ in members]
+            grads = grad_buffer_dtype(o.stage, o.grad_accum_dtype, members[0][1].dtype)
+            groups.append(FlatGroup(
+                fi, gi, [p for _, p in members], indices, [names[i] for i in indices], layout, comm.rank,
+                params_cls, device, placement, rule, grads,
+            ))  # fmt: skip
+    except BaseException as e:
+        for group in groups:  # files of the groups built so far
+            group.state.close()
+        if o.offload != "nvme":
+            raise
+        error = e
+    if o.offload == "nvme":  # a disk that filled up since the check fails every rank, not just this one
+        failed = [r for r, f in enumerate(comm.agree(int(error is not None))) if f]
+        if error is not None:
+            raise error
+        if failed:
+            for group in groups:
+                group.state.close()
+            raise RuntimeError(f"zero_ext.ZeroAdamW: creating the offload files failed on rank(s) {failed}")
+    return groups

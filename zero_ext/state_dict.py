@@ -61,6 +61,9 @@ def local_state_dict(state: ShardedState, param_groups: Sequence[dict]) -> dict[
         groups.append(saved)
     zero = _layout_record(state)
     zero["step"] = step
+    # every parameter's own count (every rank tracks them all), those this rank owns nothing of too: after
+    # add_param_group the counts differ between groups, and a later checkpoint saves rank 0's
+    zero["param_steps"] = steps
     zero["skipped_steps"] = state.skipped.detach().to("cpu", copy=True)
     return {"state": out, "param_groups": groups, "zero": zero}
 
@@ -73,6 +76,11 @@ def _validate(state: ShardedState, param_groups: Sequence[dict], sd: Any) -> lis
         if key not in sd:
             raise ValueError(f"{_WHERE}: `state_dict` has no {key!r} entry (not a ZeroAdamW state dict?)")
     mine, theirs = _layout_record(state), sd["zero"]
+    if isinstance(sd["param_groups"], list) and len(sd["param_groups"]) != len(param_groups):
+        raise ValueError(
+            f"{_WHERE}: saved {len(sd['param_groups'])} param groups, this optimizer has {len(param_groups)}; a group "
+            "added with opt.add_param_group is added again (on every rank, in the same order) before loading"
+        )
     for key, value in mine.items():
         if key == "rank" and theirs.get(key) != value and theirs.get("world_size") == state.world_size:
             raise ValueError(
@@ -85,10 +93,6 @@ def _validate(state: ShardedState, param_groups: Sequence[dict], sd: Any) -> lis
                 f"{_WHERE}: saved {key}={theirs.get(key)!r} but this optimizer has {key}={value!r}; a local state "
                 "dict only loads into the same rank of the same layout (use zero_ext.checkpoint to change world size)"
             )
-    if len(sd["param_groups"]) != len(param_groups):
-        raise ValueError(
-            f"{_WHERE}: saved {len(sd['param_groups'])} param groups, this optimizer has {len(param_groups)}"
-        )
     rules = {g.group_index: g.rule for g in state.groups}
     for gi, (group, saved) in enumerate(zip(param_groups, sd["param_groups"])):
         merged = {**group, **{k: saved[k] for k in (*_HYPERPARAMETERS, "amsgrad") if k in saved}}
@@ -122,6 +126,9 @@ def _validate(state: ShardedState, param_groups: Sequence[dict], sd: Any) -> lis
     extra = set(sd["state"]) - expected
     if extra:
         raise ValueError(f"{_WHERE}: state for parameters {sorted(extra)} that this rank does not own")
+    counts = theirs.get("param_steps")
+    if counts is not None and not (isinstance(counts, dict) and all(_is_count(v) for v in counts.values())):
+        raise ValueError(f"{_WHERE}: `zero.param_steps` must map parameter indices to whole numbers >= 0")
     for key in ("step", "skipped_steps"):
         value = theirs.get(key)
         if value is not None and not _is_count(value):
@@ -165,10 +172,14 @@ def load_local_state_dict(state: ShardedState, param_groups: Sequence[dict], sd:
                     group[key] = saved[key]
         if theirs.get("step") is not None:
             state.step_count.copy_(torch.as_tensor(theirs["step"], dtype=torch.float32).reshape(()))
-        # Each parameter's own count: from its entry where this rank owns some of it (a parameter this rank owns
-        # nothing of is never updated here, so its count does not matter on this rank), else the global step.
+        # Each parameter's own count: from its entry where this rank owns some of it, else from `param_steps` (every
+        # parameter's), else (a dict of an earlier zero_ext) the global step: a parameter this rank owns nothing of
+        # is never updated here, but rank 0's counts go into checkpoints.
         default = float(torch.as_tensor(theirs.get("step", 0)).reshape(()).item())
         steps = dict.fromkeys(state.step_counts.indices, default)
+        for gidx, value in (theirs.get("param_steps") or {}).items():
+            if gidx in steps:
+                steps[gidx] = float(value)
         for gidx, entry in sd["state"].items():
             if entry.get("step") is not None:
                 steps[gidx] = float(torch.as_tensor(entry["step"]).reshape(()).item())

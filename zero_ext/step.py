@@ -44,6 +44,12 @@ class Stepper:
         self._agreed: Optional[tuple[int, set[int], list]] = None  # (gradient epoch, active, scalars)
         self._clip_to: Optional[float] = None  # clip_grad_norm_'s max_norm for the step of the same epoch
 
+    def take_over(self, old: "Stepper") -> None:
+        """``add_param_group`` rebuilt the engine: the last norm, and a ``clip_grad_norm_`` owed to the next step
+        (the added parameters have no gradient yet: the norm it clips to is the same)."""
+        self.grad_norm.copy_(old.grad_norm)
+        self._clip_to = old._clip_to
+
     # ---------------------------------------------------------------- 1-3
     def agree(self, param_groups: Sequence[dict]) -> tuple[set[int], list]:
         """Steps 1 and 2 (cached while no gradient changes): the parameters that update, the scalars per group."""
@@ -189,14 +195,15 @@ def resolve_scalars(state: ShardedState, param_groups: Sequence[dict]) -> list:
 def check_still_frozen(state: ShardedState) -> None:
     """A parameter frozen when the optimizer was built has no shard, state or hook: made trainable since (gradual
     unfreezing), it would get gradients that nothing reduces and never be updated, where torch's AdamW, given it,
-    would update it."""
+    would update it. (Gradual unfreezing adds the parameters in a new group instead: ``add_param_group``.)"""
     for name, p in state.frozen:
         if p.requires_grad:
             raise ValueError(
                 f"zero_ext.ZeroAdamW: parameter {name!r} had requires_grad=False when the optimizer was built and is "
                 "trainable now; ZeroAdamW shards and updates only the parameters trainable when it is built, so it "
-                "would never update this one. Build the optimizer after changing which parameters train (or set "
-                "requires_grad back to False)"
+                "would never update this one. Build the optimizer from the trainable parameters only and add this "
+                "one when it is unfrozen, with opt.add_param_group({'params': [...]}) (or set requires_grad back to "
+                "False)"
             )
 
 

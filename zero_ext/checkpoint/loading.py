@@ -25,14 +25,12 @@ from .side_files import read_extra, read_model_extra
 def _match(ck: Checkpoint, state: ShardedState, param_groups) -> dict[int, int]:
     """This optimizer's global index -> the checkpoint's, by name; every mismatch named."""
     mine = {state.names[gidx]: (gidx, p, group.group_index) for group, gidx, p in state.members()}
+    _match_groups(ck, param_groups)
     missing, extra = sorted(set(mine) - set(ck.by_name)), sorted(set(ck.by_name) - set(mine))
     if missing or extra:
         raise CheckpointError(f"{ck.path}: parameters do not match the model (renamed, added or removed?): model "
                               f"parameters missing from the checkpoint: {missing}; checkpoint parameters not in the "
                               f"model: {extra}")  # fmt: skip
-    if len(ck.meta["param_groups"]) != len(param_groups):
-        raise CheckpointError(f"{ck.path}: {len(ck.meta['param_groups'])} param groups saved, the optimizer has "
-                              f"{len(param_groups)}")  # fmt: skip
     mapping = {}
     for name, (gidx, p, group) in mine.items():
         e = ck.by_name[name]
@@ -42,6 +40,33 @@ def _match(ck: Checkpoint, state: ShardedState, param_groups) -> dict[int, int]:
                 raise CheckpointError(f"parameter {name!r}: {what} {saved} in {ck.path}, but {have} in the model")
         mapping[gidx] = e["index"]
     return mapping
+
+
+def _match_groups(ck: Checkpoint, param_groups) -> None:
+    """The same number of param groups on both sides; else the groups one side lacks, named by their parameters
+    (groups added with ``add_param_group`` are added before loading, not by the load: their hyperparameters and
+    the order of the groups are the training script's)."""
+    saved, have = len(ck.meta["param_groups"]), len(param_groups)
+    if saved == have:
+        return
+
+    def names(groups):
+        out = [e["name"] for e in ck.meta["params"] if e["group"] in groups]
+        return out if len(out) <= 4 else out[:4] + [f"... {len(out) - 4} more"]
+
+    if saved > have:
+        lacking = list(range(have, saved))
+        raise CheckpointError(
+            f"{ck.path}: {saved} param groups saved, the optimizer has {have}: saved param group(s) {lacking} "
+            f"(parameters {names(set(lacking))}) are missing. Add them first, on every rank, in the order they were "
+            "added: p.requires_grad_(True) for their parameters, then opt.add_param_group({'params': [...], ...}); "
+            "then load"
+        )
+    raise CheckpointError(
+        f"{ck.path}: {saved} param groups saved, the optimizer has {have}: its param group(s) "
+        f"{list(range(saved, have))} are not in the checkpoint (saved before opt.add_param_group?). Load it into an "
+        "optimizer without them, then add them"
+    )
 
 
 def _saved_groups(ck: Checkpoint, state: ShardedState, param_groups, device) -> list[dict]:
