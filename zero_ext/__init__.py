@@ -7,7 +7,8 @@ kernels; ``zero_ext.checkpoint`` saves and reshards; ``zero_ext.memory`` estimat
 
 from . import ops  # noqa: I001  (first: registers torch.ops.zero_ext.*)
 from . import checkpoint, memory
+from .divergence import RanksDiverged
 from .optimizer import ZeroAdamW
 
-__all__ = ["ZeroAdamW", "checkpoint", "memory", "ops"]
+__all__ = ["RanksDiverged", "ZeroAdamW", "checkpoint", "memory", "ops"]
 __version__ = "0.1.0"
