@@ -192,6 +192,8 @@ class Layout:
         granule = world_size * BUCKET_ALIGN
         # A split parameter's fragments: the most whole granules a bucket of ``bucket_size`` holds (one at least).
         self.fragment_numel = max(granule, bucket_size // granule * granule)
+        # The most elements any bucket holds, whatever the parameters: every buffer sized from a bucket is a multiple.
+        self.bucket_limit = max(granule, round_up(bucket_size, granule))
         slots: list[Slot | None] = [None] * len(self.numels)
         buckets: list[Bucket] = []
         members: list[int] = []

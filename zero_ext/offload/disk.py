@@ -107,6 +107,7 @@ class DiskState(HostGradients):
         n = layout.shard_numel
         self.kinds = rule.kind_names
         self.files = StateFiles(directory, stem, self.kinds, n)
+        self.window_budget = window  # bytes: SLOTS chunks of every kind fit it (memory_report's bound)
         try:
             self.chunk = chunk_numel(window, rule, n)
             self.slots = [_Slot(self.chunk, rule, self.cuda) for _ in range(SLOTS)]
