@@ -199,22 +199,25 @@ class Reference:
         owned = differs = 0
         for index, entry in sd["state"].items():
             n = self.names[index]
-            start, end = entry["shard_range"]
-            owned += end - start
+            # a parameter split across buckets: several runs of it on one rank ("shard_ranges"), one after the other
+            ranges = "shard_ranges" if "shard_ranges" in entry else "shard_range"
+            runs = entry[ranges] if ranges == "shard_ranges" else [entry[ranges]]
+            mine_of = lambda t: torch.cat([t.reshape(-1)[s:e] for s, e in runs])  # noqa: E731
+            owned += sum(e - s for s, e in runs)
             kinds = self.fused_kinds(n)
-            expected_keys = {"step", "shard_range", *kinds} | ({"master"} if self.dtype != torch.float32 else set())
+            expected_keys = {"step", ranges, *kinds} | ({"master"} if self.dtype != torch.float32 else set())
             assert set(entry) == expected_keys, f"{what}: {n}: state dict keys {sorted(entry)}, not {expected_keys}"
             assert float(entry["step"]) == self.steps, f"{what}: {n}: step {entry['step']}"
             torch_state = self.torch.state[self.torch_params[n]]
             for kind, full in kinds.items():
                 mine = entry[kind]
-                assert mine.dtype == torch.float32 and mine.shape == (end - start,), f"{what}: {n}: {kind} {mine.shape}"
-                assert torch.equal(mine, full[start:end]), f"{what}: {n}: {kind} differs from the fused kernel's"
-                theirs = torch_state[kind].reshape(-1)[start:end]
+                assert mine.dtype == torch.float32 and mine.shape == mine_of(full).shape, f"{what}: {n}: {kind}"
+                assert torch.equal(mine, mine_of(full)), f"{what}: {n}: {kind} differs from the fused kernel's"
+                theirs = mine_of(torch_state[kind])
                 assert torch.equal(mine, theirs), f"{what}: {n}: {kind} differs from torch.optim.AdamW's"
-            master = entry["master"] if "master" in entry else params[n].reshape(-1)[start:end]
-            assert torch.equal(master, self.master[n][start:end]), f"{what}: {n}: master differs from the fused one"
-            theirs = self.torch_params[n].detach().reshape(-1)[start:end]
+            master = entry["master"] if "master" in entry else mine_of(params[n])
+            assert torch.equal(master, mine_of(self.master[n])), f"{what}: {n}: master differs from the fused one"
+            theirs = mine_of(self.torch_params[n].detach())
             torch.testing.assert_close(master, theirs, msg=lambda m, n=n: f"{what}: {n}: master vs torch: {m}")
             differs += int((master != theirs).sum())
         assert differs <= TORCH_MASTER_SLACK * max(owned, 1), f"{what}: {differs} of {owned} masters differ from torch"

@@ -221,8 +221,9 @@ def _state_dict_round_trip(rank, world, stage):
     for index, entry in saved["state"].items():
         assert ("max_exp_avg_sq" in entry) == (index in amsgrad_params), f"parameter {index}: {sorted(entry)}"
         if index in amsgrad_params:
-            start, end = entry["shard_range"]
-            assert entry["max_exp_avg_sq"].dtype == torch.float32 and entry["max_exp_avg_sq"].shape == (end - start,)
+            runs = entry["shard_ranges"] if "shard_ranges" in entry else [entry["shard_range"]]  # split parameters
+            numel = sum(e - s for s, e in runs)
+            assert entry["max_exp_avg_sq"].dtype == torch.float32 and entry["max_exp_avg_sq"].shape == (numel,)
             assert not torch.equal(entry["max_exp_avg_sq"], entry["exp_avg_sq"])
     # Without max_exp_avg_sq (a state dict saved without amsgrad): refused on every rank, nothing changed.
     partial = {**saved, "state": {i: {k: v for k, v in e.items() if k != "max_exp_avg_sq"}

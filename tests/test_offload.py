@@ -246,7 +246,8 @@ def _state_dicts_across_placements(rank, world, root, stage):
             with src[1].gathered_params():
                 flat = [p.detach().reshape(-1).clone() for g in src[1].param_groups for p in g["params"]]
             for index, entry in legacy["state"].items():
-                entry["master"] = flat[index][slice(*entry["shard_range"])].clone()
+                ranges = entry["shard_ranges"] if "shard_ranges" in entry else [entry["shard_range"]]  # split params
+                entry["master"] = torch.cat([flat[index][slice(*r)] for r in ranges]).clone()
             for dst in placements:
                 run = _build(stage, dtype, dst, root, rank, f"sd-legacy-{dst}")
                 run[1].load_state_dict(legacy)

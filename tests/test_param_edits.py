@@ -109,7 +109,8 @@ def _saved_right_after_a_change(rank, world, root, offload):
     model.load_state_dict({n: torch.full_like(p, -0.5) for n, p in model.named_parameters()}, strict=False)
     flat = [p.detach().reshape(-1) for p in model.parameters()]  # one group: the optimizer's order is the model's
     for index, entry in opt.state_dict()["state"].items():
-        assert torch.equal(entry["master"], flat[index][slice(*entry["shard_range"])].float())
+        runs = entry["shard_ranges"] if "shard_ranges" in entry else [entry["shard_range"]]  # split parameters
+        assert torch.equal(entry["master"], torch.cat([flat[index][s:e] for s, e in runs]).float())
     opt.close()
 
 

@@ -54,6 +54,12 @@ class GradStrategy:
         """A gradient arrived in ``param.grad``; returns whether it counts towards launching its bucket now."""
         raise NotImplementedError
 
+    def on_split_grad(self, gbs: tuple[BucketRuntime, ...], slot: Slot, param: torch.Tensor, syncing: bool) -> bool:
+        """The gradient of a parameter split across the buckets ``gbs`` arrived; returns whether its fragments count
+        towards launching them. Stage 1 keeps the whole gradient in its flat buffer (the parameter is contiguous
+        there): as any gradient, held with the first bucket, which launches before the others."""
+        return self.on_grad(gbs[0], slot, param, syncing)
+
     def send(self, gb: BucketRuntime) -> Optional[torch.Tensor]:
         """The bucket's gradients as they go on the wire (``gb.staging`` holds the pool entry), or None when
         there is nothing to send."""
@@ -105,6 +111,7 @@ class ShardedGradStrategy(GradStrategy):
         self._clean = False  # the grad shards are zero and no gradient arrived since
         self._got: set[int] = set()  # parameters whose gradient arrived since the last step() or zero_grad()
         self._hold = GradHold(self._write)  # a bucket's gradients wait in .grad and are written at once
+        self._split_seen: set[tuple[int, int]] = set()  # (group, slot) of split parameters with a gradient this round
         _drop_early_grads(state)
 
     def on_grad(self, gb, slot, param, syncing) -> bool:
@@ -117,6 +124,21 @@ class ShardedGradStrategy(GradStrategy):
             self._add_again(gb, slot, param, grad)
         return arrival is Arrival.FIRST
 
+    def on_split_grad(self, gbs, slot, param, syncing) -> bool:
+        grad = _dense(param, gbs[0].group.names[slot.index])
+        self.arrived(gbs[0].group, slot)
+        key = (gbs[0].group.index, slot.index)
+        first = key not in self._split_seen
+        self._split_seen.add(key)
+        param.grad = None  # kept here until written: a second gradient this round arrives on its own
+        self._split_arrived(gbs, slot, grad.reshape(-1) if grad.is_contiguous() else grad.contiguous().view(-1), first)
+        return first
+
+    def _split_arrived(self, gbs, slot: Slot, grad: torch.Tensor, first: bool) -> None:
+        """Write (or schedule) the fragments of a split parameter's flattened gradient ``grad``; ``first``: its first
+        this round (else added to what its first wrote)."""
+        raise NotImplementedError
+
     def _write(self, gb: BucketRuntime, held) -> None:
         """Write the held gradients of ``gb`` (``grad_hold.take_grads`` frees them)."""
         raise NotImplementedError
@@ -127,6 +149,7 @@ class ShardedGradStrategy(GradStrategy):
 
     def end_round(self) -> None:
         self._hold.end_round()
+        self._split_seen.clear()
 
     def check_no_foreign_grads(self) -> None:
         for group in self.state.groups:
@@ -410,7 +433,18 @@ class Fp32GradBuffer(BufferedGrads):
 
 class StagedGrads(ShardedGradStrategy):
     """Stages 2 and 3: a bucket's gradients go into its staging buffer, cast and pre-scaled, in one write when the
-    bucket launches (or when a gradient of another bucket arrives first: ``grad_hold.py``), then are freed."""
+    bucket launches (or when a gradient of another bucket arrives first: ``grad_hold.py``), then are freed.
+
+    A split parameter's gradient (autograd made it whole) waits until each of its buckets launches, which writes
+    its fragment into that bucket's staging entry: the pool's entries are reused in launch order, so staging stays
+    ``staging_buffers`` buckets however large the parameter (writing every fragment at arrival would take one
+    entry per fragment while the buckets before them in launch order are still filling). The gradient is freed
+    with its last fragment's write."""
+
+    def __init__(self, state: ShardedState, reduce_dtype: torch.dtype):
+        super().__init__(state, reduce_dtype)
+        # bucket key -> fragments still to write at its launch: (place in the bucket, values, added or written)
+        self._fragments: dict[tuple[int, int], list[tuple]] = {}
 
     def _send_buffer(self, gb) -> torch.Tensor:
         if gb.staging is None:
@@ -431,8 +465,28 @@ class StagedGrads(ShardedGradStrategy):
         view.add_(scaled)
         param.grad = None
 
+    def _split_arrived(self, gbs, slot, grad, first) -> None:
+        for gb in gbs:
+            at, values = gb.bucket.slot_range(slot), gb.bucket.fragment_range(slot).of(grad)
+            waiting = self._fragments.get(gb.key)
+            if first or waiting is not None:
+                self._fragments.setdefault(gb.key, []).append((at, values, not first))
+            else:  # its bucket took the first already: added to what was written, as _add_again does
+                self._add_fragment(gb, at, values)
+
+    def _add_fragment(self, gb, at, values) -> None:
+        view = at.of(self._send_buffer(gb))
+        scaled = torch.empty_like(view)
+        cast_scale_into(scaled, values, self.prescale(gb.group))
+        view.add_(scaled)
+
     def send(self, gb) -> torch.Tensor:
         self._hold.flush(gb)
+        for at, values, add in self._fragments.pop(gb.key, ()):
+            if add:
+                self._add_fragment(gb, at, values)
+            else:
+                cast_scale_into(at.of(self._send_buffer(gb)), values, self.prescale(gb.group))
         return self._send_buffer(gb)  # zeros for a bucket none of whose parameters got a gradient
 
 
@@ -463,6 +517,10 @@ class ShardGrads(ShardedGradStrategy):
         start = self._start(gb.group, slot)
         accumulate_into(gb.group.state.grad[start : start + slot.numel], grad)
         param.grad = None
+
+    def _split_arrived(self, gbs, slot, grad, first) -> None:
+        start = self._start(gbs[0].group, slot)  # one process: the parameter is contiguous in the grad shard too
+        accumulate_into(gbs[0].group.state.grad[start : start + slot.numel], grad)
 
     def send(self, gb) -> None:
         self._hold.flush(gb)

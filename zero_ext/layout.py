@@ -2,18 +2,32 @@
 
 Parameters of one (param group, dtype) share one flat buffer. They are placed in *reverse* registration order
 (about the order backward produces their gradients), each at an offset aligned to ``PARAM_ALIGN`` elements, and
-cut into buckets of about ``bucket_size`` elements. Every bucket is padded to a multiple of
-``world_size * BUCKET_ALIGN`` elements and split into ``world_size`` equal slices: rank r owns slice r of every
-bucket. A rank's optimizer state is one contiguous buffer per kind: the concatenation of its slices of all
-buckets, in bucket order (its *shard*).
+cut into buckets of at most ``bucket_size`` elements (rounded to whole granules of ``world_size * BUCKET_ALIGN``).
+Every bucket is padded to a multiple of that granule and split into ``world_size`` equal slices: rank r owns slice
+r of every bucket. A rank's optimizer state is one contiguous buffer per kind: the concatenation of its slices of
+all buckets, in bucket order (its *shard*).
+
+A parameter larger than ``bucket_size`` is *split*: it starts a new bucket and is cut into fragments of
+``fragment_numel`` elements (a whole number of granules), one bucket each, the last padded; the next parameter
+starts a new bucket again. The cuts fall inside the parameter, where no padding is added, so the parameter stays
+one contiguous run of the flat buffer across its buckets. So no bucket (nor anything sized from one: the staging
+pool, the offload landing ring) grows with the largest parameter (apex's DistributedFusedAdam fragments its
+parameters for the same reason). A parameter that fits a bucket is never split: a split ties its buckets together
+at stage 3 (its view must be contiguous, so they share one gathered storage: a *run*), and splitting only what
+must be split keeps every run one parameter's (``Layout.runs``). Every element is still reduced once, in its own
+bucket, by the same collective as with one bucket larger than every parameter, so the reduced values, and the
+training, are bitwise the same whatever ``bucket_size`` is.
 
 Every range has a name and one place that computes it (apex's ``ParameterFragment``, Megatron's ``Range``):
 
 - ``Slot.param_range``: a parameter's elements in the flat buffer;
 - ``Bucket.bucket_range``: a bucket's elements in the flat buffer; ``Bucket.rank_range(r)``: rank r's slice of it;
 - ``Bucket.shard_range``: a bucket's slice in a rank's shard buffers (the same for every rank);
-- ``Bucket.slot_range(slot)``: a parameter's elements relative to its bucket's start (its place in a
-  bucket-sized staging buffer);
+- ``Bucket.slot_range(slot)``: the parameter's elements in this bucket (its fragment: the whole parameter unless it
+  is split) relative to the bucket's start (their place in a bucket-sized staging buffer);
+  ``Bucket.fragment_range(slot)``: the same elements in the flattened parameter;
+- ``Run.run_range``: the buckets of a split parameter (or one bucket) in the flat buffer;
+  ``Run.slot_range(slot)``: a parameter's elements relative to its run's start (its view of a stage-3 storage);
 - ``OwnedPiece.param_range`` / ``OwnedPiece.shard_range``: the elements of one parameter a rank owns, in the
   flattened parameter and in the rank's shard buffers.
 """
@@ -66,11 +80,21 @@ class Slot:
     index: int  # position of the parameter in its flat group's registration order
     offset: int  # element offset in the flat buffer
     numel: int
-    bucket: int
+    bucket: int  # the (first) bucket holding its elements
+    last_bucket: int  # the last one: > bucket when the parameter is split
 
     @property
     def param_range(self) -> Range:
         return Range(self.offset, self.offset + self.numel)
+
+    @property
+    def buckets(self) -> range:
+        """The indices of the buckets holding its fragments, in order."""
+        return range(self.bucket, self.last_bucket + 1)
+
+    @property
+    def split(self) -> bool:
+        return self.last_bucket != self.bucket
 
 
 @dataclass(frozen=True)
@@ -80,7 +104,7 @@ class Bucket:
     index: int
     offset: int  # first element in the flat buffer
     numel: int  # padded size: a multiple of world_size * BUCKET_ALIGN
-    slots: tuple[int, ...]  # parameter indices, in placement order
+    slots: tuple[int, ...]  # indices of the parameters with elements in it (whole or a fragment), in placement order
     shard_numel: int  # numel // world_size: one rank's slice
     shard_offset: int  # where this bucket's slice starts in a rank's contiguous shard buffers
 
@@ -98,7 +122,36 @@ class Bucket:
         return Range(start, start + self.shard_numel)
 
     def slot_range(self, slot: Slot) -> Range:
-        """``slot``'s elements relative to this bucket's first element."""
+        """``slot``'s elements in this bucket (its fragment), relative to this bucket's first element."""
+        return slot.param_range.intersect(self.bucket_range).shifted(-self.offset)
+
+    def fragment_range(self, slot: Slot) -> Range:
+        """``slot``'s elements in this bucket, in the flattened parameter's coordinates."""
+        return slot.param_range.intersect(self.bucket_range).shifted(-slot.offset)
+
+
+@dataclass(frozen=True)
+class Run:
+    """Consecutive buckets joined by a split parameter (or one bucket): stage 3 gives them one gathered storage, so
+    that the parameter's view of it is contiguous."""
+
+    index: int
+    first: int  # bucket index
+    last: int
+    offset: int  # the first bucket's
+    numel: int  # the buckets' together
+    slots: tuple[int, ...]
+
+    @property
+    def buckets(self) -> range:
+        return range(self.first, self.last + 1)
+
+    @property
+    def run_range(self) -> Range:
+        return Range(self.offset, self.offset + self.numel)
+
+    def slot_range(self, slot: Slot) -> Range:
+        """``slot``'s elements relative to this run's first element (the parameter is wholly inside its run)."""
         return slot.param_range.shifted(-self.offset)
 
 
@@ -137,6 +190,10 @@ class Layout:
         self.bucket_size = bucket_size
         self.numels = tuple(int(n) for n in numels)
         granule = world_size * BUCKET_ALIGN
+        # A split parameter's fragments: the most whole granules a bucket of ``bucket_size`` holds (one at least).
+        self.fragment_numel = max(granule, bucket_size // granule * granule)
+        # The most elements any bucket holds, whatever the parameters: every buffer sized from a bucket is a multiple.
+        self.bucket_limit = max(granule, round_up(bucket_size, granule))
         slots: list[Slot | None] = [None] * len(self.numels)
         buckets: list[Bucket] = []
         members: list[int] = []
@@ -156,11 +213,20 @@ class Layout:
 
         for index in reversed(range(len(self.numels))):
             numel = self.numels[index]
+            if numel > bucket_size:  # split: buckets of its own, cut every fragment_numel elements
+                if members:
+                    close_bucket()
+                first, offset = len(buckets), start
+                for at in range(0, numel, self.fragment_numel):
+                    members, fill = [index], min(self.fragment_numel, numel - at)
+                    close_bucket()
+                slots[index] = Slot(index, offset, numel, first, len(buckets) - 1)
+                continue
             at = round_up(fill, PARAM_ALIGN)
             if members and at + numel > bucket_size:
                 close_bucket()
                 at = 0
-            slots[index] = Slot(index, start + at, numel, len(buckets))
+            slots[index] = Slot(index, start + at, numel, len(buckets), len(buckets))
             members.append(index)
             fill = at + numel
         if members:
@@ -171,13 +237,25 @@ class Layout:
         self.shard_numel = shard_offset
         self.real_numel = sum(self.numels)
         self._pieces: dict[int, tuple[OwnedPiece, ...]] = {}
+        runs: list[Run] = []
+        self.run_of: list[int] = []  # bucket index -> its run's index
+        for b in self.buckets:
+            split = [self.slots[i] for i in b.slots if self.slots[i].split]
+            if split and split[0].bucket != b.index:  # a later fragment: the run started at the parameter's first
+                self.run_of.append(len(runs) - 1)
+                continue
+            last = split[0].last_bucket if split else b.index
+            numel = sum(self.buckets[i].numel for i in range(b.index, last + 1))
+            runs.append(Run(len(runs), b.index, last, b.offset, numel, b.slots))
+            self.run_of.append(len(runs) - 1)
+        self.runs: tuple[Run, ...] = tuple(runs)
 
     def single_rank_shard_range(self, slot: Slot) -> Range:
         """``slot``'s elements in the shard buffers of a world of one, where a rank's shard is every bucket."""
         if self.world_size != 1:
             raise ValueError(f"single_rank_shard_range: the layout is for {self.world_size} ranks, not one")
-        bucket = self.buckets[slot.bucket]
-        return bucket.slot_range(slot).shifted(bucket.shard_offset)
+        bucket = self.buckets[slot.bucket]  # (its later buckets follow it in the shard, as in the flat buffer)
+        return slot.param_range.shifted(bucket.shard_offset - bucket.offset)
 
     def owned_pieces(self, rank: int) -> tuple[OwnedPiece, ...]:
         """Every parameter run that ``rank`` owns, in shard order (empty runs left out)."""

@@ -62,6 +62,15 @@ def estimate(num_params: int, world_size: int, stage: int, **widths: int) -> flo
     return float(sum(estimate_breakdown(num_params, world_size, stage, **widths).values()))
 
 
+@dataclass(frozen=True)
+class Buffer:
+    """A transient buffer in the ledger: ``nbytes`` allocated, at most ``bound`` by construction, because ``why``."""
+
+    nbytes: int
+    bound: int
+    why: str
+
+
 @dataclass
 class MemoryReport:
     """Every persistent byte one rank of a ZeroAdamW holds, by kind, and how it relates to the formula.
@@ -97,6 +106,11 @@ class MemoryReport:
     where: dict[str, str] = field(default_factory=dict)  # kind -> "device", "host" or "disk"
     on_disk: dict[str, int] = field(default_factory=dict)  # offload="nvme": bytes of state files, by kind
     offload_buffers: int = 0  # offload: the landing ring, parameter staging and disk window (bounded)
+    # Every transient buffer (the staging pool's send buffers and communicator workspace, offload's landing ring and
+    # its host twins, parameter staging, the nvme window): its bytes and its bound, the bytes of a few buckets of
+    # ``bucket_limit`` elements or an explicit budget, never a parameter's size.
+    buffers: dict[str, "Buffer"] = field(default_factory=dict)
+    bucket_limit: int = 0  # the most elements a bucket holds (bucket_size in whole granules): what bounds them
     param_shard_not_kept: int = 0  # stage 3: the formula's param-dtype shard, not kept (the master is cast instead)
 
     def bytes_on(self, medium: str) -> int:
@@ -157,6 +171,16 @@ class MemoryReport:
                 [row("param shard not kept", self.param_shard_not_kept, "(each gather rounds the fp32 master)", "-")]
                 if self.param_shard_not_kept
                 else []
+            ),
+            *(
+                [f"  bounded buffers (each a few buckets of at most {self.bucket_limit:,} elements, or a budget):"]
+                if self.buffers
+                else []
+            ),
+            *(
+                row(f"  {name}", b.nbytes, f"(<= {human_bytes(b.bound)}: {b.why})")
+                for name, b in self.buffers.items()
+                if b.nbytes
             ),
             *(
                 [
@@ -243,6 +267,42 @@ def report(state: "ShardedState", window=None) -> MemoryReport:
     out.allocated = {k: v for k, v in alloc.items() if v or k not in state_kinds}
     out.where = {k: where.get(k, "device") for k in list(out.allocated) + list(out.on_disk)}
     out.offload_buffers = sum(alloc.get(k, 0) for k in OFFLOAD_BUFFER_KINDS)
+    out.bucket_limit = max((g.layout.bucket_limit for g in state.groups), default=0)
+    out.buffers = _buffers(state, alloc, out.bucket_limit)
+    return out
+
+
+def _buffers(state: "ShardedState", alloc: dict[str, int], limit: int) -> dict[str, Buffer]:
+    """Each transient buffer with its bound: entries or slots times the largest bucket (of at most ``limit``
+    elements) in the buffer's bytes per element, or the nvme window's byte budget."""
+    pool, out = state.staging, {}
+    if pool is not None and pool.entries:
+        largest = max((b.numel for _, b in state.buckets()), default=0)
+        per_send = -(-pool.send_bytes // max(largest, 1))  # bytes per element of a bucket, as it was sized
+        per_work = -(-pool.workspace_bytes // max(largest, 1))
+        n = len(pool.entries)
+        out["staging send"] = Buffer(
+            n * pool.send_bytes, n * limit * per_send, f"{n} entries x a bucket in the wire dtype"
+        )
+        out["staging workspace"] = Buffer(
+            n * pool.workspace_bytes, n * limit * per_work, f"{n} entries x the communicator's receive buffer"
+        )
+    ring, twins, param_out, window = 0, 0, 0, 0
+    for group in state.groups:
+        tensors = group.state.tensors()
+        shard_limit = limit // state.world_size
+        ring += len(tensors.get("landing", ())) * shard_limit * 4
+        twins += len(tensors.get("landing_host", ())) * shard_limit * 4
+        param_out += len(tensors.get("param_out", ())) * shard_limit * group.dtype.itemsize
+        window += getattr(group.state, "window_budget", 0)
+    for name, bound, why in (
+        ("landing", ring, "slots x a bucket's fp32 shard"),
+        ("landing_host", twins, "pinned twins of the landing slots"),
+        ("param_out", param_out, "2 slots x a bucket's shard in the param dtype"),
+        ("window", window, "offload_window: a byte budget"),
+    ):
+        if alloc.get(name, 0):
+            out[name] = Buffer(alloc[name], bound, why)
     return out
 
 

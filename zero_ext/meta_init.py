@@ -41,10 +41,10 @@ def initialise_shards(state: ShardedState, module: torch.nn.Module, init: Callab
     where, managed = {}, set()
     for group in state.groups:
         for slot, p in zip(group.layout.slots, group.params):
-            where[id(p)] = (group, group.layout.buckets[slot.bucket])
+            where[id(p)] = (group, group.layout.runs[group.layout.run_of[slot.bucket]])
             managed.add(id(p))
     modules = list(module.modules())
-    users: dict[tuple, int] = {}  # (group index, bucket index) -> modules still to initialise that use it
+    users: dict[tuple, int] = {}  # (group index, run index) -> modules still to initialise that use it
     keys_of = []
     for m in modules:
         keys = {(where[id(p)][0].index, where[id(p)][1].index): where[id(p)] for p in m.parameters(recurse=False)
@@ -52,29 +52,30 @@ def initialise_shards(state: ShardedState, module: torch.nn.Module, init: Callab
         keys_of.append(keys)
         for key in keys:
             users[key] = users.get(key, 0) + 1
-    open_buckets: dict[tuple, torch.Tensor] = {}
-    # Scratch buffers for the open buckets, reused by size: a fresh one per bucket would leave the freed ones
-    # scattered over the heap (measured: +25 MiB of VmData at 2 ranks on a 27M-parameter GPT, over its limit in
-    # test_stage3's meta test). The buckets' own gathered storages are made at their first gather in training.
+    open_runs: dict[tuple, torch.Tensor] = {}
+    # Scratch buffers for the open runs (a bucket, or the buckets of one split parameter), reused by size: a fresh
+    # one per run would leave the freed ones scattered over the heap (measured: +25 MiB of VmData at 2 ranks on a
+    # 27M-parameter GPT, over its limit in test_stage3's meta test). The runs' own gathered storages are made at
+    # their first gather in training.
     spare: dict[tuple, list[torch.Tensor]] = {}
     with torch._C.DisableTorchFunctionSubclass():
         for m, keys in zip(modules, keys_of):
-            for key, (group, bucket) in keys.items():
-                if key not in open_buckets:
-                    size = (bucket.numel, group.dtype)
+            for key, (group, run) in keys.items():
+                if key not in open_runs:
+                    size = (run.numel, group.dtype)
                     free = spare.get(size)
-                    buf = free.pop() if free else torch.empty(bucket.numel, dtype=group.dtype, device=group.device)
-                    group.flat_params.view_into(bucket, buf.zero_())
-                    open_buckets[key] = buf
+                    buf = free.pop() if free else torch.empty(run.numel, dtype=group.dtype, device=group.device)
+                    group.flat_params.view_into(run, buf.zero_())
+                    open_runs[key] = buf
             _materialise_own(m, managed, device)
             init(m)
-            for key, (group, bucket) in keys.items():
+            for key, (group, run) in keys.items():
                 users[key] -= 1
                 if users[key] == 0:
-                    buf = open_buckets.pop(key)
-                    group.flat_params.fill_shard(bucket, buf)
-                    group.flat_params.forget(bucket)
-                    spare.setdefault((bucket.numel, group.dtype), []).append(buf)
+                    buf = open_runs.pop(key)
+                    group.flat_params.fill_shard(run, buf)
+                    group.flat_params.forget(run)
+                    spare.setdefault((run.numel, group.dtype), []).append(buf)
     leftover = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
     if leftover:
         raise RuntimeError(f"zero_ext.ZeroAdamW: still on the meta device after param_init: {leftover[:5]}")

@@ -23,6 +23,10 @@ the outputs' gradient arrives (before the module's backward runs) its buckets ar
 UNTIL_READY / RECOMPUTED: released when all its gradients have arrived (the reducer's READY), or at the end of
 backward. Every bucket is released before ``step()`` updates the shards.
 
+A parameter split across several buckets (``layout.py``: larger than ``bucket_size``) is in each of them: its module
+gathers them all, it becomes a plain tensor once every one is GATHERED and checks again when one is released; the
+buckets share one storage (``sharded_params``), which the window counts once.
+
 Any other read of a parameter goes through ``sharded_params``' check: inside forward or backward its bucket is
 gathered on demand and remembered for the reading module (gathered with it from then on, so a parent reading a
 child's weight works from the first step); outside, a clear error. The order is relearned every forward: control
@@ -103,21 +107,33 @@ class ParamGather:
         # Each bucket's parameters with their two classes: the checking one while the bucket is not GATHERED,
         # their own once it is: a gathered parameter is an ordinary tensor, and the ops of forward and backward
         # on it pay nothing for the checks (about 600 calls per step on the benchmark GPT).
-        self.classes: dict[Key, list[tuple[torch.Tensor, type, type]]] = {}
+        # A parameter split across buckets (layout.py) is in the list of each, with all its keys: it becomes an
+        # ordinary tensor once every one of them is GATHERED, and checks again as soon as one is released.
+        self.classes: dict[Key, list[tuple[torch.Tensor, type, type, tuple[Key, ...]]]] = {}
+        # A bucket's run (the buckets of one split parameter, or itself) shares one gathered storage: its bytes,
+        # which the window counts once for all the run's buckets that are not SHARDED.
+        self.run_of: dict[Key, tuple[int, int]] = {}
+        self.run_bytes: dict[tuple[int, int], int] = {}
         for group in state.groups:
-            for slot, p in zip(group.layout.slots, group.params):
-                key = (group.index, slot.bucket)
-                where[id(p)] = key
-                p._zero_ext_key, p._zero_ext_name, p._zero_ext_gather = key, group.names[slot.index], self
+            layout = group.layout
+            for run in layout.runs:
+                self.run_bytes[(group.index, run.index)] = run.numel * group.dtype.itemsize
+                for b in run.buckets:
+                    self.run_of[(group.index, b)] = (group.index, run.index)
+            for slot, p in zip(layout.slots, group.params):
+                keys = tuple((group.index, b) for b in slot.buckets)
+                where[id(p)] = keys
+                p._zero_ext_keys, p._zero_ext_name, p._zero_ext_gather = keys, group.names[slot.index], self
                 original = getattr(type(p), "_zero_ext_original", type(p))  # (already sharded: add_param_group)
                 p.__class__ = shard_class(original)
-                self.classes.setdefault(key, []).append((p, original, type(p)))
+                for key in keys:
+                    self.classes.setdefault(key, []).append((p, original, type(p), keys))
         self.keys: dict[int, set[Key]] = {}  # id(module) -> buckets it uses (own parameters, then learned reads)
         self._hooks = []
         self.position = self.comm.position  # where this rank is, for the divergence check (divergence.py)
         self.names = {id(m): name for name, m in module.named_modules()}
         for m in module.modules():
-            own = {where[id(p)] for p in m.parameters(recurse=False) if id(p) in where}
+            own = {key for p in m.parameters(recurse=False) if id(p) in where for key in where[id(p)]}
             if own or m is module:
                 self.keys[id(m)] = own
                 self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
@@ -133,8 +149,11 @@ class ParamGather:
         the buckets the deepest chain of nested modules uses (a module runs inside its parents, whose buckets stay
         in use), plus the ``prefetch + 1`` largest buckets (the prefetched ones, and one more: gathered on demand,
         or still waiting for its gradients), plus the largest segment activation checkpointing recomputed so far;
-        every bucket with ``reshard_after_forward=False``. ``peak_bytes`` (``window_peak``) is the most bytes the
-        gathered storages held at once, measured on them each time one is refilled (``gathered_params()`` aside:
+        every bucket with ``reshard_after_forward=False``. A parameter split across buckets (``layout.py``) is gathered
+        whole, all its buckets with it, into one storage: the window is at least the largest parameter, inherently
+        (its module needs all of it at once); what is bounded by bytes is every buffer beside it (staging, offload).
+        A prefetched bucket is counted with its whole run's bytes. ``peak_bytes`` (``window_peak``) is the most bytes
+        the gathered storages held at once, measured on them each time one is refilled (``gathered_params()`` aside:
         it gathers everything on purpose)."""
         return min(self._every_bucket(), self._static_bound + self._recompute_peak)
 
@@ -154,7 +173,8 @@ class ParamGather:
                 walk(child, held)
 
         walk(self.module, set())
-        ahead = sum(sorted((rt.nbytes for rt in self.runtime.values()), reverse=True)[: self.prefetch + 1])
+        # a prefetched bucket brings its whole run's storage
+        ahead = sum(sorted(self.run_bytes.values(), reverse=True)[: self.prefetch + 1])
         return min(self._every_bucket(), deepest + ahead)
 
     def gathered_bytes(self) -> int:
@@ -162,14 +182,20 @@ class ParamGather:
         return sum(group.flat_params.gathered_bytes() for group in self.state.groups)
 
     def _live_bytes(self) -> int:
-        return sum(rt.nbytes for rt in self.live.values())
+        """Bytes of the storages of the runs with a bucket not SHARDED (what they hold, by construction)."""
+        return sum(self.run_bytes[run] for run in {self.run_of[key] for key in self.live})
+
+    def _incoming(self, rt: BucketRuntime) -> int:
+        """Bytes gathering ``rt`` adds: its run's storage, unless another bucket of the run holds it already."""
+        run = self.run_of[rt.key]
+        return 0 if any(self.run_of[key] == run for key in self.live) else self.run_bytes[run]
 
     # ---------------------------------------------------------------- the two transitions this file makes
     def _gather(self, rt: BucketRuntime, wait: bool) -> None:
         """Make ``rt`` present: start its all-gather unless it is gathered or in flight; with ``wait``, finish it
         (its parameters then become plain tensors). Never a second gather of a bucket that is present."""
         if rt.params is SHARDED:
-            self._make_room(rt.nbytes)
+            self._make_room(self._incoming(rt))
             rt.start_param_sync(self.comm)
             self.live[rt.key] = rt
             if not self._manual:
@@ -179,8 +205,9 @@ class ParamGather:
                 rt.hold = Hold.NONE
             if rt.params is GATHERING:
                 rt.finish_param_sync()
-                for p, original, _ in self.classes[rt.key]:
-                    p.__class__ = original
+                for p, original, _, keys in self.classes[rt.key]:
+                    if len(keys) == 1 or all(self.runtime[k].params is GATHERED for k in keys):
+                        p.__class__ = original
 
     def _release(self, rt: BucketRuntime) -> None:
         """The one path that frees a gathered bucket: when nothing uses it now and nothing holds it (the caller
@@ -190,7 +217,7 @@ class ParamGather:
         if rt.params is GATHERING:
             rt.finish_param_sync()
         else:
-            for p, _, checking in self.classes[rt.key]:
+            for p, _, checking, _ in self.classes[rt.key]:
                 p.__class__ = checking
         rt.reshard()
         del self.live[rt.key]
@@ -231,10 +258,11 @@ class ParamGather:
             self._release_everything(forward_too=True)
 
     def ensure(self, param, func) -> None:
-        """A read of ``param`` (torch op ``func``) while its bucket is not GATHERED: gather it (on demand)."""
-        rt = self.runtime[param._zero_ext_key]
-        if rt.params is not SHARDED:
-            self._gather(rt, wait=True)
+        """A read of ``param`` (torch op ``func``) while its bucket (one of its buckets) is not GATHERED: gather
+        them (on demand)."""
+        runtimes = [self.runtime[key] for key in param._zero_ext_keys]
+        if all(rt.params is not SHARDED for rt in runtimes):
+            self._gather_all(runtimes)
             return
         if not (self._stack or self._manual or in_backward()):
             refusal = wrapping_in_ddp()
@@ -247,12 +275,20 @@ class ParamGather:
                 "(on every rank: it gathers them), change them (e.g. `model.load_state_dict`) inside "
                 "`with opt.gathered_params(modifier_rank=r):`, or get a full copy with zero_ext.checkpoint.consolidate."
             )
-        self._gather(rt, wait=True)
+        self._gather_all(runtimes)
         if self._stack:  # remembered for the reading module: gathered with it from now on
             owner = self._stack[-1]
-            if rt.key not in self.keys[id(owner)]:
-                self.keys[id(owner)].add(rt.key)
-                rt.forward_users += 1  # in use like its own parameters until the module's post-hook
+            for rt in runtimes:
+                if rt.key not in self.keys[id(owner)]:
+                    self.keys[id(owner)].add(rt.key)
+                    rt.forward_users += 1  # in use like its own parameters until the module's post-hook
+
+    def _gather_all(self, runtimes) -> None:
+        """Gather ``runtimes`` (a split parameter's buckets): every all-gather started, then each waited for."""
+        for rt in runtimes:
+            self._gather(rt, wait=False)
+        for rt in runtimes:
+            self._gather(rt, wait=True)
 
     # ---------------------------------------------------------------- forward
     def _local(self) -> bool:
@@ -397,7 +433,7 @@ class ParamGather:
                     return
                 rt = self.runtime[key]
                 if rt.params is SHARDED:
-                    if self._live_bytes() + rt.nbytes > self.window_bound:
+                    if self._live_bytes() + self._incoming(rt) > self.window_bound:
                         return
                     self._gather(rt, wait=False)
                     rt.hold = Hold.AHEAD
@@ -471,13 +507,17 @@ class ParamGather:
             h.remove()
         self._hooks.clear()
         with self.gathered():
+            done = set()
             for members in self.classes.values():
-                for p, original, _ in members:
+                for p, original, _, _ in members:
+                    if id(p) in done:  # a split parameter is in each of its buckets' lists
+                        continue
+                    done.add(id(p))
                     with torch._C.DisableTorchFunctionSubclass():
                         full = p.data.clone()
                     p.data = full
                     p.__class__ = original
-                    del p._zero_ext_gather, p._zero_ext_key, p._zero_ext_name
+                    del p._zero_ext_gather, p._zero_ext_keys, p._zero_ext_name
             self.classes = {key: [] for key in self.classes}  # released below without touching them again
 
     def remove_hooks(self) -> None:

@@ -52,12 +52,12 @@ class ParamSync:
         where = {}
         for group in self.state.groups:
             for slot, p in zip(group.layout.slots, group.params):
-                where[id(p)] = (group.index, slot.bucket)
+                where[id(p)] = [(group.index, b) for b in slot.buckets]  # a split parameter: each of its buckets
         for m in module.modules():
-            keys = sorted({where[id(p)] for p in m.parameters(recurse=False) if id(p) in where})
+            keys = sorted({k for p in m.parameters(recurse=False) if id(p) in where for k in where[id(p)]})
             if keys and m is not module:
                 self._hooks.append(m.register_forward_pre_hook(weak_call(self._pre_hook, keys)))
-        root_keys = sorted({where[id(p)] for p in module.parameters(recurse=False) if id(p) in where})
+        root_keys = sorted({k for p in module.parameters(recurse=False) if id(p) in where for k in where[id(p)]})
         self._hooks.append(module.register_forward_pre_hook(weak_call(self._root_pre_hook, root_keys)))
         self._hooks.append(module.register_forward_hook(weak_call(self._root_post_hook)))
         remove_with(self, self._hooks)

@@ -1,8 +1,8 @@
 """Gradient reduction during backward: from autograd's gradients to this rank's fp32 grad shard, bucket by bucket.
 
 A post-accumulate-grad hook on every parameter hands the gradient to the stage's strategy (``grads.py``) and
-counts it against its bucket. A bucket whose gradients have all arrived is READY; READY buckets are launched
-(``start_grad_sync``) in one fixed global order on every rank (a bucket that completes early waits for its
+counts it against its bucket (a parameter split across buckets, ``layout.py``: a fragment against each). A bucket
+whose gradients have all arrived is READY; READY buckets are launched (``start_grad_sync``) in one fixed global order on every rank (a bucket that completes early waits for its
 predecessors), so the collectives of all ranks always pair up, whatever order gradients arrive in. At the end of
 each backward pass (autograd's final callback) the buckets still open are launched too, their missing gradients
 counting as zero. ``finish_grad_sync`` makes every reduction so far visible in the grad shards.
@@ -51,8 +51,12 @@ class GradSync:
         self._hooks = []
         for group in state.groups:
             for slot, p in zip(group.layout.slots, group.params):
-                gb = by_key[(group.index, slot.bucket)]
-                self._hooks.append(p.register_post_accumulate_grad_hook(weak_call(self._on_grad, gb, slot)))
+                if slot.split:  # one gradient, a fragment for each of its buckets
+                    gbs = tuple(by_key[(group.index, b)] for b in slot.buckets)
+                    hook = weak_call(self._on_split_grad, gbs, slot)
+                else:
+                    hook = weak_call(self._on_grad, by_key[(group.index, slot.bucket)], slot)
+                self._hooks.append(p.register_post_accumulate_grad_hook(hook))
         remove_with(self, self._hooks)  # dropped without close(): the model's hooks go with it
         # .grad after a synchronised backward: placeholders of the sharded mean gradients (torch's clipping works)
         self.placeholders = GradPlaceholders(state, self)
@@ -73,6 +77,21 @@ class GradSync:
             if self.on_ready is not None:
                 self.on_ready(gb)
             self._launch_ready()
+
+    @torch.compiler.disable
+    def _on_split_grad(self, gbs: tuple[BucketRuntime, ...], slot, param: torch.Tensor) -> None:
+        """The gradient of a parameter split across ``gbs``: one fragment arrives in each (each bucket counts its
+        fragments); the strategy writes a fragment when its bucket launches, so staging stays bucket-sized."""
+        self.epoch += 1
+        if self.placeholders.active:
+            self.placeholders.on_backward()
+        if not self.strategy.on_split_grad(gbs, slot, param, self.sync_enabled):
+            return
+        self._open_round()
+        for gb in gbs:
+            if gb.grad_arrived() and self.on_ready is not None:
+                self.on_ready(gb)
+        self._launch_ready()
 
     def _open_round(self) -> None:
         if self._round_open:

@@ -1,8 +1,10 @@
 """Stage 3's parameter storage: each rank keeps only its shard of every bucket; a bucket's full parameters exist
 only while it is gathered.
 
-Each bucket has one flat tensor, its *gathered storage*, made at its first gather; from then on every parameter of
-the bucket is a view into it (``.data`` is not re-pointed again; before, a poison view: one NaN expanded to the
+Each bucket has one flat tensor, its *gathered storage*, made at its first gather (the buckets of a parameter split
+across several, ``layout.Run``, share one: the parameter's view must be contiguous; the storage holds its bytes
+while any of them is gathered, so the gathered window is at least the largest parameter, inherently); from then on
+every parameter of the bucket is a view into it (``.data`` is not re-pointed again; before, a poison view: one NaN expanded to the
 parameter's shape). Released, the storage is resized to zero bytes (FSDP2's ``untyped_storage().resize_(0)``): the
 parameters keep their shape, dtype and device for any code that inspects them, and cost nothing. Gathered again, the
 same storage is resized back and the all-gather writes into it. So a view autograd saved in forward (``F.linear``
@@ -26,7 +28,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch.utils._pytree import tree_flatten
 
-from .layout import Bucket, Layout
+from .layout import Bucket, Layout, Run
 
 # Properties that read no data: their getters (and .data/.grad/.requires_grad setters) pass straight through.
 _METADATA = frozenset(
@@ -92,10 +94,12 @@ class ShardedParams:
         self.layout, self.rank, self.dtype, self.device = layout, rank, dtype, device
         self.shard: Optional[torch.Tensor] = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
         self.source: Optional[Callable[[Bucket], torch.Tensor]] = None  # bucket -> its fp32 master slice
-        # bucket index -> its gathered storage: made at the bucket's first gather, the bucket's parameters view it
-        # from then on; zero bytes while the bucket is released. (Not made here: a model built on meta would pay
-        # for every bucket at once, and the freed blocks fragment the heap.)
+        # run index -> its gathered storage: made at the first gather of one of its buckets, the run's parameters
+        # view it from then on; zero bytes while none of its buckets is gathered. (Not made here: a model built on
+        # meta would pay for every bucket at once, and the freed blocks fragment the heap.)
         self.storage: dict[int, torch.Tensor] = {}
+        # run index -> its buckets gathered or gathering (the storage keeps its bytes while there is one)
+        self.present: dict[int, set[int]] = {}
         self.params: Sequence[torch.Tensor] = ()
         self.poison = torch.full((1,), float("nan"), dtype=dtype, device=device)
 
@@ -109,26 +113,33 @@ class ShardedParams:
             for piece in self.layout.owned_pieces(self.rank):
                 flat = self.params[piece.index].detach().reshape(-1)
                 piece.shard_range.of(self.shard).copy_(piece.param_range.of(flat))
-        for bucket in self.layout.buckets:
-            self.forget(bucket)
+        for run in self.layout.runs:
+            self.forget(run)
 
-    def forget(self, bucket: Bucket) -> None:
-        """``bucket``'s parameters become poison views, and it has no gathered storage (the next gather makes one)."""
-        self.storage.pop(bucket.index, None)
+    def _run(self, bucket: Bucket) -> Run:
+        return self.layout.runs[self.layout.run_of[bucket.index]]
+
+    def forget(self, run: Run) -> None:
+        """``run``'s parameters become poison views, and it has no gathered storage (the next gather makes one)."""
+        self.storage.pop(run.index, None)
+        self.present.pop(run.index, None)
         with torch._C.DisableTorchFunctionSubclass():  # metadata only
-            for i in bucket.slots:
+            for i in run.slots:
                 self.params[i].data = self.poison.expand(self.params[i].shape)
 
-    def view_into(self, bucket: Bucket, buf: torch.Tensor) -> None:
-        """Make ``bucket``'s parameters views of ``buf`` (a flat tensor of the bucket's size)."""
+    def view_into(self, run: Run, buf: torch.Tensor) -> None:
+        """Make ``run``'s parameters views of ``buf`` (a flat tensor of the run's size)."""
         with torch._C.DisableTorchFunctionSubclass():  # metadata only
-            for i in bucket.slots:
+            for i in run.slots:
                 p = self.params[i]
-                p.data = bucket.slot_range(self.layout.slots[i]).of(buf).view(p.shape)
+                p.data = run.slot_range(self.layout.slots[i]).of(buf).view(p.shape)
 
-    def fill_shard(self, bucket: Bucket, full: torch.Tensor) -> None:
-        """This rank's slice of ``full`` (the whole bucket) into the shard (before :meth:`cast_from`)."""
-        bucket.shard_range.of(self.shard).copy_(bucket.rank_range(self.rank).shifted(-bucket.offset).of(full))
+    def fill_shard(self, run: Run, full: torch.Tensor) -> None:
+        """This rank's slice of every bucket of ``full`` (the whole run) into the shard (before :meth:`cast_from`)."""
+        for b in run.buckets:
+            bucket = self.layout.buckets[b]
+            mine = bucket.rank_range(self.rank).shifted(-run.offset)
+            bucket.shard_range.of(self.shard).copy_(mine.of(full))
 
     def cast_from(self, source: Callable[[Bucket], torch.Tensor]) -> None:
         """Stop keeping the shard: from now on a gather rounds ``source(bucket)`` (this rank's fp32 master slice of
@@ -157,34 +168,45 @@ class ShardedParams:
         return mine
 
     def unshard(self, bucket: Bucket) -> torch.Tensor:
-        """``bucket``'s gathered storage with its bytes (uninitialised: the all-gather's output); every view of it,
-        the parameters' and any autograd saved, sees what is written into it."""
-        buf = self.storage.get(bucket.index)
+        """``bucket``'s part of its run's gathered storage, with its bytes (uninitialised: the all-gather's output);
+        every view of it, the parameters' and any autograd saved, sees what is written into it."""
+        run = self._run(bucket)
+        buf = self.storage.get(run.index)
         if buf is None:  # the first gather (or the previous storage was left to numpy): make it, views into it
-            buf = self.storage[bucket.index] = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
-            self.view_into(bucket, buf)
+            buf = self.storage[run.index] = torch.empty(run.numel, dtype=self.dtype, device=self.device)
+            self.view_into(run, buf)
         elif buf.untyped_storage().nbytes() == 0:
-            buf.untyped_storage().resize_(bucket.numel * self.dtype.itemsize)
-        return buf
+            buf.untyped_storage().resize_(run.numel * self.dtype.itemsize)
+        self.present.setdefault(run.index, set()).add(bucket.index)
+        return bucket.bucket_range.shifted(-run.offset).of(buf)
 
     def gathered(self, bucket: Bucket) -> Optional[torch.Tensor]:
-        """``bucket``'s gathered storage while it holds its bytes, else None."""
-        buf = self.storage.get(bucket.index)
-        return buf if buf is not None and buf.untyped_storage().nbytes() else None
+        """``bucket``'s part of its gathered storage while it holds its bytes, else None."""
+        run = self._run(bucket)
+        buf = self.storage.get(run.index)
+        if buf is None or not buf.untyped_storage().nbytes() or bucket.index not in self.present.get(run.index, ()):
+            return None
+        return bucket.bucket_range.shifted(-run.offset).of(buf)
 
     def release(self, bucket: Bucket) -> None:
-        """Free ``bucket``'s full values: its storage shrinks to zero bytes, for every view of it.
+        """Free ``bucket``'s full values: once no bucket of its run is gathered, the run's storage shrinks to zero
+        bytes, for every view of it.
 
         A storage numpy shares (``param.detach().numpy()`` while gathered) can no longer be resized: it is left
         to the array, and the parameters become poison views until the next gather makes a new storage (a saved
         view of the old one keeps reading the values it saw, which are the bucket's until the next step)."""
-        buf = self.storage.get(bucket.index)
+        run = self._run(bucket)
+        buf = self.storage.get(run.index)
         if buf is None:
+            return
+        present = self.present.get(run.index, set())
+        present.discard(bucket.index)
+        if present:
             return
         if buf.untyped_storage().resizable():
             buf.untyped_storage().resize_(0)
         else:
-            self.forget(bucket)
+            self.forget(run)
 
     def gathered_bytes(self) -> int:
         """Bytes the gathered storages hold now: every full parameter value alive on this rank."""
@@ -196,7 +218,7 @@ class ShardedParams:
         poison = self.poison.untyped_storage()._cdata
         with torch._C.DisableTorchFunctionSubclass():
             for slot, p in zip(self.layout.slots, params):
-                buf = self.storage.get(slot.bucket)
+                buf = self.storage.get(self.layout.run_of[slot.bucket])
                 mine = poison if buf is None else buf.untyped_storage()._cdata
                 if (
                     p.device != self.device

@@ -3,7 +3,9 @@
 ``state`` maps a parameter's index (its position across all param groups, as in torch.optim) to the part of its
 state this rank owns: every kind of its group's update rule under the rule's name for it (torch.optim.AdamW's names
 for the moments) and, for bf16/fp16 params, the fp32 ``master``, each a 1-D tensor
-holding elements ``shard_range = (start, end)`` of the flattened parameter, plus ``step``. Parameters this rank
+holding elements ``shard_range = (start, end)`` of the flattened parameter, plus ``step``. A parameter split across
+buckets (``layout.py``) of which this rank owns several runs that are not adjacent has ``shard_ranges``, the list
+of them in order, instead, and its tensors hold those runs one after the other. Parameters this rank
 owns no element of have no entry. fp32 params are their own master, with or without offload (load the model's
 state dict with the optimizer's; an offloaded optimizer takes its master from the parameters), so a state dict
 saved with any ``offload`` loads into an optimizer with any other. ``param_groups`` are torch's (hyperparameters
@@ -19,6 +21,7 @@ from typing import Any, Sequence
 import torch
 
 from .buffers import ShardedState
+from .layout import Range
 from .update_rule import MASTER
 
 # Restored from a saved state dict: the scalars of the step (``amsgrad`` must match, it decides the kinds kept; the
@@ -41,18 +44,41 @@ def _layout_record(state: ShardedState) -> dict[str, Any]:
     }
 
 
+def _owned_runs(state: ShardedState) -> dict[int, tuple[Any, list[tuple[Range, Range]]]]:
+    """Each parameter this rank owns elements of: its first piece's ref and its runs, ``(param_range, shard_range)``
+    in order, adjacent pieces (a split parameter's on one rank) merged into one run."""
+    out: dict[int, tuple[Any, list[tuple[Range, Range]]]] = {}
+    for ref in state.pieces():
+        piece = ref.piece
+        if ref.param_index not in out:
+            out[ref.param_index] = (ref, [])
+        runs = out[ref.param_index][1]
+        if runs and runs[-1][0].end == piece.start and runs[-1][1].end == piece.shard_range.start:
+            runs[-1] = (Range(runs[-1][0].start, piece.end), Range(runs[-1][1].start, piece.shard_range.end))
+        else:
+            runs.append((piece.param_range, piece.shard_range))
+    return out
+
+
+def _ranges_record(runs: list[tuple[Range, Range]]) -> dict[str, Any]:
+    if len(runs) == 1:
+        return {"shard_range": tuple(runs[0][0])}
+    return {"shard_ranges": [tuple(r) for r, _ in runs]}
+
+
 def local_state_dict(state: ShardedState, param_groups: Sequence[dict]) -> dict[str, Any]:
     step = state.step_count.detach().to("cpu", copy=True)
     steps = state.step_counts.values()  # each parameter's own count, as torch keeps it
     out: dict[int, dict[str, Any]] = {}
-    for ref in state.pieces():
-        own_step = torch.tensor(steps[ref.param_index], dtype=torch.float32)
-        entry: dict[str, Any] = {"step": own_step, "shard_range": (ref.piece.start, ref.piece.end)}
+    for gidx, (ref, runs) in _owned_runs(state).items():
+        own_step = torch.tensor(steps[gidx], dtype=torch.float32)
+        entry: dict[str, Any] = {"step": own_step, **_ranges_record(runs)}
         # fp32 parameters are their own master in every placement (an offloaded copy equals them after each step):
         # the model's state dict holds them, so the state dict is the same with and without offload.
         for kind in ref.group.rule.state_dict_names():
-            entry[kind] = ref.group.state.read(kind, ref.piece.shard_range).clone()
-        out[ref.param_index] = entry
+            parts = [ref.group.state.read(kind, shard) for _, shard in runs]
+            entry[kind] = parts[0].clone() if len(parts) == 1 else torch.cat(parts)
+        out[gidx] = entry
     groups, base = [], 0
     for g in param_groups:
         saved = {k: v for k, v in g.items() if k != "params"}
@@ -99,15 +125,19 @@ def _validate(state: ShardedState, param_groups: Sequence[dict], sd: Any) -> lis
         if gi in rules:
             rules[gi].check_group(f"{_WHERE}: saved param group {gi}", merged, device=state.device)
     writes, expected = [], set()
-    for ref in state.pieces():
-        gidx, piece = ref.param_index, ref.piece
+    for gidx, (ref, runs) in _owned_runs(state).items():
         expected.add(gidx)
         entry = sd["state"].get(gidx)
         if entry is None:
             raise ValueError(f"{_WHERE}: no state for parameter {ref.name!r} (index {gidx})")
-        if tuple(entry.get("shard_range", ())) != (piece.start, piece.end):
-            raise ValueError(f"{_WHERE}: parameter {ref.name!r}: saved shard_range {entry.get('shard_range')} != "
-                             f"expected {(piece.start, piece.end)}")  # fmt: skip
+        want = _ranges_record(runs)
+        ((key, value),) = want.items()
+        saved = entry.get(key)
+        if saved is None or [tuple(r) for r in (saved if key == "shard_ranges" else [saved])] != (
+            value if key == "shard_ranges" else [value]
+        ):
+            raise ValueError(f"{_WHERE}: parameter {ref.name!r}: saved {key} {saved} != expected {value}")
+        numel = sum(r.numel for r, _ in runs)
         kinds = ref.group.rule.state_dict_names()
         if MASTER not in kinds and entry.get(MASTER) is not None:
             # fp32, from an offloaded optimizer of an earlier commit, whose state dict carried a copy of the
@@ -115,11 +145,14 @@ def _validate(state: ShardedState, param_groups: Sequence[dict], sd: Any) -> lis
             kinds += (MASTER,)
         for kind in kinds:
             src = entry.get(kind)
-            if not isinstance(src, torch.Tensor) or src.shape != (piece.numel,) or not src.is_floating_point():
+            if not isinstance(src, torch.Tensor) or src.shape != (numel,) or not src.is_floating_point():
                 got = getattr(src, "shape", type(src).__name__)
                 raise ValueError(f"{_WHERE}: parameter {ref.name!r}: {kind!r} must be a float tensor of shape "
-                                 f"{(piece.numel,)}, got {got}")  # fmt: skip
-            writes.append((ref.group, kind, piece.shard_range, src))
+                                 f"{(numel,)}, got {got}")  # fmt: skip
+            at = 0
+            for r, shard in runs:
+                writes.append((ref.group, kind, shard, src[at : at + r.numel]))
+                at += r.numel
         own = entry.get("step")
         if own is not None and not _is_count(own):
             raise ValueError(f"{_WHERE}: parameter {ref.name!r}: `step` must be a whole number >= 0, got {own!r}")

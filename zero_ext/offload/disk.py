@@ -113,6 +113,7 @@ class DiskState(HostGradients):
         self.kinds = tuple(k.name for k in files)
         self.buffers = {REMAINDER: torch.zeros(n, dtype=torch.int16)} if rule.param_remainders else {}
         self.files = StateFiles(directory, stem, self.kinds, n)
+        self.window_budget = window  # bytes: SLOTS chunks of every kind fit it (memory_report's bound)
         try:
             self.chunk = chunk_numel(window, rule, n)
             self.slots = [_Slot(self.chunk, rule, self.cuda) for _ in range(SLOTS)]
