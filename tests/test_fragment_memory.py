@@ -130,8 +130,8 @@ SCRIPT = textwrap.dedent("""
 def test_one_64m_parameter_with_nvme_grows_by_the_grad_shard_and_the_window(tmp_path):
     # The default 4M-element buckets. One process without a GPU adds the gradients straight into the grad shard: no
     # landing ring, no staging pool (they were 48 MiB here: ring 2 x 16 MiB, staging 2 x 8 MiB). What grows besides
-    # the grad shard and the window is the allocator's: 11-23 MiB in three runs, from the fp32 temporaries of
-    # accumulate_into's 1M-element blocks (freed, kept by glibc's heap). Before, the master went to the files through
+    # the grad shard and the window is 6.7-7.5 MiB (accumulate_into's 4 MiB fp32 scratch among it; its per-block
+    # temporaries left 11-23 MiB in glibc's heap). Before, the master went to the files through
     # a per-bucket fp32 copy that glibc's heap kept too (32-80 MiB); with the ring and staging the growth was 67-163
     # MiB (115 in the issue). Before issue 23 the ring alone was 512 MiB (two fp32 copies of the whole parameter)
     # and the growth 1038 MiB.
