@@ -68,14 +68,16 @@ def commit_of(tree: str) -> str:
 
 
 def measure(tree: str, bucket_size: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
-    with tempfile.TemporaryDirectory(dir=os.path.abspath(tree)) as directory:  # on the tree's disk, not /tmp
-        out = subprocess.run([sys.executable, "-c", CHILD, directory, str(bucket_size)], env=env,
+    tree = os.path.abspath(tree)
+    env = {**os.environ, "PYTHONPATH": tree}
+    with tempfile.TemporaryDirectory(dir=tree) as directory:  # on the tree's disk, not /tmp
+        # cwd=tree: ``python -c`` puts the working directory ahead of PYTHONPATH
+        out = subprocess.run([sys.executable, "-c", CHILD, directory, str(bucket_size)], env=env, cwd=tree,
                              capture_output=True, text=True, timeout=600, check=True)  # fmt: skip
     r = json.loads(out.stdout.strip().splitlines()[-1])
     bounded = sum(n for k, n in r["buffers"].items() if k != "window")
     return dict(
-        tree=tree, commit=commit_of(tree), bucket_size=bucket_size,
+        tree=os.path.relpath(tree), commit=commit_of(tree), bucket_size=bucket_size,
         past=(r["grown"] - r["grad_shard"] - r["window"]) / MIB, bounded=bounded / MIB,
         built_past=(r["built"] - r["grad_shard"]) / MIB, raw=r,
     )  # fmt: skip
