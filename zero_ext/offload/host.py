@@ -15,7 +15,8 @@ fp32 parameters keep a separate fp32 master on the host and are copied from it; 
 (the next update, a loaded state) only after an event says that copy read it.
 
 Without a GPU the same path runs with the landing ring and the host state as separate CPU buffers: the same copies,
-synchronous, no streams.
+synchronous, no streams; on one process the gradients are instead added straight into the grad shard, as in memory
+(no ring, no staging pool).
 """
 
 from __future__ import annotations
