@@ -96,6 +96,9 @@ class HostGradients(DeviceState):
     """The reduced gradient shard in host memory, landed through :class:`LandingRing` (shared by both offloads)."""
 
     resident = False  # the reduced gradient lands in the ring first
+    # One process without a GPU adds the gradients straight into the grad shard (see _init_gradients); False keeps
+    # the landing ring there too (tests/test_offload_stream_order.py walks the CUDA path's copies on the CPU).
+    IN_PLACE_WITHOUT_GPU = True
 
     def _init_gradients(self, layout: Layout, params, device: torch.device, rule: UpdateRule) -> None:
         self.layout, self.params, self.device, self.rule = layout, params, torch.device(device), rule
@@ -108,7 +111,7 @@ class HostGradients(DeviceState):
         # are added straight into it as the in-memory placement does (grads.ShardGrads), with no landing ring and no
         # staging pool: 48 MiB less at the default 4M-element buckets and bf16 parameters (ring 2 x 16 MiB, staging
         # 2 x 8 MiB), the same bits. With more ranks the ring stays (the CPU runs the CUDA path's logic, tested).
-        self.adds_in_place = not self.cuda and layout.world_size == 1
+        self.adds_in_place = self.IN_PLACE_WITHOUT_GPU and not self.cuda and layout.world_size == 1
         largest = max((b.shard_numel for b in layout.buckets), default=0)
         self.ring = None if self.adds_in_place else LandingRing(largest, self.device)
         # copy: the reduced gradients go device-to-host on it while backward goes on (one stream, one purpose).
