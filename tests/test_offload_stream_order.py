@@ -17,6 +17,7 @@ from tiny_transformer import batch, build, loss_fn
 from zero_ext import ZeroAdamW
 from zero_ext.comm import DONE, Pending
 from zero_ext.layout import Range
+from zero_ext.offload.host import HostGradients
 
 
 class Timeline:
@@ -73,6 +74,8 @@ def timeline(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: t.current)
     monkeypatch.setattr(torch.cuda, "stream", on_stream)
     monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: Event(t))
+    # One process on the CPU would add the gradients straight into the grad shard, with no landing ring to walk.
+    monkeypatch.setattr(HostGradients, "IN_PLACE_WITHOUT_GPU", False)
     return t
 
 

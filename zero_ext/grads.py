@@ -552,5 +552,5 @@ def grads_for(state: ShardedState, reduce_dtype: torch.dtype, grad_accum_dtype=N
     """The gradient strategy of ``state.stage`` on ``state.comm``."""
     if state.stage == 1:
         return (Fp32GradBuffer if grad_accum_dtype == torch.float32 else BufferedGrads)(state, reduce_dtype)
-    direct = not state.comm.communicates and all(g.state.resident for g in state.groups)
+    direct = not state.comm.communicates and all(g.state.adds_in_place for g in state.groups)
     return ShardGrads(state, reduce_dtype) if direct else StagedGrads(state, reduce_dtype)

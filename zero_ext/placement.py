@@ -61,6 +61,7 @@ class DeviceState:
     """Optimizer state in memory on the params' device."""
 
     resident = True  # the reducer may add gradients straight into `grad`; the master is on the params' device
+    adds_in_place = True  # on one process the gradients may be added straight into `grad` (grads.ShardGrads)
     location = "device"
 
     def __init__(self, layout: Layout, params, device: torch.device, rule: UpdateRule):

@@ -218,7 +218,12 @@ class DiskState(HostGradients):
         if kind == MASTER and self.rule.param_remainders:  # the remainder and the parameters: not the files
             return self._write_split_master(shard_range, values)
         self._drop_read_ahead()
-        self.files.write_range(kind, shard_range.start, values.detach().to("cpu", torch.float32))
+        # No fp32 copy of ``values`` first: write_range converts them into its page-aligned buffer (an anonymous
+        # mapping, unmapped when freed). A per-bucket fp32 temporary (16 MiB at the default 4M-element buckets) goes
+        # to glibc's heap once its dynamic mmap threshold has risen past it, and the heap kept 32-80 MiB of them
+        # after reset_master (construction), varying run to run: RSS grew 67-163 MiB past the grad shard and the
+        # window, one 64M-element bf16 parameter at one rank (tests/test_fragment_memory.py).
+        self.files.write_range(kind, shard_range.start, values.detach())
 
     # ---------------------------------------------------------------- the ledger
     def tensors(self) -> dict[str, object]:
