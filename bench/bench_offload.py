@@ -7,9 +7,9 @@
   what it costs the iteration: the nvme iteration minus the in-memory one, plus the in-memory step() (the same
   kernel work). Not step() alone: the optimizer reads the next step's first chunks as soon as a step ends, so part
   of its I/O runs during forward and backward, outside step().
-- cpu: the extra time over the in-memory iteration against the copies offload adds (the reduced gradient from its
-  landing buffer into the grad shard, 4 B/param; the new bf16 parameters from their staging into the parameters,
-  2 B/param), timed alone as plain ``copy_`` calls of those sizes. On a CPU-only machine those copies are all it
+- cpu: the extra time over the in-memory iteration against the copies offload adds (the new bf16 parameters from
+  their staging into the parameters, 2 B/param; on one process without a GPU the reduced gradient is added straight
+  into the host grad shard since issue 23, so no 4 B/param landing copy), timed alone as plain ``copy_`` calls. On a CPU-only machine those copies are all it
   adds; on a GPU they become the D2H / H2D transfers (see profile_overlap.py).
 
 Every contender runs in one process, one rank, round robin (machine noise hits them alike), on a stack of square
@@ -100,16 +100,22 @@ class Contender:
 
 
 class AddedCopies:
-    """What offload="cpu" adds on a CPU-only machine, as plain copies between buffers allocated once: fp32 landing
-    -> grad shard, bf16 staging -> parameters (``numel`` each)."""
+    """What offload="cpu" adds on a CPU-only machine, as plain copies between buffers allocated once: bf16 staging
+    -> parameters (``numel``), and fp32 landing -> grad shard (``numel``) where a landing ring exists: not on one
+    process without a GPU, where the gradients are added straight into the host grad shard (issue 23; the benchmark
+    runs one rank, so only with ``HostGradients.IN_PLACE_WITHOUT_GPU`` off)."""
 
     def __init__(self, numel: int):
+        from zero_ext.offload.host import HostGradients
+
+        self.lands = not HostGradients.IN_PLACE_WITHOUT_GPU
         self.src32, self.dst32 = torch.ones(numel), torch.zeros(numel)
         self.src16, self.dst16 = torch.ones(numel, dtype=torch.bfloat16), torch.zeros(numel, dtype=torch.bfloat16)
 
     def __call__(self) -> float:
         t0 = time.perf_counter()
-        self.dst32.copy_(self.src32)
+        if self.lands:
+            self.dst32.copy_(self.src32)
         self.dst16.copy_(self.src16)
         return time.perf_counter() - t0
 
@@ -258,7 +264,7 @@ def main() -> None:
         "'nvme / disk' is the step's 24 B/param of I/O per second of that cost over the probe's read+write rate "
         "(above 100 % when reads hidden behind forward and backward save more than the rest costs). 'cpu extra' "
         "is the cpu-offload "
-        "iteration minus the in-memory one, against the plain copies offload adds (4 + 2 B/param). In brackets: "
+        "iteration minus the in-memory one, against the plain copies offload adds (2 B/param of parameters; no landing copy on one process without a GPU). In brackets: "
         "the median over rounds of each round's own ratio or difference (the contenders and the probe run back to "
         "back within a round, so a drift of the machine hits both sides of it); outside: from the medians.\n\n"
         f"![step time vs model size]({png.name})\n"
