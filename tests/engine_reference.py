@@ -3,6 +3,7 @@ gradients, and comparisons of a ZeroAdamW against it."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 
@@ -165,3 +166,19 @@ def offload_kwargs(offload, root: str, rank: int, tag: str, window: int) -> dict
     directory = os.path.join(root, f"{tag}-rank{rank}")
     os.makedirs(directory, exist_ok=True)
     return dict(offload="nvme", offload_dir=directory, offload_window=window)
+
+
+def live_storage_bytes() -> int:
+    """Bytes of every distinct CPU tensor storage alive in this process (found by the garbage collector, not the
+    engine's bookkeeping)."""
+    gc.collect()
+    seen = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            try:
+                s = obj.untyped_storage()
+                ptr = s.data_ptr()
+            except RuntimeError:  # a .grad placeholder (grad_placeholders.py): no storage, no bytes
+                continue
+            seen[ptr] = max(seen.get(ptr, 0), s.nbytes())
+    return sum(seen.values())

@@ -7,7 +7,6 @@ dict's ``max_exp_avg_sq``; the memory ledger's."""
 
 from __future__ import annotations
 
-import gc
 import os
 from fractions import Fraction
 
@@ -27,7 +26,7 @@ from amsgrad_reference import (
     scaled_loss,
 )
 from distributed import run_on_ranks
-from engine_reference import offload_kwargs
+from engine_reference import live_storage_bytes, offload_kwargs
 from tiny_transformer import batch, build
 
 from zero_ext import ZeroAdamW
@@ -248,34 +247,18 @@ def test_state_dict_carries_max_exp_avg_sq(stage):
 
 
 # ---------------------------------------------------------------------------------------------- the ledger
-def _live_storage_bytes() -> int:
-    """Bytes of every distinct tensor storage alive in this process (found by the garbage collector, not the
-    engine's bookkeeping)."""
-    gc.collect()
-    seen = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
-            try:
-                s = obj.untyped_storage()
-                ptr = s.data_ptr()
-            except RuntimeError:  # a .grad placeholder (grad_placeholders.py): no storage, no bytes
-                continue
-            seen[ptr] = max(seen.get(ptr, 0), s.nbytes())
-    return sum(seen.values())
-
-
 def _ledger(rank, world, stage, dtype_name):
     dtype = getattr(torch, dtype_name)
     reports, grown = {}, {}
     for amsgrad in (False, True):
         model = build(dtype)
         named = list(model.named_parameters())
-        base = _live_storage_bytes()
+        base = live_storage_bytes()
         opt = ZeroAdamW(named, amsgrad=amsgrad, maximize=True, stage=stage, bucket_size=BUCKET,
                         module=model if stage == 3 else None)  # fmt: skip
         _train_step(model, opt, 0, rank)
         reports[amsgrad] = r = opt.memory_report()
-        grown[amsgrad] = _live_storage_bytes() - base
+        grown[amsgrad] = live_storage_bytes() - base
         shard = sum(g.layout.shard_numel for g in opt.sharded_state.groups)
         # tests/test_memory.py's identity
         assert r.total == r.formula + r.padding + r.staging + r.grad_shard_fp32 - r.param_shard_not_kept, str(r)

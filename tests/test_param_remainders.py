@@ -13,14 +13,13 @@ refusals (fp16/fp32 parameters, a non-bool), and the memory saved, measured on t
 
 from __future__ import annotations
 
-import gc
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_on_ranks
-from engine_reference import offload_kwargs, state_shards
+from engine_reference import live_storage_bytes, offload_kwargs, state_shards
 from safetensors.torch import load_file
 from tiny_transformer import batch, build, loss_fn
 
@@ -227,32 +226,18 @@ def test_refused_unless_bool():
 
 
 # ---------------------------------------------------------------- memory, measured on what is alive
-def _live_storage_bytes() -> int:
-    gc.collect()
-    seen = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
-            try:
-                s = obj.untyped_storage()
-                ptr = s.data_ptr()
-            except RuntimeError:  # a .grad placeholder: no storage
-                continue
-            seen[ptr] = max(seen.get(ptr, 0), s.nbytes())
-    return sum(seen.values())
-
-
 def _memory(rank, world, stage, offload, root):
     grown, reports = {}, {}
     for remainders in (False, True):
         model = build(torch.bfloat16)
-        base = _live_storage_bytes()
+        base = live_storage_bytes()
         opt = ZeroAdamW(model.named_parameters(), stage=stage, bucket_size=BUCKET, param_remainders=remainders,
                         module=model if stage == 3 else None,
                         **offload_kwargs(offload, root, rank, f"mem-{remainders}", WINDOW))  # fmt: skip
         loss_fn(model, batch(0, rank)).backward()
         opt.step()
         opt.zero_grad()
-        grown[remainders], reports[remainders] = _live_storage_bytes() - base, opt.memory_report()
+        grown[remainders], reports[remainders] = live_storage_bytes() - base, opt.memory_report()
         shard = sum(g.layout.shard_numel for g in opt.sharded_state.groups)
         opt.close()
         del opt
