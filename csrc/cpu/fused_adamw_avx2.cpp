@@ -33,30 +33,23 @@ inline __m128i narrow(__m256i r) {
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
-// ---- moments as raw bits, one 32-bit lane per element (fp32 bits, or bf16 bits zero-extended)
-// ----
+// ---- moments: fp32 loads and stores stay in the float domain (VMOVUPS, as before bf16 moments
+// existed); bf16 moments are widened to fp32 exactly (bits << 16), so their sign bit (the tie bit
+// with param_remainders) lands in bit 31 either way.
 template <bool kBf16>
-inline __m256i load_moment_bits(const void* p, int64_t i) {
+inline __m256 load_moment(const void* p, int64_t i) {
   if constexpr (kBf16) {
-    return _mm256_cvtepu16_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)));
+    const __m128i h =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   } else {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const float*>(p) + i));
+    return _mm256_loadu_ps(static_cast<const float*>(p) + i);
   }
 }
 
-template <bool kBf16>
-inline void store_moment_bits(void* p, int64_t i, __m256i bits) {
-  if constexpr (kBf16) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(p) + i), narrow(bits));
-  } else {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<float*>(p) + i), bits);
-  }
-}
-
-template <bool kBf16>
-inline __m256 moment_value(__m256i bits) {
-  return _mm256_castsi256_ps(kBf16 ? _mm256_slli_epi32(bits, 16) : bits);
+// bf16 bits, one per 32-bit lane.
+inline void store_bf16_lanes(void* p, int64_t i, __m256i bits) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(p) + i), narrow(bits));
 }
 
 // stochastic_rounding.h's mix32 on 8 lanes (VPMULLD: the low 32 bits of each product).
@@ -127,8 +120,6 @@ inline __m256i store_split_master(const AdamWBuffers& b, int64_t i, __m256 x) {
 template <DType kGrad, int kOut, bool kAmsgrad, bool kBf16, bool kSmallWeight, bool kStream>
 int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c) {
   constexpr bool kSplit = kOut == 3;
-  constexpr int kSign = kBf16 ? 15 : 31;  // exp_avg_sq's sign bit: the tie bit (kSplit)
-  const __m256i sign_clear = _mm256_set1_epi32(static_cast<int>(~(1u << kSign)));
   const __m256 grad_scale = _mm256_set1_ps(c.grad_scale);
   const __m256 decay = _mm256_set1_ps(c.decay);
   const __m256 weight = _mm256_set1_ps(c.lerp_weight);
@@ -142,16 +133,16 @@ int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoeff
   int64_t i = begin;
   for (; i + kWidth <= end; i += kWidth) {
     const __m256 g = _mm256_mul_ps(load_grad<kGrad>(b.grad, i), grad_scale);
-    __m256i v_bits = load_moment_bits<kBf16>(b.exp_avg_sq, i);
+    __m256 v = load_moment<kBf16>(b.exp_avg_sq, i);
     __m256i tie = _mm256_setzero_si256();
-    if constexpr (kSplit) {
-      tie = _mm256_srli_epi32(v_bits, kSign);
-      v_bits = _mm256_and_si256(v_bits, sign_clear);
+    if constexpr (kSplit) {  // the tie bit out of exp_avg_sq's sign (bit 31 once widened)
+      const __m256i bits = _mm256_castps_si256(v);
+      tie = _mm256_srli_epi32(bits, 31);
+      v = _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)));
     }
     const __m256 master = kSplit ? load_joined_master(b, i, tie) : _mm256_loadu_ps(b.master + i);
     const __m256 p = _mm256_mul_ps(master, decay);
-    __m256 m = moment_value<kBf16>(load_moment_bits<kBf16>(b.exp_avg, i));
-    __m256 v = moment_value<kBf16>(v_bits);
+    __m256 m = load_moment<kBf16>(b.exp_avg, i);
     const __m256 diff = _mm256_sub_ps(g, m);
     // fnmadd(a, b, c) = -(a*b) + c rounded once: fmaf(-diff, 1 - w, g) of lerp (adamw_math.h).
     m = kSmallWeight ? _mm256_fmadd_ps(weight, diff, m)
@@ -160,7 +151,7 @@ int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoeff
     __m256 v_hat = v;
     __m256 v_max = v;
     if constexpr (kAmsgrad) {
-      v_max = moment_value<kBf16>(load_moment_bits<kBf16>(b.max_exp_avg_sq, i));
+      v_max = load_moment<kBf16>(b.max_exp_avg_sq, i);
       // nan_propagating_max(v_max, v) (adamw_math.h): v_max where v_max > v or v_max is NaN.
       const __m256 keep = _mm256_or_ps(_mm256_cmp_ps(v_max, v, _CMP_GT_OQ),
                                        _mm256_cmp_ps(v_max, v_max, _CMP_UNORD_Q));
@@ -174,24 +165,27 @@ int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoeff
     } else {
       _mm256_storeu_ps(b.master + i, p_new);
     }
-    __m256i m_bits, v_max_bits;
     if constexpr (kBf16) {
       const __m256i h = random_bits(b.rounding_key, b.element_offset + static_cast<uint64_t>(i));
       const __m256i r_v = _mm256_srli_epi32(h, 16);
-      m_bits = sr_bf16(m, _mm256_and_si256(h, low16));
-      v_bits = sr_bf16(v, r_v);
-      v_max_bits = kAmsgrad ? sr_bf16(v_max, r_v) : v_bits;
+      __m256i v_bits = sr_bf16(v, r_v);
+      if constexpr (kSplit) {
+        v_bits = _mm256_or_si256(_mm256_and_si256(v_bits, _mm256_set1_epi32(0x7FFF)),
+                                 _mm256_slli_epi32(tie, 15));
+      }
+      store_bf16_lanes(b.exp_avg, i, sr_bf16(m, _mm256_and_si256(h, low16)));
+      store_bf16_lanes(b.exp_avg_sq, i, v_bits);
+      if constexpr (kAmsgrad) store_bf16_lanes(b.max_exp_avg_sq, i, sr_bf16(v_max, r_v));
     } else {
-      m_bits = _mm256_castps_si256(m);
-      v_bits = _mm256_castps_si256(v);
-      v_max_bits = _mm256_castps_si256(v_max);
+      if constexpr (kSplit) {
+        const __m256i bits =
+            _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7FFFFFFF));
+        v = _mm256_castsi256_ps(_mm256_or_si256(bits, _mm256_slli_epi32(tie, 31)));
+      }
+      _mm256_storeu_ps(static_cast<float*>(b.exp_avg) + i, m);
+      _mm256_storeu_ps(static_cast<float*>(b.exp_avg_sq) + i, v);
+      if constexpr (kAmsgrad) _mm256_storeu_ps(static_cast<float*>(b.max_exp_avg_sq) + i, v_max);
     }
-    if constexpr (kSplit) {
-      v_bits = _mm256_or_si256(_mm256_and_si256(v_bits, sign_clear), _mm256_slli_epi32(tie, kSign));
-    }
-    store_moment_bits<kBf16>(b.exp_avg, i, m_bits);
-    store_moment_bits<kBf16>(b.exp_avg_sq, i, v_bits);
-    if constexpr (kAmsgrad) store_moment_bits<kBf16>(b.max_exp_avg_sq, i, v_max_bits);
     if constexpr (kOut == 1 || kOut == 2) {
       const __m128i h =
           kOut == 1 ? float_to_bf16(p_new) : _mm256_cvtps_ph(p_new, _MM_FROUND_TO_NEAREST_INT);

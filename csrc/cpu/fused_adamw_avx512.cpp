@@ -32,31 +32,24 @@ inline __m512 load_grad(const void* grad, int64_t i) {
   }
 }
 
-// ---- moments as raw bits, one 32-bit lane per element (fp32 bits, or bf16 bits zero-extended)
-// ----
+// ---- moments: fp32 loads and stores stay in the float domain (VMOVUPS, as before bf16 moments
+// existed); bf16 moments are widened to fp32 exactly (bits << 16), so their sign bit (the tie bit
+// with param_remainders) lands in bit 31 either way.
 template <bool kBf16>
-inline __m512i load_moment_bits(const void* p, int64_t i) {
+inline __m512 load_moment(const void* p, int64_t i) {
   if constexpr (kBf16) {
-    return _mm512_cvtepu16_epi32(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i)));
+    const __m256i h =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   } else {
-    return _mm512_loadu_si512(static_cast<const float*>(p) + i);
+    return _mm512_loadu_ps(static_cast<const float*>(p) + i);
   }
 }
 
-template <bool kBf16>
-inline void store_moment_bits(void* p, int64_t i, __m512i bits) {
-  if constexpr (kBf16) {  // every lane <= 0xFFFF: VPMOVDW's truncation is exact
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p) + i),
-                        _mm512_cvtepi32_epi16(bits));
-  } else {
-    _mm512_storeu_si512(static_cast<float*>(p) + i, bits);
-  }
-}
-
-template <bool kBf16>
-inline __m512 moment_value(__m512i bits) {
-  return _mm512_castsi512_ps(kBf16 ? _mm512_slli_epi32(bits, 16) : bits);
+// bf16 bits, one per 32-bit lane (every lane <= 0xFFFF: VPMOVDW's truncation is exact).
+inline void store_bf16_lanes(void* p, int64_t i, __m512i bits) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p) + i),
+                      _mm512_cvtepi32_epi16(bits));
 }
 
 // stochastic_rounding.h's mix32 on 16 lanes (VPMULLD: the low 32 bits of each product).
@@ -128,8 +121,6 @@ inline __m512i store_split_master(const AdamWBuffers& b, int64_t i, __m512 x) {
 template <DType kGrad, int kOut, bool kAmsgrad, bool kBf16, bool kSmallWeight, bool kStream>
 int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c) {
   constexpr bool kSplit = kOut == 3;
-  constexpr int kSign = kBf16 ? 15 : 31;  // exp_avg_sq's sign bit: the tie bit (kSplit)
-  const __m512i sign_clear = _mm512_set1_epi32(static_cast<int>(~(1u << kSign)));
   const __m512 grad_scale = _mm512_set1_ps(c.grad_scale);
   const __m512 decay = _mm512_set1_ps(c.decay);
   const __m512 weight = _mm512_set1_ps(c.lerp_weight);
@@ -143,16 +134,16 @@ int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoeff
   int64_t i = begin;
   for (; i + kWidth <= end; i += kWidth) {
     const __m512 g = _mm512_mul_ps(load_grad<kGrad>(b.grad, i), grad_scale);
-    __m512i v_bits = load_moment_bits<kBf16>(b.exp_avg_sq, i);
+    __m512 v = load_moment<kBf16>(b.exp_avg_sq, i);
     __m512i tie = _mm512_setzero_si512();
-    if constexpr (kSplit) {
-      tie = _mm512_srli_epi32(v_bits, kSign);
-      v_bits = _mm512_and_si512(v_bits, sign_clear);
+    if constexpr (kSplit) {  // the tie bit out of exp_avg_sq's sign (bit 31 once widened)
+      const __m512i bits = _mm512_castps_si512(v);
+      tie = _mm512_srli_epi32(bits, 31);
+      v = _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)));
     }
     const __m512 master = kSplit ? load_joined_master(b, i, tie) : _mm512_loadu_ps(b.master + i);
     const __m512 p = _mm512_mul_ps(master, decay);
-    __m512 m = moment_value<kBf16>(load_moment_bits<kBf16>(b.exp_avg, i));
-    __m512 v = moment_value<kBf16>(v_bits);
+    __m512 m = load_moment<kBf16>(b.exp_avg, i);
     const __m512 diff = _mm512_sub_ps(g, m);
     // fnmadd(a, b, c) = -(a*b) + c rounded once: fmaf(-diff, 1 - w, g) of lerp (adamw_math.h).
     m = kSmallWeight ? _mm512_fmadd_ps(weight, diff, m)
@@ -161,7 +152,7 @@ int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoeff
     __m512 v_hat = v;
     __m512 v_max;
     if constexpr (kAmsgrad) {
-      v_max = moment_value<kBf16>(load_moment_bits<kBf16>(b.max_exp_avg_sq, i));
+      v_max = load_moment<kBf16>(b.max_exp_avg_sq, i);
       // nan_propagating_max(v_max, v) (adamw_math.h): v_max where v_max > v or v_max is NaN.
       const __mmask16 keep =
           _mm512_cmp_ps_mask(v_max, v, _CMP_GT_OQ) | _mm512_cmp_ps_mask(v_max, v_max, _CMP_UNORD_Q);
@@ -175,24 +166,27 @@ int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoeff
     } else {
       _mm512_storeu_ps(b.master + i, p_new);
     }
-    __m512i m_bits, v_max_bits;
     if constexpr (kBf16) {
       const __m512i h = random_bits(b.rounding_key, b.element_offset + static_cast<uint64_t>(i));
       const __m512i r_v = _mm512_srli_epi32(h, 16);
-      m_bits = sr_bf16(m, _mm512_and_si512(h, low16));
-      v_bits = sr_bf16(v, r_v);
-      if constexpr (kAmsgrad) v_max_bits = sr_bf16(v_max, r_v);
+      __m512i v_bits = sr_bf16(v, r_v);
+      if constexpr (kSplit) {
+        v_bits = _mm512_or_si512(_mm512_and_si512(v_bits, _mm512_set1_epi32(0x7FFF)),
+                                 _mm512_slli_epi32(tie, 15));
+      }
+      store_bf16_lanes(b.exp_avg, i, sr_bf16(m, _mm512_and_si512(h, low16)));
+      store_bf16_lanes(b.exp_avg_sq, i, v_bits);
+      if constexpr (kAmsgrad) store_bf16_lanes(b.max_exp_avg_sq, i, sr_bf16(v_max, r_v));
     } else {
-      m_bits = _mm512_castps_si512(m);
-      v_bits = _mm512_castps_si512(v);
-      if constexpr (kAmsgrad) v_max_bits = _mm512_castps_si512(v_max);
+      if constexpr (kSplit) {
+        const __m512i bits =
+            _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF));
+        v = _mm512_castsi512_ps(_mm512_or_si512(bits, _mm512_slli_epi32(tie, 31)));
+      }
+      _mm512_storeu_ps(static_cast<float*>(b.exp_avg) + i, m);
+      _mm512_storeu_ps(static_cast<float*>(b.exp_avg_sq) + i, v);
+      if constexpr (kAmsgrad) _mm512_storeu_ps(static_cast<float*>(b.max_exp_avg_sq) + i, v_max);
     }
-    if constexpr (kSplit) {
-      v_bits = _mm512_or_si512(_mm512_and_si512(v_bits, sign_clear), _mm512_slli_epi32(tie, kSign));
-    }
-    store_moment_bits<kBf16>(b.exp_avg, i, m_bits);
-    store_moment_bits<kBf16>(b.exp_avg_sq, i, v_bits);
-    if constexpr (kAmsgrad) store_moment_bits<kBf16>(b.max_exp_avg_sq, i, v_max_bits);
     if constexpr (kOut == 1 || kOut == 2) {
       const __m256i h =
           kOut == 1 ? float_to_bf16(p_new) : _mm512_cvtps_ph(p_new, _MM_FROUND_TO_NEAREST_INT);
