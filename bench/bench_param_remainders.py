@@ -65,9 +65,10 @@ def main() -> None:
     n = 1 << args.log2_numel
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     master = torch.randn(n, device=device)
-    param, remainder = master_split.split(master)
+    param, remainder, tie = master_split.split(master)
     grad = torch.randn(n, device=device).to(torch.bfloat16)
     moments = [(torch.randn(n, device=device) * 0.1, torch.rand(n, device=device) * 0.01) for _ in range(2)]
+    moments[1] = (moments[1][0], master_split.with_tie(moments[1][1], tie))  # the tie bit in exp_avg_sq's sign
     out = torch.empty(n, dtype=torch.bfloat16, device=device)
     contenders = {
         "fp32_master": lambda: harness.timed(
