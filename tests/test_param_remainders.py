@@ -25,8 +25,9 @@ from engine_reference import live_storage_bytes, offload_kwargs, state_shards
 from safetensors.torch import load_file
 from tiny_transformer import batch, build, loss_fn
 
-from zero_ext import ZeroAdamW, checkpoint
+from zero_ext import ZeroAdamW, checkpoint, master_split
 from zero_ext.layout import Range
+from zero_ext.update_rule import AdamW
 
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 BUCKET = 1500
@@ -98,8 +99,7 @@ def _tie_bits(opt) -> int:
     """exp_avg_sq's stored sign bits on every rank (param_remainders: the ties that RNE rounded down)."""
     count = torch.tensor([0])
     for g in opt.sharded_state.groups:
-        stored = g.state.stored("exp_avg_sq", Range(0, g.layout.shard_numel))
-        count += int((stored.view(torch.int32) < 0).sum())
+        count += int(master_split.tie_of(g.state.stored("exp_avg_sq", Range(0, g.layout.shard_numel))).sum())
     dist.all_reduce(count)
     return int(count)
 
@@ -192,7 +192,7 @@ def _compare(runs, rank, what) -> None:
         _assert_same(snaps[0], snap, f"{what}: run 0 vs run {i}")
 
 
-def _ties_side_by_side(rank, world, offloads, root, stages, ckpt_root):
+def _ties_side_by_side(rank, world, offloads, root, stages, ckpt_root, options):
     """Per stage: the fp32-master run and one remainder run per offload (``max_grad_norm``) load one state dict
     whose masters are two thirds ties; each is bitwise the fp32 run's after the load, after a step at lr 0 (the
     masters stay ties through the kernel), after a skipped step (no stored byte changes) and after steps at the
@@ -200,8 +200,9 @@ def _ties_side_by_side(rank, world, offloads, root, stages, ckpt_root):
     Returns [(stage, ties rounded down, ties rounded up)] seen after the load."""
     out = []
     for stage in stages:
-        runs = [_build(stage, None, root, rank, f"t{stage}-fp32", False, max_grad_norm=0.5)]
-        runs += [_build(stage, off, root, rank, f"t{stage}-{off}", True, max_grad_norm=0.5) for off in offloads]
+        runs = [_build(stage, None, root, rank, f"t{stage}-fp32", False, max_grad_norm=0.5, **options)]
+        runs += [_build(stage, off, root, rank, f"t{stage}-{off}", True, max_grad_norm=0.5, **options)
+                 for off in offloads]  # fmt: skip
         what = f"stage {stage} world {world}"
         for model, opt, _ in runs:  # moments to carry: one step
             _backward(model, opt, 0, rank)
@@ -246,15 +247,15 @@ def _ties_side_by_side(rank, world, offloads, root, stages, ckpt_root):
     return out
 
 
-def _load_tie_checkpoints(rank, world, root, ckpt_root, offloads, stages):
+def _load_tie_checkpoints(rank, world, root, ckpt_root, offloads, stages, options):
     """Every tie checkpoint into the fp32-master run and a remainder run per offload, at this world size: all hold
     the saved state bitwise, ties included."""
     for saved_stage in stages:
         for i in range(1 + len(offloads)):
             path = os.path.join(ckpt_root, f"stage{saved_stage}-run{i}")
             stage = stages[(saved_stage + i) % len(stages)]  # another stage than saved, where there is one
-            runs = [_build(stage, None, root, rank, f"l{saved_stage}{i}-fp32", False)]
-            runs += [_build(stage, off, root, rank, f"l{saved_stage}{i}-{off}", True) for off in offloads]
+            runs = [_build(stage, None, root, rank, f"l{saved_stage}{i}-fp32", False, **options)]
+            runs += [_build(stage, off, root, rank, f"l{saved_stage}{i}-{off}", True, **options) for off in offloads]
             for _, opt, _ in runs:
                 checkpoint.load(path, opt)
             _compare(runs, rank, f"{path} loaded at world {world} stage {stage}")
@@ -272,10 +273,10 @@ def _load_tie_checkpoints(rank, world, root, ckpt_root, offloads, stages):
     return True
 
 
-def _ties(tmp_path, world, load_worlds, offloads, stages):
+def _ties(tmp_path, world, load_worlds, offloads, stages, **options):
     root, ckpt_root = str(tmp_path / "state"), str(tmp_path / "ckpt")
     os.makedirs(root)
-    results = run_on_ranks(world, _ties_side_by_side, offloads, root, stages, ckpt_root, timeout=400)
+    results = run_on_ranks(world, _ties_side_by_side, offloads, root, stages, ckpt_root, options, timeout=400)
     print(f"world {world}: ties after the load (stage, rounded down, rounded up):", results[0])
     for stage in stages:  # the checkpoints' contents: the same fp32 masters and moments from every run
         full = []
@@ -288,7 +289,7 @@ def _ties(tmp_path, world, load_worlds, offloads, stages):
             for name, value in full[0].items():
                 assert torch.equal(_bytes(other[name]), _bytes(value)), (stage, i, name)
     for w in load_worlds:
-        assert all(run_on_ranks(w, _load_tie_checkpoints, root, ckpt_root, offloads, stages, timeout=400))
+        assert all(run_on_ranks(w, _load_tie_checkpoints, root, ckpt_root, offloads, stages, options, timeout=400))
 
 
 def test_ties_bitwise_the_fp32_master_two_ranks(tmp_path):
@@ -299,6 +300,12 @@ def test_ties_bitwise_the_fp32_master_two_ranks(tmp_path):
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_ties_bitwise_every_stage_offload_and_world(tmp_path, world):
     _ties(tmp_path, world, [w for w in (1, 2, 3) if w != world], (None, "cpu", "nvme"), (1, 2, 3))
+
+
+@pytest.mark.skipif(not hasattr(AdamW(torch.bfloat16), "moment_dtype"), reason="moment_dtype is not in this build")
+def test_ties_with_bf16_moments(tmp_path):
+    """The tie bit in bit 15 of a bf16 exp_avg_sq (moment_dtype=torch.bfloat16 on both sides): the same checks."""
+    _ties(tmp_path, 2, (3,), (None, "cpu", "nvme"), (1, 3), moment_dtype=torch.bfloat16)
 
 
 # ---------------------------------------------------------------- checkpoints and state dicts across the setting
