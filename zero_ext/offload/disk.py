@@ -104,7 +104,9 @@ class DiskState(HostGradients):
                  window: int):  # fmt: skip
         # The files hold the fp32 kinds. param_remainders' int16 remainder stays in host memory beside the grad
         # shard (2 bytes per element next to its 4): the disk then moves the moments only, 8 bytes per element each
-        # way instead of 12, and the files stay fp32 arrays; the master's high half is the parameters.
+        # way instead of 12, and the files stay fp32 arrays; the master's high half is the parameters. Its tie bit is
+        # the sign bit of exp_avg_sq (rule.tie_kind): the step moves the files' bytes as they are, so the bit goes to
+        # disk and back with its element; serialisers read and write it through DeviceState.read / write.
         files = [k for k in rule.kinds if k.name != REMAINDER]
         if any(k.dtype != torch.float32 for k in files):
             raise NotImplementedError("offload='nvme' keeps fp32 state kinds only (the files are fp32 arrays)")
