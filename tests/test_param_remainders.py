@@ -1,12 +1,14 @@
-"""``ZeroAdamW(param_remainders=True)``: the fp32 master kept as the bf16 parameter plus an int16 remainder.
+"""``ZeroAdamW(param_remainders=True)``: the fp32 master kept as the bf16 parameter (rounded to nearest even), an
+int16 remainder and a tie bit in the sign bit of exp_avg_sq (zero_ext.master_split).
 
 Against the default fp32 master, run side by side on the same data at stages 1, 2 and 3, on 1, 2 and 3 gloo ranks,
 with offload None, "cpu" and "nvme", through accumulation, two param groups (one amsgrad) with a schedule,
-clipping, skip-on-inf, a frozen parameter and a branch used on odd steps: after every step the master (joined) and
-the moments are bitwise the fp32 run's, and so are the parameters except where a master is a tie with an even
-truncation (low 16 bits 0x8000, bit 16 clear), whose parameter is one ulp larger in magnitude (zero_ext.master_split:
-no 16-bit remainder of a round-to-nearest-even parameter is exact there). A tie changes the next forward, so the runs
-part from there: the comparison stops at the first one and the tests say how many steps were compared.
+clipping, skip-on-inf, a frozen parameter and a branch used on odd steps: after every step the parameters, the
+master (joined) and the moments are bitwise the fp32 run's, and a skipped step changes no stored byte (remainder
+and tie bits included). Ties (a master whose low 16 bits are 0x8000: no 16-bit remainder of a round-to-nearest-even
+parameter can tell the two roundings apart without the tie bit) are rare in training (about one element in 2^16 per
+step), so a second test makes half the masters ties through a state dict, steps at lr 0 (the masters stay ties
+through the kernel), skips, steps on, and checkpoints the tie state across the setting and world sizes.
 
 Also: checkpoints and state dicts between the two settings at other world sizes, consolidation (the fp32 master),
 refusals (fp16/fp32 parameters, a non-bool), and the memory saved, measured on the live storages."""
@@ -23,8 +25,9 @@ from engine_reference import live_storage_bytes, offload_kwargs, state_shards
 from safetensors.torch import load_file
 from tiny_transformer import batch, build, loss_fn
 
-from zero_ext import ZeroAdamW, checkpoint
+from zero_ext import ZeroAdamW, checkpoint, master_split
 from zero_ext.layout import Range
+from zero_ext.update_rule import AdamW
 
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 BUCKET = 1500
@@ -32,7 +35,7 @@ STEPS = 4
 WINDOW = 3 * 14 * 1024 * 2  # small nvme windows: several chunks per shard
 
 
-def _build(stage, offload, root, rank, tag, remainders, accum=None):
+def _build(stage, offload, root, rank, tag, remainders, accum=None, **options):
     model = build(torch.bfloat16, unused_branch=True)
     model.blocks[0].ln1.requires_grad_(False)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -41,18 +44,23 @@ def _build(stage, offload, root, rank, tag, remainders, accum=None):
         {"params": [(n, p) for n, p in named if p.dim() <= 1], "weight_decay": 0.0, "lr": 1e-2, "amsgrad": True},
     ]
     opt = ZeroAdamW(groups, **HYPER, stage=stage, bucket_size=BUCKET, module=model, grad_accum_dtype=accum,
-                    param_remainders=remainders, **offload_kwargs(offload, root, rank, tag, WINDOW))  # fmt: skip
+                    param_remainders=remainders, **offload_kwargs(offload, root, rank, tag, WINDOW),
+                    **options)  # fmt: skip
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     return model, opt, schedule
 
 
-def _train_step(model, opt, schedule, step, rank):
+def _backward(model, opt, step, rank, skip=False):
     for micro in range(2):
         with opt.no_sync() if micro == 0 else torch.enable_grad():
             loss = loss_fn(model, batch(step, 10 * rank + micro), use_extra=step % 2 == 1)
-            if step == 2 and rank == 0 and micro == 1:
+            if skip and rank == 0 and micro == 1:
                 loss = loss * float("inf")  # skipped on every rank: no byte of either state may change
             loss.backward()
+
+
+def _train_step(model, opt, schedule, step, rank):
+    _backward(model, opt, step, rank, skip=step == 2)
     opt.clip_grad_norm_(0.5)
     opt.step()
     schedule.step()
@@ -66,76 +74,238 @@ def _snapshot(model, opt):
     return params, state_shards(opt), opt.skipped_steps
 
 
-def _ties(opt) -> int:
-    """Masters that are ties with an even truncation, on every rank (a tie in one rank's shard shows in every
-    rank's gathered parameters)."""
+def _stored(model, opt) -> list[torch.Tensor]:
+    """Every byte the optimizer keeps for the model: the parameters (with remainders the masters' high halves) and
+    this rank's shard of each stored kind as kept (the remainder, the moments with exp_avg_sq's tie bits)."""
+    with opt.gathered_params():
+        params = [p.detach().clone() for p in model.parameters()]
+    kinds = [g.state.stored(k, Range(0, g.layout.shard_numel)).cpu().clone() for g in opt.sharded_state.groups
+             for k in g.rule.kind_names]  # fmt: skip
+    return [_bytes(t) for t in params + kinds]
+
+
+def _tie_counts(opt) -> tuple[int, int]:
+    """Masters on every rank that are ties (low 16 bits 0x8000), (rounded down by RNE: even truncation, rounded up)."""
     masters = [g.state.read("master", Range(0, g.layout.shard_numel)) for g in opt.sharded_state.groups]
-    count = torch.tensor([sum(int(((m.view(torch.int32) & 0x1FFFF) == 0x8000).sum()) for m in masters)])
+    bits = [m.view(torch.int32) for m in masters]
+    down = sum(int(((b & 0x1FFFF) == 0x8000).sum()) for b in bits)
+    up = sum(int(((b & 0x1FFFF) == 0x18000).sum()) for b in bits)
+    count = torch.tensor([down, up])
+    dist.all_reduce(count)
+    return int(count[0]), int(count[1])
+
+
+def _tie_bits(opt) -> int:
+    """exp_avg_sq's stored sign bits on every rank (param_remainders: the ties that RNE rounded down)."""
+    count = torch.tensor([0])
+    for g in opt.sharded_state.groups:
+        count += int(master_split.tie_of(g.state.stored("exp_avg_sq", Range(0, g.layout.shard_numel))).sum())
     dist.all_reduce(count)
     return int(count)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
 
 
 def _assert_same(a, b, what) -> None:
     assert a[2] == b[2], f"{what}: skipped steps differ"
     for name, x, y in zip(("param", "state"), (a[0], a[1]), (b[0], b[1])):
         for i, (u, v) in enumerate(zip(x, y)):
-            assert u.dtype == v.dtype and torch.equal(u, v), f"{what}: {name} {i} differs in {int((u != v).sum())}"
+            assert u.dtype == v.dtype and torch.equal(_bytes(u), _bytes(v)), (
+                f"{what}: {name} {i} differs in {int((_bytes(u) != _bytes(v)).sum())} bytes"
+            )
 
 
-def _against_fp32(fp32, rem, names, fp32_opt, what) -> bool:
-    """The remainder run's snapshot against the fp32 run's: state bitwise; params bitwise but at ties, one ulp
-    away from zero there. Returns whether some master on some rank is a tie (the runs part from the next step)."""
-    _assert_same((fp32[0][:0], fp32[1], fp32[2]), (rem[0][:0], rem[1], rem[2]), what)
-    ties, differing = _ties(fp32_opt), 0
-    for name, p, q in zip(names, fp32[0], rem[0]):
-        diff = p.view(torch.int16) != q.view(torch.int16)
-        if diff.any():
-            assert ties, f"{what}: {name} differs in {int(diff.sum())} elements and no master is a tie"
-            assert torch.equal(q.view(torch.int16)[diff], p.view(torch.int16)[diff] + 1), f"{what}: {name}"
-            differing += int(diff.sum())
-    assert differing == ties, f"{what}: {differing} parameters differ, {ties} masters are ties"  # one each
-    return ties > 0
+def _assert_unchanged(before, after, what) -> None:
+    for i, (u, v) in enumerate(zip(before, after)):
+        assert torch.equal(u, v), f"{what}: stored tensor {i} changed in {int((u != v).sum())} bytes"
 
 
 def _side_by_side(rank, world, offloads, root, stages):
-    """Per stage: the fp32-master run and one remainder run per offload, on the same data. The remainder runs agree
-    bitwise with each other at every step; against the fp32 run up to the first tie. Returns [(stage, steps
-    compared with the fp32 run)]."""
+    """Per stage: the fp32-master run and one remainder run per offload, on the same data: bitwise the same
+    parameters and saved state after every step; the skipped step (step 2) changes no stored byte of any run.
+    Returns [(stage, ties seen in the fp32 run's masters)]."""
     out = []
     for stage in stages:
         runs = [_build(stage, None, root, rank, f"{stage}-fp32", False)]
         runs += [_build(stage, off, root, rank, f"{stage}-{off}", True) for off in offloads]
-        names = [n for n, _ in runs[0][0].named_parameters()]
-        compared, parted = 0, False
+        ties = 0
         for step in range(STEPS):
+            before = [_stored(m, o) for m, o, _ in runs] if step == 2 else None
             for model, opt, schedule in runs:
                 _train_step(model, opt, schedule, step, rank)
+            if before is not None:
+                for b, (m, o, _) in zip(before, runs):
+                    _assert_unchanged(b, _stored(m, o), f"stage {stage} world {world}: the skipped step")
             snaps = [_snapshot(m, o) for m, o, _ in runs]
-            what = f"stage {stage} world {world} step {step}"
-            for off, snap in zip(offloads[1:], snaps[2:]):
-                _assert_same(snaps[1], snap, f"{what}: remainders, offload {offloads[0]} vs {off}")
-            if not parted:
-                parted = _against_fp32(snaps[0], snaps[1], names, runs[0][1], what)
-                compared += 1
+            for off, snap in zip(offloads, snaps[1:]):
+                _assert_same(snaps[0], snap, f"stage {stage} world {world} step {step}: fp32 vs remainders {off}")
+            ties += sum(_tie_counts(runs[0][1]))
         assert all(opt.skipped_steps == 1 for _, opt, _ in runs)
         for _, opt, _ in runs:
             opt.close()
-        out.append((stage, compared))
+        out.append((stage, ties))
     return out
 
 
 def test_bitwise_the_fp32_master_two_ranks(tmp_path):
     results = run_on_ranks(2, _side_by_side, (None,), str(tmp_path), (1, 2, 3))
     assert results[0] == results[1]
-    print("steps compared with the fp32 master (stage, steps):", results[0])
+    print("ties met in training (stage, masters):", results[0])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_bitwise_the_fp32_master_and_every_offload(tmp_path, world):
     results = run_on_ranks(world, _side_by_side, (None, "cpu", "nvme"), str(tmp_path), (1, 2, 3), timeout=400)
-    print(f"world {world}: steps compared with the fp32 master (stage, steps):", results[0])
+    print(f"world {world}: ties met in training (stage, masters):", results[0])
     assert not [f for _, _, files in os.walk(tmp_path) for f in files], "state files left behind after close()"
+
+
+# ---------------------------------------------------------------- ties, made on purpose
+TIE_EVERY = 3  # masters made ties: two elements in three (both roundings of a tie occur: even and odd truncations)
+
+
+def _make_ties(sd) -> int:
+    """``sd`` (a local state dict) with two masters in three made ties: low 16 bits := 0x8000 (the value halfway
+    between its truncation and the next bf16 value). Returns how many."""
+    made = 0
+    for entry in sd["state"].values():
+        bits = entry["master"].clone().view(torch.int32)
+        pick = torch.arange(bits.numel()).reshape(bits.shape) % TIE_EVERY != TIE_EVERY - 1
+        bits[pick] = (bits[pick] & ~0xFFFF) | 0x8000
+        entry["master"] = bits.view(torch.float32)
+        made += int(pick.sum())
+    return made
+
+
+def _set_lr(runs, scale: float) -> None:
+    for _, opt, _ in runs:
+        for group, lr in zip(opt.param_groups, (HYPER["lr"], 1e-2)):
+            group["lr"] = lr * scale
+
+
+def _compare(runs, rank, what) -> None:
+    snaps = [_snapshot(m, o) for m, o, _ in runs]
+    for i, snap in enumerate(snaps[1:], 1):
+        _assert_same(snaps[0], snap, f"{what}: run 0 vs run {i}")
+
+
+def _ties_side_by_side(rank, world, offloads, root, stages, ckpt_root, options):
+    """Per stage: the fp32-master run and one remainder run per offload (``max_grad_norm``) load one state dict
+    whose masters are two thirds ties; each is bitwise the fp32 run's after the load, after a step at lr 0 (the
+    masters stay ties through the kernel), after a skipped step (no stored byte changes) and after steps at the
+    usual lr. The tie state is saved as a checkpoint from every run (loaded at other world sizes by the caller).
+    Returns [(stage, ties rounded down, ties rounded up)] seen after the load."""
+    out = []
+    for stage in stages:
+        runs = [_build(stage, None, root, rank, f"t{stage}-fp32", False, max_grad_norm=0.5, **options)]
+        runs += [_build(stage, off, root, rank, f"t{stage}-{off}", True, max_grad_norm=0.5, **options)
+                 for off in offloads]  # fmt: skip
+        what = f"stage {stage} world {world}"
+        for model, opt, _ in runs:  # moments to carry: one step
+            _backward(model, opt, 0, rank)
+            opt.step()
+            opt.zero_grad()
+        sd = runs[0][1].state_dict()
+        made = torch.tensor([_make_ties(sd)])
+        dist.all_reduce(made)
+        for _, opt, _ in runs:
+            opt.load_state_dict(sd)
+        _compare(runs, rank, f"{what}: the tie state loaded")
+        down, up = _tie_counts(runs[0][1])
+        assert down > 0 and up > 0 and down + up >= int(made), (down, up, int(made))  # (and natural ties)
+        for _, opt, _ in runs[1:]:  # the tie bit of a master RNE rounded down: exp_avg_sq's sign
+            assert _tie_bits(opt) == down, (what, _tie_bits(opt), down)
+        _set_lr(runs, 0.0)  # the masters do not move: ties through the kernel
+        for model, opt, _ in runs:
+            _backward(model, opt, 1, rank)
+            opt.step()
+            opt.zero_grad()
+        _compare(runs, rank, f"{what}: a step at lr 0")
+        assert _tie_counts(runs[0][1]) == (down, up)
+        for i, (_, opt, _) in enumerate(runs):
+            checkpoint.save(os.path.join(ckpt_root, f"stage{stage}-run{i}"), opt)
+        before = [_stored(m, o) for m, o, _ in runs]
+        for model, opt, _ in runs:
+            _backward(model, opt, 2, rank, skip=True)
+            opt.step()
+            opt.zero_grad()
+        for b, (m, o, _) in zip(before, runs):
+            _assert_unchanged(b, _stored(m, o), f"{what}: the skipped step")
+        _set_lr(runs, 1.0)
+        for step in (3, 4):
+            for model, opt, _ in runs:
+                _backward(model, opt, step, rank)
+                opt.step()
+                opt.zero_grad()
+            _compare(runs, rank, f"{what}: step {step} after the ties")
+        for _, opt, _ in runs:
+            opt.close()
+        out.append((stage, down, up))
+    return out
+
+
+def _load_tie_checkpoints(rank, world, root, ckpt_root, offloads, stages, options):
+    """Every tie checkpoint into the fp32-master run and a remainder run per offload, at this world size: all hold
+    the saved state bitwise, ties included."""
+    for saved_stage in stages:
+        for i in range(1 + len(offloads)):
+            path = os.path.join(ckpt_root, f"stage{saved_stage}-run{i}")
+            stage = stages[(saved_stage + i) % len(stages)]  # another stage than saved, where there is one
+            runs = [_build(stage, None, root, rank, f"l{saved_stage}{i}-fp32", False, **options)]
+            runs += [_build(stage, off, root, rank, f"l{saved_stage}{i}-{off}", True, **options) for off in offloads]
+            for _, opt, _ in runs:
+                checkpoint.load(path, opt)
+            _compare(runs, rank, f"{path} loaded at world {world} stage {stage}")
+            down, up = _tie_counts(runs[0][1])
+            assert down > 0 and up > 0, (path, down, up)
+            for _, opt, _ in runs[1:]:
+                assert _tie_bits(opt) == down
+            for model, opt, _ in runs:
+                _backward(model, opt, 5, rank)
+                opt.step()
+                opt.zero_grad()
+            _compare(runs, rank, f"{path} loaded at world {world} stage {stage}, one step")
+            for _, opt, _ in runs:
+                opt.close()
+    return True
+
+
+def _ties(tmp_path, world, load_worlds, offloads, stages, **options):
+    root, ckpt_root = str(tmp_path / "state"), str(tmp_path / "ckpt")
+    os.makedirs(root)
+    results = run_on_ranks(world, _ties_side_by_side, offloads, root, stages, ckpt_root, options, timeout=400)
+    print(f"world {world}: ties after the load (stage, rounded down, rounded up):", results[0])
+    for stage in stages:  # the checkpoints' contents: the same fp32 masters and moments from every run
+        full = []
+        for i in range(1 + len(offloads)):
+            out = str(tmp_path / f"full-{stage}-{i}")
+            checkpoint.consolidate(os.path.join(ckpt_root, f"stage{stage}-run{i}"), out)
+            full.append(load_file(os.path.join(out, "optimizer.safetensors")))
+        for i, other in enumerate(full[1:], 1):
+            assert other.keys() == full[0].keys(), (stage, i)
+            for name, value in full[0].items():
+                assert torch.equal(_bytes(other[name]), _bytes(value)), (stage, i, name)
+    for w in load_worlds:
+        assert all(run_on_ranks(w, _load_tie_checkpoints, root, ckpt_root, offloads, stages, options, timeout=400))
+
+
+def test_ties_bitwise_the_fp32_master_two_ranks(tmp_path):
+    _ties(tmp_path, 2, (3,), (None, "nvme"), (1, 3))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_ties_bitwise_every_stage_offload_and_world(tmp_path, world):
+    _ties(tmp_path, world, [w for w in (1, 2, 3) if w != world], (None, "cpu", "nvme"), (1, 2, 3))
+
+
+@pytest.mark.skipif(not hasattr(AdamW(torch.bfloat16), "moment_dtype"), reason="moment_dtype is not in this build")
+def test_ties_with_bf16_moments(tmp_path):
+    """The tie bit in bit 15 of a bf16 exp_avg_sq (moment_dtype=torch.bfloat16 on both sides): the same checks."""
+    _ties(tmp_path, 2, (3,), (None, "cpu", "nvme"), (1, 3), moment_dtype=torch.bfloat16)
 
 
 # ---------------------------------------------------------------- checkpoints and state dicts across the setting

@@ -110,14 +110,14 @@ class ZeroAdamW(torch.optim.Optimizer):
             not a checkpoint).
         param_remainders: bf16 parameters only: keep the fp32 master as the bf16 parameter itself (its high half)
             plus an int16 remainder (apex's ``store_param_remainders``), 2 bytes per owned element instead of 4.
-            The master is exact (:mod:`zero_ext.master_split`): training matches the fp32 master's bit for bit but
-            where a master's low 16 bits are exactly 0x8000 with bit 16 clear (one in 2^17 per element and step),
-            whose parameter rounds away from zero instead of to even for that step. State dicts and checkpoints
-            hold the fp32 master, so they load across the setting. At stage 3 without offload it saves nothing
+            The master is exact and the parameter is its round to nearest even (:mod:`zero_ext.master_split`; the
+            one bit a 16-bit remainder cannot hold, whether a tie was rounded down, is the sign bit of exp_avg_sq):
+            training is bitwise the fp32 master's. State dicts and checkpoints hold the fp32 master and plain
+            moments, so they load across the setting. At stage 3 without offload it saves nothing
             (the kept bf16 shard plus the remainder are the 4 bytes of the fp32 master, which is cast at each
             gather otherwise); with offload it saves 2 bytes per element of host memory. A parameter written in
             place between steps keeps its remainder: the master becomes the written value plus the old low bits
-            (which still round to it), where the fp32 master would take the written value exactly.
+            wherever that still rounds to it, where the fp32 master would take the written value exactly.
         offload_window: ``offload="nvme"``: bytes of host memory per rank the state streams through (default
             ``zero_ext.offload.DEFAULT_WINDOW``, 128 MiB), split evenly between the flat groups; each share is at least
             one 4 KiB block per kind per slot, and a shard smaller than its share allocates only what it needs.

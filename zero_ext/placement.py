@@ -10,9 +10,12 @@ Serialisers read and write through :meth:`read` / :meth:`write` by shard range.
 Kinds: those of the rule (:mod:`.update_rule`; the fp32 ``master`` first, absent in memory for fp32 params kept
 with their parameters: its views then come from the param buffer) and ``grad`` (the reduced gradient shard).
 ``master_copy`` says whether this placement stores a master apart from the parameters. With the rule's
-``param_remainders`` it does not: the master is the parameters' rank slices joined with the ``remainder`` kind
-(:mod:`.master_split`); :meth:`read` and :meth:`write` of ``master`` convert, so serialisers see an fp32 master
-either way.
+``param_remainders`` it does not: the master is the parameters' rank slices (the master rounded to nearest even)
+joined with the ``remainder`` kind and a tie bit kept in the sign bit of the rule's ``tie_kind`` (exp_avg_sq, never
+negative otherwise; :mod:`.master_split`). Serialisers never see that bit: :meth:`read` of ``master`` joins the
+three, :meth:`read` of the tie kind clears the bit, :meth:`write` of ``master`` sets it and :meth:`write` of the tie
+kind keeps it; so serialisers see an fp32 master and plain moments either way. :meth:`stored` reads a kind's bits
+as kept (the tie bit included).
 """
 
 from __future__ import annotations
@@ -81,8 +84,9 @@ class DeviceState:
 
     def reset_master(self) -> None:
         """The fp32 master := the (already adopted or initialised) parameters' values."""
-        if self.rule.param_remainders:
+        if self.rule.param_remainders:  # master = the parameters exactly: remainder 0, no tie
             self._remainder().zero_()
+            self._clear_ties()
         elif self.master_copy:
             for bucket in self.layout.buckets:
                 bucket.shard_range.of(self.buffers[MASTER]).copy_(self.params.rank_slice(bucket))
@@ -142,36 +146,67 @@ class DeviceState:
                 runs.append((part, local.of(self.params.rank_slice(bucket))))
         return runs
 
-    # ---------------------------------------------------------------- param_remainders: the master in two halves
+    # ---------------------------------------------------------------- param_remainders: the master in three parts
     def _remainder(self) -> torch.Tensor:
         return self.buffers[REMAINDER]
+
+    def _ties(self, shard_range: Range) -> torch.Tensor:
+        """The masters' tie bits over ``shard_range`` (bool, on the state's device)."""
+        return master_split.tie_of(self.stored(self.rule.tie_kind, shard_range))
+
+    def _set_ties(self, shard_range: Range, tie: Optional[torch.Tensor]) -> None:
+        """The tie kind's sign bits over ``shard_range`` := ``tie`` (None: cleared); its values are kept."""
+        kind = self.rule.tie_kind
+        old = self.stored(kind, shard_range)
+        new = master_split.without_tie(old) if tie is None else master_split.with_tie(old, tie.to(old.device))
+        self._store(kind, shard_range, new)
+
+    def _clear_ties(self) -> None:
+        for bucket in self.layout.buckets:  # bucket by bucket: the temporaries stay bounded
+            self._set_ties(bucket.shard_range, None)
 
     def _read_joined_master(self, shard_range: Range) -> torch.Tensor:
         remainder = shard_range.of(self._remainder())
         with torch._C.DisableTorchFunctionSubclass():  # stage 3's shard is a ShardedParameter's storage
             params = torch.cat([v.to(remainder.device) for _, v in self._param_runs(shard_range)])
-        return master_split.join(params, remainder)
+        return master_split.join(params, remainder, self._ties(shard_range).to(remainder.device))
 
     def _write_split_master(self, shard_range: Range, values: torch.Tensor) -> None:
         remainder = shard_range.of(self._remainder())
-        param, low = master_split.split(values.detach().to(remainder.device, torch.float32))
+        param, low, tie = master_split.split(values.detach().to(remainder.device, torch.float32))
         remainder.copy_(low)
+        self._set_ties(shard_range, tie)
         with torch._C.DisableTorchFunctionSubclass():
             for part, view in self._param_runs(shard_range):
                 view.copy_(part.shifted(-shard_range.start).of(param))
 
+    # ---------------------------------------------------------------- the bits as kept
+    def stored(self, kind: str, shard_range: Range) -> torch.Tensor:
+        """``shard_range`` of ``kind`` exactly as kept (one of the rule's ``kind_names``; with ``param_remainders``
+        the tie kind carries the tie bits), in its stored dtype: a view where the range is one run of memory, else
+        a copy. The serialisers' :meth:`read` converts from it; tests compare it to see that no byte changed."""
+        runs = self._views(kind, shard_range)
+        return runs[0][1] if len(runs) == 1 else torch.cat([v for _, v in runs])
+
+    def _store(self, kind: str, shard_range: Range, values: torch.Tensor) -> None:
+        """Overwrite ``shard_range`` of ``kind`` with ``values`` (cast to the stored dtype), bits as they are."""
+        for part, view in self._views(kind, shard_range):
+            view.copy_(part.shifted(-shard_range.start).of(values))
+
+    # ---------------------------------------------------------------- serialisers
     def read(self, kind: str, shard_range: Range) -> torch.Tensor:
         """``shard_range`` of ``kind`` (fp32, on the state's device): a view where the range is one run of memory,
         else a copy. Do not modify it: :meth:`write` changes the state."""
         if kind == MASTER and self.rule.param_remainders:
             return self._read_joined_master(shard_range)
-        runs = self._views(kind, shard_range)
-        return runs[0][1] if len(runs) == 1 else torch.cat([v for _, v in runs])
+        if kind == self.rule.tie_kind:  # param_remainders: the tie bits cleared
+            return master_split.without_tie(self.stored(kind, shard_range))
+        return self.stored(kind, shard_range)
 
     def host_view(self, kind: str, shard_range: Range) -> Optional[torch.Tensor]:
         """A writable view of ``shard_range`` of ``kind`` when it is one run of fp32 host memory (a loader can
         read straight into it), else None."""
-        if kind == MASTER and self.rule.param_remainders:
+        if (kind == MASTER and self.rule.param_remainders) or kind == self.rule.tie_kind:  # converted by write
             return None
         runs = self._views(kind, shard_range)
         if len(runs) == 1 and runs[0][1].device.type == "cpu" and runs[0][1].dtype == torch.float32:
@@ -182,8 +217,10 @@ class DeviceState:
         """Overwrite ``shard_range`` of ``kind`` with ``values`` (any device; cast to fp32)."""
         if kind == MASTER and self.rule.param_remainders:
             return self._write_split_master(shard_range, values)
-        for part, view in self._views(kind, shard_range):
-            view.copy_(part.shifted(-shard_range.start).of(values))
+        if kind == self.rule.tie_kind:  # param_remainders: the tie bits kept
+            old = self.stored(kind, shard_range)
+            values = master_split.with_tie(values.detach().to(old.device, old.dtype), master_split.tie_of(old))
+        self._store(kind, shard_range, values)
 
     # ---------------------------------------------------------------- the ledger
     def tensors(self) -> dict[str, torch.Tensor]:

@@ -10,8 +10,9 @@ and in the kernel that applies it, nowhere else.
 and ``maximize``. Its kinds are fp32 and live beside the fp32 master; the "master" is the first kind.
 
 With ``param_remainders`` (bf16 parameters only) the master is not stored as fp32: the kind ``remainder`` (int16)
-replaces it, and the master is the bf16 parameter joined with it (:mod:`.master_split`; the kernel reads and
-writes both halves). :attr:`AdamW.kinds` are what a placement stores; :attr:`AdamW.saved_kinds` what state dicts,
+replaces it, and the master is the bf16 parameter (rounded to nearest even) joined with it and a tie bit kept in
+the sign bit of ``exp_avg_sq`` (:attr:`AdamW.tie_kind`; :mod:`.master_split`; the kernel reads and writes all
+three). :attr:`AdamW.kinds` are what a placement stores; :attr:`AdamW.saved_kinds` what state dicts,
 checkpoints and consolidation hold (the fp32 master first, whatever is stored), so a state saved with either
 setting loads into the other: the placements convert on read and write.
 
@@ -105,6 +106,9 @@ class AdamW:
         self.saved_kinds: tuple[StateKind, ...] = (StateKind(MASTER), *moments)
         stored = StateKind(REMAINDER, torch.int16) if self.param_remainders else StateKind(MASTER)
         self.kinds: tuple[StateKind, ...] = (stored, *moments)
+        # param_remainders: the kind whose sign bit keeps the master's tie bit (exp_avg_sq is >= +0 or NaN, so the
+        # bit is free; the kernel reads |v| and writes it back). Placements hide it from serialisers.
+        self.tie_kind: Optional[str] = "exp_avg_sq" if self.param_remainders else None
 
     # ---------------------------------------------------------------- what it keeps
     @property

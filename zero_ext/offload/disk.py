@@ -28,7 +28,7 @@ import torch
 
 from ..layout import Bucket, Layout, Range
 from ..placement import BucketState, Unit
-from ..update_rule import MASTER, REMAINDER, UpdateRule
+from ..update_rule import REMAINDER, UpdateRule
 from .files import ALIGN, ALIGN_ELEMENTS, StateFiles, aligned_buffer
 from .host import HostGradients, copy_runs_to_device, fetch_params
 
@@ -104,7 +104,9 @@ class DiskState(HostGradients):
                  window: int):  # fmt: skip
         # The files hold the fp32 kinds. param_remainders' int16 remainder stays in host memory beside the grad
         # shard (2 bytes per element next to its 4): the disk then moves the moments only, 8 bytes per element each
-        # way instead of 12, and the files stay fp32 arrays; the master's high half is the parameters.
+        # way instead of 12, and the files stay fp32 arrays; the master's high half is the parameters. Its tie bit is
+        # the sign bit of exp_avg_sq (rule.tie_kind): the step moves the files' bytes as they are, so the bit goes to
+        # disk and back with its element; serialisers read and write it through DeviceState.read / write.
         files = [k for k in rule.kinds if k.name != REMAINDER]
         if any(k.dtype != torch.float32 for k in files):
             raise NotImplementedError("offload='nvme' keeps fp32 state kinds only (the files are fp32 arrays)")
@@ -119,6 +121,7 @@ class DiskState(HostGradients):
             self.slots = [_Slot(self.chunk, rule, self.cuda) for _ in range(SLOTS)]
             self.chunks = [Range(s, min(s + self.chunk, n)) for s in range(0, n, self.chunk)]
             self._read_ahead = 0  # leading chunks already read (or being read) into their slots for the next step
+            self._pristine = True  # the files were never written: they read as zeros (param_remainders: no tie bit)
             self.reset_master()
         except BaseException:
             self.files.close()
@@ -134,6 +137,7 @@ class DiskState(HostGradients):
         slot.reads = [self.files.read_async(k, chunk.start, slot.raw[k][:nbytes]) for k in self.kinds]
 
     def _start_write(self, i: int) -> None:
+        self._pristine = False
         slot, chunk = self.slots[i % SLOTS], self.chunks[i]
         nbytes = _blocks(chunk.numel) * 4
         slot.writes = [self.files.write_async(k, chunk.start, slot.raw[k][:nbytes]) for k in self.kinds]
@@ -199,31 +203,33 @@ class DiskState(HostGradients):
                 pass
 
     # ---------------------------------------------------------------- serialisers
-    def read(self, kind: str, shard_range: Range) -> torch.Tensor:
+    # DeviceState's read / write convert (the joined master, the tie bits of param_remainders) over these two.
+    def stored(self, kind: str, shard_range: Range) -> torch.Tensor:
         if kind == "grad":
             return shard_range.of(self.grad)
-        if kind == MASTER and self.rule.param_remainders:
-            return self._read_joined_master(shard_range)
         if kind in self.buffers:  # a remainder, in host memory
             return shard_range.of(self.buffers[kind])
         return self.files.read_range(kind, shard_range.start, shard_range.numel)
 
-    def host_view(self, kind: str, shard_range: Range) -> Optional[torch.Tensor]:
-        return shard_range.of(self.grad) if kind == "grad" else None
-
-    def write(self, kind: str, shard_range: Range, values: torch.Tensor) -> None:
-        if kind == "grad":
-            shard_range.of(self.grad).copy_(values)
+    def _store(self, kind: str, shard_range: Range, values: torch.Tensor) -> None:
+        if kind == "grad" or kind in self.buffers:
+            shard_range.of(self._buffer(kind)).copy_(values)
             return
-        if kind == MASTER and self.rule.param_remainders:  # the remainder and the parameters: not the files
-            return self._write_split_master(shard_range, values)
         self._drop_read_ahead()
+        self._pristine = False
         # No fp32 copy of ``values`` first: write_range converts them into its page-aligned buffer (an anonymous
         # mapping, unmapped when freed). A per-bucket fp32 temporary (16 MiB at the default 4M-element buckets) goes
         # to glibc's heap once its dynamic mmap threshold has risen past it, and the heap kept 32-80 MiB of them
         # after reset_master (construction), varying run to run: RSS grew 67-163 MiB past the grad shard and the
         # window, one 64M-element bf16 parameter at one rank (tests/test_fragment_memory.py).
         self.files.write_range(kind, shard_range.start, values.detach())
+
+    def _clear_ties(self) -> None:
+        if not self._pristine:  # fresh files hold no tie bit: no read and write of the tie kind's file at construction
+            super()._clear_ties()
+
+    def host_view(self, kind: str, shard_range: Range) -> Optional[torch.Tensor]:
+        return shard_range.of(self.grad) if kind == "grad" else None
 
     # ---------------------------------------------------------------- the ledger
     def tensors(self) -> dict[str, object]:

@@ -119,8 +119,9 @@ class HostGradients(DeviceState):
         self._landing: list[tuple] = []  # launched landings, oldest first
 
     def reset_master(self) -> None:
-        if self.rule.param_remainders:
+        if self.rule.param_remainders:  # master = the parameters exactly: remainder 0, no tie
             self._remainder().zero_()
+            self._clear_ties()
             return
         for bucket in self.layout.buckets:
             with torch._C.DisableTorchFunctionSubclass():
