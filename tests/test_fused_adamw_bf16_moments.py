@@ -108,6 +108,14 @@ class State:
         other.__dict__ = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()}
         return other
 
+    def to(self, device, shift=0):
+        """A copy on `device`; shift > 0 puts every tensor at that element offset of its storage (unaligned)."""
+        other = self.clone()
+        for k, v in other.__dict__.items():
+            if isinstance(v, torch.Tensor):
+                other.__dict__[k] = torch.empty(v.numel() + shift, dtype=v.dtype, device=device)[shift:].copy_(v)
+        return other
+
     def tensors(self):
         return [t for t in (self.master, self.param, self.remainder, self.exp_avg, self.exp_avg_sq,
                             self.max_exp_avg_sq, self.param_out) if t is not None]  # fmt: skip
@@ -177,6 +185,32 @@ def test_kernel_is_the_reference_bitwise(n, moment_dtype, remainders, amsgrad, m
         kernel.kernel_step(grad, step, offset=12345, maximize=maximize)
         reference.reference_step(grad, step, offset=12345, maximize=maximize)
         assert_same_state(kernel, reference)
+
+
+def _run_on_each_isa(state: State, grads, offset: int, amsgrad_maximize: bool) -> list[State]:
+    results = []
+    for isa in ISAS:
+        ops.cpu_isa(isa)
+        copy = state.clone()
+        for step, grad in enumerate(grads, start=1):
+            copy.kernel_step(grad, step, offset=offset, maximize=amsgrad_maximize)
+        results.append(copy)
+    return results
+
+
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["plain", "amsgrad_maximize"])
+@pytest.mark.parametrize("moment_dtype,remainders", MODES, ids=MODE_IDS)
+def test_every_isa_gives_the_same_bits(moment_dtype, remainders, amsgrad):
+    """AVX-512 and AVX2 against the scalar path, bitwise: every size 1..100 (vector blocks and every tail length)
+    and 100003 (OpenMP chunks), element offsets that cross 2^32 inside a vector, unaligned storage."""
+    cases = [(n, offset, 0) for n in range(1, 101) for offset in (0, 2**32 - 37)]
+    cases += [(100003, 2**32 - 65536 - 5, 0), (1000, 3, 1)]
+    for n, offset, shift in cases:
+        state = State(n, moment_dtype, remainders, amsgrad, seed=n).to("cpu", shift)
+        grads = _grads(n, 2, torch.bfloat16, seed=n)
+        scalar, *simd = _run_on_each_isa(state, grads, offset, amsgrad)
+        for other in simd:
+            assert_same_state(scalar, other)
 
 
 @pytest.mark.parametrize("moment_dtype,remainders", MODES[:3], ids=MODE_IDS[:3])
@@ -288,3 +322,32 @@ def test_bad_arguments_are_refused_before_any_write(case, match):
     with pytest.raises(RuntimeError, match=match):
         ops.fused_adamw_(master, torch.ones(n), m, v, **HYPER, step=1, max_exp_avg_sq=v_max, element_offset=offset)
     assert not master.any() and not m.any() and not v.any() and not v_max.any()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shift", [0, 1], ids=["vector", "unaligned"])
+@pytest.mark.parametrize("amsgrad,maximize", FLAGS, ids=FLAG_IDS)
+@pytest.mark.parametrize("moment_dtype,remainders", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("n", [1, 7, 1025, 65536 + 17])
+def test_cuda_is_the_reference_bitwise(n, moment_dtype, remainders, amsgrad, maximize, shift):
+    """The CUDA kernel (vector path and scalar tail; shift 1 forces the scalar loop) against the same reference:
+    bitwise, as the CPU paths (its coefficients agree with the CPU's unless a double lies within ~1e-16 of a float
+    rounding boundary: none here), so the stochastic rounding draws the same bits on both devices."""
+    reference = State(n, moment_dtype, remainders, amsgrad, seed=n)
+    gpu = reference.to("cuda", shift)
+    for step, grad in enumerate(_grads(n, 3, torch.bfloat16), start=1):
+        gpu.kernel_step(grad.cuda(), step, offset=2**32 - 3, maximize=maximize)
+        reference.reference_step(grad, step, offset=2**32 - 3, maximize=maximize)
+    assert_same_state(reference, gpu.to("cpu"))
+
+
+@pytest.mark.cuda
+def test_cuda_step_as_a_device_tensor_keys_the_same_rounding():
+    """The engine passes the step as a device tensor: the kernel derives the key from it (no host sync)."""
+    n = 4099
+    reference = State(n, torch.bfloat16, remainders=True, amsgrad=False)
+    gpu = reference.to("cuda")
+    grad = _grads(n, 1, torch.float32)[0]
+    gpu.kernel_step(grad.cuda(), torch.tensor(7.0, device="cuda"), offset=99)
+    reference.reference_step(grad, 7, offset=99)
+    assert_same_state(reference, gpu.to("cpu"))

@@ -129,19 +129,12 @@ void scalar_range_moments(const AdamWBuffers& b, int64_t begin, int64_t end,
   }
 }
 
-// Which modes a SIMD path has; the others run on the scalar path (same bits, slower).
-bool simd_has_mode(const AdamWBuffers& b) {
-  return b.remainder == nullptr && b.moment_dtype == DType::kFloat32;
-}
-
 void run_range(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c,
                Isa isa) {
-  if (simd_has_mode(b)) {
-    if (isa == Isa::kAvx512) {
-      begin = fused_adamw_avx512(b, begin, end, c);
-    } else if (isa == Isa::kAvx2) {
-      begin = fused_adamw_avx2(b, begin, end, c);
-    }
+  if (isa == Isa::kAvx512) {
+    begin = fused_adamw_avx512(b, begin, end, c);
+  } else if (isa == Isa::kAvx2) {
+    begin = fused_adamw_avx2(b, begin, end, c);
   }
   fused_adamw_scalar(b, begin, end, c);
 }

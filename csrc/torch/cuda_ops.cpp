@@ -57,10 +57,6 @@ void fused_adamw_cuda(
               master.device());
   check_fused_adamw_args(master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out, found_inf,
                          remainder, element_offset);
-  TORCH_CHECK(exp_avg.scalar_type() == at::kFloat,
-              "zero_ext.fused_adamw_: bfloat16 moments (`exp_avg` ", exp_avg.scalar_type(),
-              ") are not in the CUDA kernel yet");
-  (void)rounding_seed;
   const AdamWScalars s = resolve_adamw_scalars({{lr, lr_tensor},
                                                 {beta1, beta1_tensor},
                                                 {beta2, beta2_tensor},
@@ -97,11 +93,14 @@ void fused_adamw_cuda(
   // With a remainder the kernel's master is the bf16 parameter (`master`) joined with it.
   const bool split = remainder.has_value();
   void* out = split ? master.data_ptr() : param_out.has_value() ? param_out->data_ptr() : nullptr;
-  float* v_max = max_exp_avg_sq.has_value() ? max_exp_avg_sq->data_ptr<float>() : nullptr;
-  C10_CUDA_CHECK(cuda::launch_fused_adamw(
-      split ? nullptr : master.data_ptr<float>(), grad.const_data_ptr(), grad_dtype,
-      exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(), v_max, out, out_dtype, n, args,
-      stream, split ? remainder->data_ptr<int16_t>() : nullptr));
+  args.rounding_seed = rounding_seed;
+  args.element_offset = static_cast<uint64_t>(element_offset);
+  void* v_max = max_exp_avg_sq.has_value() ? max_exp_avg_sq->data_ptr() : nullptr;
+  C10_CUDA_CHECK(cuda::launch_fused_adamw(split ? nullptr : master.data_ptr<float>(),
+                                          grad.const_data_ptr(), grad_dtype, exp_avg.data_ptr(),
+                                          exp_avg_sq.data_ptr(), v_max, out, out_dtype, n, args,
+                                          stream, split ? remainder->data_ptr<int16_t>() : nullptr,
+                                          to_kernel_dtype(exp_avg, "fused_adamw_", "exp_avg")));
 }
 
 // flatten_ (to_flat) and unflatten_: one H2D copy of the slice records, one kernel launch.
