@@ -17,7 +17,7 @@ from engine_reference import offload_kwargs, state_shards
 from moment_reference import SRReference
 from tiny_transformer import batch, build, loss_fn
 
-from zero_ext import ZeroAdamW
+from zero_ext import ZeroAdamW, checkpoint
 
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 SMALL, LARGE = 500, 10**6  # bucket sizes: the largest parameters (2232, 888 elements) in fragments, or none split
@@ -25,6 +25,7 @@ STEPS = 6
 INF_STEP = 1  # rank 0's loss is inf: every rank skips the step
 ADD_AT = 3  # block 0, frozen until then, is unfrozen and added as a third param group before this step
 WINDOW = 3 * 14 * 2048  # small nvme windows: several chunks per shard
+RESUME_AT = 3  # test_resume_at_another_world_size: steps before the checkpoint
 # |master - torch.optim.AdamW's fp32-moment master| after STEPS steps on the same gradients, at most this share of
 # the largest lr: a bf16 moment is within one bf16 ulp (2^-8 relative) of its fp32 value, so each update
 # lr * m / sqrt(v) moves by about 2^-8 of itself at most, and the drift adds up over the steps.
@@ -148,3 +149,41 @@ def _clipped(rank, world, root):
 
 def test_max_grad_norm(tmp_path):
     assert all(c >= 2 for c in run_on_ranks(2, _clipped, str(tmp_path)))  # the clipping is exercised
+
+
+def _resume(rank, world, path, saved_world, root):
+    """Saved after ``RESUME_AT`` steps at ``saved_world`` ranks (``path`` None: this call saves), resumed here: the
+    reference replays the saved run's steps, then both go on at this world size."""
+    ref_model = build(torch.bfloat16)
+    ref = SRReference(ref_model, _groups(ref_model), loss_fn, HYPER)
+    saving = saved_world == world
+    model, opt = _build(2 if saving else 3, None if saving else "nvme", LARGE if saving else SMALL, root, rank,
+                        f"resume-{world}")  # fmt: skip
+    for step in range(RESUME_AT):
+        assert ref.step(ref.mean_grads([batch(step, r) for r in range(saved_world)]))
+        if saving:
+            loss_fn(model, batch(step, rank)).backward()
+            opt.step()
+            opt.zero_grad()
+    if saving:
+        checkpoint.save(path, opt)
+    else:
+        checkpoint.load(path, opt)
+    ref.check(opt, model, f"world {world}, after {'saving' if saving else 'loading'}")
+    for step in range(RESUME_AT, RESUME_AT + 2):
+        assert ref.step(ref.mean_grads([batch(step, r) for r in range(world)]))
+        loss_fn(model, batch(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+        ref.check(opt, model, f"world {world} (saved at {saved_world}), step {step}")
+    opt.close()
+    return True
+
+
+def test_resume_at_another_world_size(tmp_path):
+    """A checkpoint holds the bf16 moments widened exactly, so loading them into bf16 moments again is lossless: a
+    run saved at 2 ranks (stage 2, in memory) and resumed at 3 (stage 3, nvme, buckets in fragments) stays bitwise
+    the reference."""
+    path = str(tmp_path / "ckpt")
+    assert all(run_on_ranks(2, _resume, path, 2, str(tmp_path)))
+    assert all(run_on_ranks(3, _resume, path, 2, str(tmp_path)))
