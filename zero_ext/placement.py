@@ -16,6 +16,10 @@ negative otherwise; :mod:`.master_split`). Serialisers never see that bit: :meth
 three, :meth:`read` of the tie kind clears the bit, :meth:`write` of ``master`` sets it and :meth:`write` of the tie
 kind keeps it; so serialisers see an fp32 master and plain moments either way. :meth:`stored` reads a kind's bits
 as kept (the tie bit included).
+
+A kind may be stored below fp32 (``moment_dtype=torch.bfloat16``: the moments): :meth:`read` widens it to fp32
+(exact) and :meth:`write` rounds fp32 values to it (``copy_``: round to nearest even), so serialisers see fp32
+moments whatever is stored.
 """
 
 from __future__ import annotations
@@ -44,6 +48,11 @@ class BucketState(NamedTuple):
         """Elements ``r`` (in this run's coordinates) of every view."""
         out = None if self.param_out is None else r.of(self.param_out)
         return BucketState({k: r.of(v) for k, v in self.state.items()}, r.of(self.grad), out)
+
+
+def widened(values: torch.Tensor) -> torch.Tensor:
+    """A kind's values as serialisers see them: fp32 (a bf16 moment widened, exactly; fp32 as is, not copied)."""
+    return values.float() if values.dtype == torch.bfloat16 else values
 
 
 def views_of(buffers: dict[str, torch.Tensor], r: Range) -> dict[str, torch.Tensor]:
@@ -195,13 +204,13 @@ class DeviceState:
 
     # ---------------------------------------------------------------- serialisers
     def read(self, kind: str, shard_range: Range) -> torch.Tensor:
-        """``shard_range`` of ``kind`` (fp32, on the state's device): a view where the range is one run of memory,
-        else a copy. Do not modify it: :meth:`write` changes the state."""
+        """``shard_range`` of ``kind`` (fp32, on the state's device): a view where the range is one run of fp32
+        memory, else a copy (a bf16 kind widened). Do not modify it: :meth:`write` changes the state."""
         if kind == MASTER and self.rule.param_remainders:
             return self._read_joined_master(shard_range)
         if kind == self.rule.tie_kind:  # param_remainders: the tie bits cleared
-            return master_split.without_tie(self.stored(kind, shard_range))
-        return self.stored(kind, shard_range)
+            return widened(master_split.without_tie(self.stored(kind, shard_range)))
+        return widened(self.stored(kind, shard_range))
 
     def host_view(self, kind: str, shard_range: Range) -> Optional[torch.Tensor]:
         """A writable view of ``shard_range`` of ``kind`` when it is one run of fp32 host memory (a loader can
@@ -214,7 +223,8 @@ class DeviceState:
         return None
 
     def write(self, kind: str, shard_range: Range, values: torch.Tensor) -> None:
-        """Overwrite ``shard_range`` of ``kind`` with ``values`` (any device; cast to fp32)."""
+        """Overwrite ``shard_range`` of ``kind`` with ``values`` (any device; cast to the kind's dtype, rounding to
+        nearest even)."""
         if kind == MASTER and self.rule.param_remainders:
             return self._write_split_master(shard_range, values)
         if kind == self.rule.tie_kind:  # param_remainders: the tie bits kept
@@ -233,6 +243,10 @@ class DeviceState:
 
     def disk_bytes(self) -> int:
         return 0
+
+    def disk_bytes_by_kind(self) -> dict[str, int]:
+        """Bytes of each kind's file (offload="nvme"; none here)."""
+        return {}
 
     def close(self) -> None:
         """Release what outlives the process otherwise (files)."""
