@@ -7,8 +7,7 @@ import torch
 from distributed import run_on_ranks
 from tiny_transformer import batch, build, loss_fn
 
-from zero_ext import ZeroAdamW
-from zero_ext import memory
+from zero_ext import ZeroAdamW, memory
 from zero_ext.memory import INT8_BLOCK, estimate, estimate_breakdown, moment_bytes, state_bytes_per_element
 
 
