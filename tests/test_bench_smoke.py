@@ -54,22 +54,28 @@ def test_main_job_and_memory_model(tmp_path, matmul):
         assert job["matmul"]["decided_by"] == "probe" and job["matmul"]["bf16_gemm_ms"] > 0
     else:
         assert job["matmul"] == {"matmul": "fp32", "decided_by": "--matmul"}
-    assert set(runs) == {"ddp", "zero1", "zero2", "zero3"}
+    assert set(runs) == {"ddp", "zero1", "zero2", "zero3", "zero3_lean"}
     assert set(checks) == {"zero1_vs_zero2_bitwise", "zero1_vs_zero3_bitwise", "zero1_vs_ddp", "zero2_vs_ddp",
-                           "zero3_vs_ddp"}  # fmt: skip
+                           "zero3_vs_ddp", "zero3_lean_vs_ddp"}  # fmt: skip
     assert all(c["ok"] for c in checks.values()), checks
     for other in ("zero2", "zero3"):  # every stage bit for bit the same training run
         assert checks[f"zero1_vs_{other}_bitwise"]["losses_bitwise_equal"]
         assert runs["zero1"]["losses"] == runs[other]["losses"]
         assert runs["zero1"]["param_digest"] == runs[other]["param_digest"]
-    for name in ("zero1", "zero2", "zero3"):
+    for name in ("zero1", "zero2", "zero3", "zero3_lean"):
         r = runs[name]
         assert len(r["losses"]) == 2 and r["skipped_steps"] == 0
         extras = r["padding"] + r["staging"] + r["grad_shard_fp32"] - r["param_shard_not_kept"]
         assert r["formula_this_rank"] + extras == r["model_state_total"]
         # stage 3 with bf16 params keeps no bf16 shard (each gather rounds the fp32 master): 2 bytes per owned param
+        # (with param_remainders the kept bf16 shard is the master's high half)
         assert r["param_shard_not_kept"] == (2 * r["owned_numel"] if name == "zero3" else 0)
         assert checks[f"{name}_vs_ddp"]["max_abs_loss_diff"] <= checks[f"{name}_vs_ddp"]["tolerance_nats"]
+    lean = runs["zero3_lean"]  # stage 3, param_remainders, the leanest moments: the remainder replaces the master
+    assert "param_remainders + " in lean["label"] and lean["config"]["param_remainders"]
+    assert lean["model_state"]["remainder"] > 0 and lean["model_state"].get("master", 0) == 0
+    short = {"int8": "int8", "bfloat16": "bf16", "float32": "fp32"}[lean["config"]["moment_dtype"]]
+    assert lean["label"].endswith(f"{short} moments"), lean["label"]
     z3 = runs["zero3"]
     assert 0 < z3["window_peak"] <= z3["window_bound"] and "window_bound" not in runs["zero2"]
     assert z3["model_state"].get("params", 0) == 0  # no param-dtype shard at stage 3: the fp32 master is gathered
@@ -82,7 +88,7 @@ def test_main_job_and_memory_model(tmp_path, matmul):
     paper = mem["paper_table_7_5B"]
     assert paper["ok"] and paper["row64_ok"]
     assert [round(gb, 1) for gb in paper["row64_gb"]] == [120.0, 31.4, 16.6, 1.9]
-    assert mem["measured_vs_formula"]["ok"] and len(mem["measured_vs_formula"]["rows"]) == 4
+    assert mem["measured_vs_formula"]["ok"] and len(mem["measured_vs_formula"]["rows"]) == 5
 
 
 def test_main_job_with_the_optimizer_state_on_disk(tmp_path):
