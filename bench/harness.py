@@ -298,20 +298,25 @@ def recipe_stage(recipe: str) -> int:
     return int(recipe.removeprefix("zero")[0])
 
 
-def leanest_moment_dtype() -> str:
-    """The first of :data:`LEAN_MOMENTS` that ``ZeroAdamW(moment_dtype=...)`` accepts for bf16 params with
-    ``param_remainders`` (built on one process, no process group), as a torch dtype name."""
+def moment_dtype_supported(name: str) -> bool:
+    """Whether this build's ``ZeroAdamW(moment_dtype=getattr(torch, name), param_remainders=True)`` accepts bf16
+    params (built on one process, no process group)."""
     import zero_ext
 
-    for name in LEAN_MOMENTS[:-1]:
-        try:
-            opt = zero_ext.ZeroAdamW([torch.nn.Parameter(torch.zeros(64, dtype=torch.bfloat16))],
-                                     param_remainders=True, moment_dtype=getattr(torch, name))  # fmt: skip
-        except (TypeError, ValueError, NotImplementedError, RuntimeError):
-            continue
-        opt.close()
-        return name
-    return LEAN_MOMENTS[-1]
+    if name == "float32":
+        return True
+    try:
+        opt = zero_ext.ZeroAdamW([torch.nn.Parameter(torch.zeros(64, dtype=torch.bfloat16))], param_remainders=True,
+                                 moment_dtype=getattr(torch, name))  # fmt: skip
+    except (TypeError, ValueError, NotImplementedError, RuntimeError):
+        return False
+    opt.close()
+    return True
+
+
+def leanest_moment_dtype() -> str:
+    """The first of :data:`LEAN_MOMENTS` this build of ZeroAdamW accepts (:func:`moment_dtype_supported`)."""
+    return next(name for name in LEAN_MOMENTS if moment_dtype_supported(name))
 
 
 def recipe_label(cfg: "RunConfig") -> str:
