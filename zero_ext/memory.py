@@ -298,12 +298,9 @@ def report(state: "ShardedState", window=None) -> MemoryReport:
         disk = group.state.disk_bytes()
         if disk:
             kinds = [k for k in group.rule.kinds if group.state.where().get(k.name) == "disk"]  # not a remainder
-            # One file per kind, each whole blocks of the shard in the kind's width: the bytes split by width.
-            widths, left = sum(k.itemsize for k in kinds), disk
-            for i, kind in enumerate(kinds):
-                share = left if i == len(kinds) - 1 else disk * kind.itemsize // widths
-                out.on_disk[kind.name] = out.on_disk.get(kind.name, 0) + share
-                left -= share
+            per_kind = disk // len(kinds)  # one file per kind, each the same size (fp32 kinds)
+            for kind in kinds:
+                out.on_disk[kind.name] = out.on_disk.get(kind.name, 0) + per_kind
             out.padding += disk - sum(k.itemsize for k in kinds) * group.layout.shard_numel  # the files' last block
         pw = group.dtype.itemsize
         gw = pw  # the formula's gradients have the param dtype
