@@ -123,6 +123,30 @@ def test_main_job_writes_to_an_untracked_folder_by_default():
     assert "--out-dir bench/results" in run("main_job.py", "--help").stdout
 
 
+def test_precision_memory_tiny(tmp_path):
+    """Issue 24's memory table: every ZeroAdamW setting this build runs is measured, and agrees with
+    estimate(engine=True) but for padding and with the live storages; the peers are measured; the goal is checked."""
+    run("bench_precision_memory.py", *TINY_GPT, "--worlds", "1,2", "--out-dir", str(tmp_path))
+    res = result(tmp_path / "precision_memory.json")
+    rows = {r["key"]: r for r in res["rows"]}
+    assert {"fp32", "remainders"} <= set(res["measured_settings"])
+    for key, r in rows.items():
+        if key.startswith("zero_ext/"):
+            assert r["how"] == ("measured" if key.split("/")[1] in res["measured_settings"] else "formula")
+        if r["how"] == "measured" and key.startswith("zero_ext/"):
+            for n in ("1", "2"):  # padding only: a few bytes per rank on this model
+                assert 0 <= r["bytes_per_param"][n] - r["formula_bytes_per_param"][n] < 0.1, (key, r)
+        if "live_bytes" in r:
+            for n in ("1", "2"):
+                ledger = r["total_bytes"][n] if "total_bytes" in r else r["bytes_per_param"][n] * res["params"]
+                hidden = r["allocated"][n].get("ddp_buckets", 0)  # DDP's C++ reducer owns them
+                assert abs(r["live_bytes"][n] - ledger + hidden) < 0.05 * res["params"], (key, n, r)
+    assert {"ddp_fp32", "ddp_bf16", "zero_redundancy", "fsdp2", "torchao_adamw8bit", "megatron"} <= set(rows)
+    assert rows["fsdp2"]["bytes_per_param"]["2"] == pytest.approx(8, abs=0.05)  # 16/N: fp32 params, grads, moments
+    assert rows["zero_ext/remainders/1"]["bytes_per_param"]["2"] < rows["zero_ext/fp32/1"]["bytes_per_param"]["2"]
+    assert set(res["goal"]) == {"1", "2"} and all(g["ok"] == (g["ratio"] <= 0.5) for g in res["goal"].values())
+
+
 def test_fused_adamw_tiny(tmp_path):
     run("bench_fused_adamw.py", "--sizes", "10,12", "--reps", "3", "--warmup", "1", "--all", "--out-dir", str(tmp_path))
     res = result(tmp_path / "fused_adamw_sizes_cpu.json")
