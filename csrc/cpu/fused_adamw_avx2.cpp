@@ -84,8 +84,8 @@ int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoeff
     const __m256 g = _mm256_mul_ps(load_grad<kGrad>(b.grad, i), grad_scale);
     const __m256 master = kOut == 3 ? load_joined_master(b, i) : _mm256_loadu_ps(b.master + i);
     const __m256 p = _mm256_mul_ps(master, decay);
-    __m256 m = _mm256_loadu_ps(b.exp_avg + i);
-    __m256 v = _mm256_loadu_ps(b.exp_avg_sq + i);
+    __m256 m = _mm256_loadu_ps(static_cast<float*>(b.exp_avg) + i);
+    __m256 v = _mm256_loadu_ps(static_cast<float*>(b.exp_avg_sq) + i);
     const __m256 diff = _mm256_sub_ps(g, m);
     // fnmadd(a, b, c) = -(a*b) + c rounded once: fmaf(-diff, 1 - w, g) of lerp (adamw_math.h).
     m = kSmallWeight ? _mm256_fmadd_ps(weight, diff, m)
@@ -93,12 +93,12 @@ int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoeff
     v = _mm256_fmadd_ps(_mm256_mul_ps(one_minus_beta2, g), g, _mm256_mul_ps(v, beta2));
     __m256 v_hat = v;
     if constexpr (kAmsgrad) {
-      __m256 v_max = _mm256_loadu_ps(b.max_exp_avg_sq + i);
+      __m256 v_max = _mm256_loadu_ps(static_cast<float*>(b.max_exp_avg_sq) + i);
       // nan_propagating_max(v_max, v) (adamw_math.h): v_max where v_max > v or v_max is NaN.
       const __m256 keep = _mm256_or_ps(_mm256_cmp_ps(v_max, v, _CMP_GT_OQ),
                                        _mm256_cmp_ps(v_max, v_max, _CMP_UNORD_Q));
       v_max = _mm256_blendv_ps(v, v_max, keep);
-      _mm256_storeu_ps(b.max_exp_avg_sq + i, v_max);
+      _mm256_storeu_ps(static_cast<float*>(b.max_exp_avg_sq) + i, v_max);
       v_hat = v_max;
     }
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v_hat), bc2_sqrt), eps);
@@ -108,8 +108,8 @@ int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoeff
     } else {
       _mm256_storeu_ps(b.master + i, p_new);
     }
-    _mm256_storeu_ps(b.exp_avg + i, m);
-    _mm256_storeu_ps(b.exp_avg_sq + i, v);
+    _mm256_storeu_ps(static_cast<float*>(b.exp_avg) + i, m);
+    _mm256_storeu_ps(static_cast<float*>(b.exp_avg_sq) + i, v);
     if constexpr (kOut == 1 || kOut == 2) {
       const __m128i h =
           kOut == 1 ? float_to_bf16(p_new) : _mm256_cvtps_ph(p_new, _MM_FROUND_TO_NEAREST_INT);

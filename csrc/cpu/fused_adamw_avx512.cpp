@@ -81,8 +81,8 @@ int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoeff
     const __m512 g = _mm512_mul_ps(load_grad<kGrad>(b.grad, i), grad_scale);
     const __m512 master = kOut == 3 ? load_joined_master(b, i) : _mm512_loadu_ps(b.master + i);
     const __m512 p = _mm512_mul_ps(master, decay);
-    __m512 m = _mm512_loadu_ps(b.exp_avg + i);
-    __m512 v = _mm512_loadu_ps(b.exp_avg_sq + i);
+    __m512 m = _mm512_loadu_ps(static_cast<float*>(b.exp_avg) + i);
+    __m512 v = _mm512_loadu_ps(static_cast<float*>(b.exp_avg_sq) + i);
     const __m512 diff = _mm512_sub_ps(g, m);
     // fnmadd(a, b, c) = -(a*b) + c rounded once: fmaf(-diff, 1 - w, g) of lerp (adamw_math.h).
     m = kSmallWeight ? _mm512_fmadd_ps(weight, diff, m)
@@ -90,12 +90,12 @@ int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoeff
     v = _mm512_fmadd_ps(_mm512_mul_ps(one_minus_beta2, g), g, _mm512_mul_ps(v, beta2));
     __m512 v_hat = v;
     if constexpr (kAmsgrad) {
-      __m512 v_max = _mm512_loadu_ps(b.max_exp_avg_sq + i);
+      __m512 v_max = _mm512_loadu_ps(static_cast<float*>(b.max_exp_avg_sq) + i);
       // nan_propagating_max(v_max, v) (adamw_math.h): v_max where v_max > v or v_max is NaN.
       const __mmask16 keep =
           _mm512_cmp_ps_mask(v_max, v, _CMP_GT_OQ) | _mm512_cmp_ps_mask(v_max, v_max, _CMP_UNORD_Q);
       v_max = _mm512_mask_blend_ps(keep, v, v_max);
-      _mm512_storeu_ps(b.max_exp_avg_sq + i, v_max);
+      _mm512_storeu_ps(static_cast<float*>(b.max_exp_avg_sq) + i, v_max);
       v_hat = v_max;
     }
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v_hat), bc2_sqrt), eps);
@@ -105,8 +105,8 @@ int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoeff
     } else {
       _mm512_storeu_ps(b.master + i, p_new);
     }
-    _mm512_storeu_ps(b.exp_avg + i, m);
-    _mm512_storeu_ps(b.exp_avg_sq + i, v);
+    _mm512_storeu_ps(static_cast<float*>(b.exp_avg) + i, m);
+    _mm512_storeu_ps(static_cast<float*>(b.exp_avg_sq) + i, v);
     if constexpr (kOut == 1 || kOut == 2) {
       const __m256i h =
           kOut == 1 ? float_to_bf16(p_new) : _mm512_cvtps_ph(p_new, _MM_FROUND_TO_NEAREST_INT);

@@ -50,12 +50,17 @@ void fused_adamw_cuda(
     const std::optional<at::Tensor>& step_tensor,
     const std::optional<at::Tensor>& grad_scale_tensor, const std::optional<at::Tensor>& param_out,
     const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& max_exp_avg_sq,
-    bool maximize, const std::optional<at::Tensor>& remainder) {
+    bool maximize, const std::optional<at::Tensor>& remainder, int64_t rounding_seed,
+    int64_t element_offset) {
   // --- validation: everything below this block may write ---
   TORCH_CHECK(master.is_cuda(), "zero_ext.fused_adamw_: `master` must be a CUDA tensor, got ",
               master.device());
   check_fused_adamw_args(master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out, found_inf,
-                         remainder);
+                         remainder, element_offset);
+  TORCH_CHECK(exp_avg.scalar_type() == at::kFloat,
+              "zero_ext.fused_adamw_: bfloat16 moments (`exp_avg` ", exp_avg.scalar_type(),
+              ") are not in the CUDA kernel yet");
+  (void)rounding_seed;
   const AdamWScalars s = resolve_adamw_scalars({{lr, lr_tensor},
                                                 {beta1, beta1_tensor},
                                                 {beta2, beta2_tensor},
