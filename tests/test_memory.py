@@ -9,6 +9,7 @@ from tiny_transformer import batch, build, loss_fn
 
 from zero_ext import ZeroAdamW, memory
 from zero_ext.memory import INT8_BLOCK, estimate, estimate_breakdown, moment_bytes, state_bytes_per_element
+from zero_ext.update_rule import AdamW
 
 
 @pytest.mark.parametrize("stage,expected_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
@@ -41,6 +42,9 @@ def test_estimate_docstring_examples():
 )  # fmt: skip
 def test_state_bytes_per_element_by_precision(remainders, moments, k):
     assert INT8_BLOCK == 256  # the literature's choice (torchao AdamW8bit); the int8 kernels confirm it
+    if moments != torch.int8:  # the widths the update rule stores (int8 is not an engine setting yet)
+        rule = AdamW(torch.bfloat16, param_remainders=remainders, moment_dtype=moments)
+        assert rule.bytes_per_element() == k
     assert state_bytes_per_element(param_remainders=remainders, moment_dtype=moments) == k
     assert state_bytes_per_element(param_remainders=remainders, moment_dtype=moments, amsgrad=True) == (
         k + moment_bytes(moments)
@@ -72,12 +76,13 @@ def _covered(numel, ranges):
     return int(mask.sum())
 
 
-def _report(rank, world, stage, dtype_name, fp32_accumulation=False, remainders=False):
+def _report(rank, world, stage, dtype_name, fp32_accumulation=False, remainders=False, moments="float32"):
     dtype = getattr(torch, dtype_name)
     model = build(dtype)
     accum = torch.float32 if fp32_accumulation else None
+    lean = {"moment_dtype": getattr(torch, moments)} if moments != "float32" else {}
     opt = ZeroAdamW(model.named_parameters(), stage=stage, bucket_size=1500, grad_accum_dtype=accum,
-                    param_remainders=remainders, module=model if stage == 3 else None)  # fmt: skip
+                    param_remainders=remainders, module=model if stage == 3 else None, **lean)  # fmt: skip
     loss_fn(model, batch(0, rank)).backward()
     opt.step()
     report = opt.memory_report()
@@ -134,10 +139,13 @@ def _report(rank, world, stage, dtype_name, fp32_accumulation=False, remainders=
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "bfloat16-remainders"])
+@pytest.mark.parametrize(
+    "dtype", ["bfloat16", "float32", "bfloat16-remainders", "bfloat16-bf16moments", "bfloat16-remainders-bf16moments"]
+)
 def test_memory_report_byte_for_byte(world, stage, dtype):
-    remainders = dtype.endswith("-remainders")
-    results = run_on_ranks(world, _report, stage, dtype.split("-")[0], False, remainders)
+    remainders = "-remainders" in dtype
+    moments = torch.bfloat16 if dtype.endswith("-bf16moments") else torch.float32
+    results = run_on_ranks(world, _report, stage, dtype.split("-")[0], False, remainders, str(moments)[6:])
     formulas, owned, psis, widths, estimates, kept = zip(*results)
     psi = psis[0]
     assert sum(owned) == psi, "the ranks' shards must hold every real parameter element exactly once"
@@ -148,8 +156,10 @@ def test_memory_report_byte_for_byte(world, stage, dtype):
     # estimate(engine=True) is what the ranks really hold on average (live storages), padding and staging aside.
     engine = estimate_breakdown(psi, world, stage, param_remainders=remainders, engine=True, **widths[0])
     assert Fraction(sum(kept), world) == sum(engine.values()), (kept, engine)
-    if remainders:
-        assert widths[0]["optimizer_state_bytes"] == state_bytes_per_element(param_remainders=True) == 10
+    # The ledger's width is the update rule's, and the formula's: 12, 10 (remainders), 8 (bf16), 6 (both).
+    if dtype.startswith("bfloat16"):  # (fp32 params are their own master: 8)
+        k = state_bytes_per_element(param_remainders=remainders, moment_dtype=moments)
+        assert widths[0]["optimizer_state_bytes"] == k == 12 - 2 * remainders - 4 * (moments == torch.bfloat16)
 
 
 @pytest.mark.parametrize("world", [1, 2])
