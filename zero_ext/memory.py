@@ -113,18 +113,30 @@ def estimate_breakdown(
     return {"params": params, "grads": grads, "optimizer_states": states}
 
 
-def estimate(num_params: int, world_size: int, stage: int, **widths) -> float:
-    """The ZeRO model-state bytes per rank for ``stage`` 0 (plain DDP), 1, 2 or 3 (see module docstring).
-
-    Keywords (:func:`estimate_breakdown`): ``param_remainders=False``, ``moment_dtype=torch.float32``,
-    ``engine=False``, and the widths ``param_bytes=2``, ``grad_bytes=2``, ``optimizer_state_bytes``.
+def estimate(
+    num_params: int,
+    world_size: int,
+    stage: int,
+    *,
+    param_remainders: bool = False,
+    moment_dtype: torch.dtype = torch.float32,
+    engine: bool = False,
+    param_bytes: int = 2,
+    grad_bytes: int = 2,
+    optimizer_state_bytes: Optional[Union[int, Fraction]] = None,
+) -> float:
+    """The ZeRO model-state bytes per rank for ``stage`` 0 (plain DDP), 1, 2 or 3 (see module docstring); the
+    keywords are :func:`estimate_breakdown`'s.
 
     >>> round(estimate(7_500_000_000, 64, 2) / 1e9, 1)   # ZeRO paper, Table 1
     16.6
     >>> estimate(1000, 8, 3, param_remainders=True, moment_dtype=torch.int8, engine=True) / 1000  # B/param
     1.25390625
     """
-    return float(sum(estimate_breakdown(num_params, world_size, stage, **widths).values()))
+    parts = estimate_breakdown(num_params, world_size, stage, param_remainders=param_remainders,
+                               moment_dtype=moment_dtype, engine=engine, param_bytes=param_bytes,
+                               grad_bytes=grad_bytes, optimizer_state_bytes=optimizer_state_bytes)  # fmt: skip
+    return float(sum(parts.values()))
 
 
 @dataclass(frozen=True)
