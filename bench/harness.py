@@ -12,7 +12,8 @@ only the tests of the benchmarks themselves import them.
 - processes: :func:`join_group` makes a process rank r of N (gloo on CPU, NCCL on GPUs); :func:`launch` runs a
   function on N fresh processes (so peak memory is per run);
 - recipes: ``ddp`` (fp32 params, DDP, bf16 autocast, torch AdamW(fused=True)), ``zero1`` / ``zero2`` / ``zero3``
-  (bf16 params, bf16 autocast, ZeroAdamW; stage 3 with ``module=model``), built from the same weights by
+  (bf16 params, bf16 autocast, ZeroAdamW; stage 3 with ``module=model``), ``zero3_lean`` (stage 3 with
+  ``param_remainders`` and the leanest ``moment_dtype`` the build accepts), built from the same weights by
   :func:`build`; :func:`model_state` is a rank's persistent model state, :func:`ledger_ok` the identity it
   satisfies. PyTorch's own peers (FSDP2, ZeroRedundancyOptimizer) and a naive ZeRO-3 live in ``peers.py``.
 """
@@ -280,13 +281,46 @@ def default_world(device: str) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ recipes
-RECIPES = ("ddp", "zero1", "zero2", "zero3")
+RECIPES = ("ddp", "zero1", "zero2", "zero3", "zero3_lean")
 LABELS = {
     "ddp": "DDP + torch AdamW(fused), fp32 params",
     "zero1": "ZeroAdamW stage 1, bf16 params",
     "zero2": "ZeroAdamW stage 2, bf16 params",
     "zero3": "ZeroAdamW stage 3, bf16 params",
+    "zero3_lean": "ZeroAdamW stage 3, bf16 params, param_remainders + {moments} moments",
 }
+# The leanest moment dtypes first: zero3_lean takes the first one this build of ZeroAdamW accepts (issue 24).
+LEAN_MOMENTS = ("int8", "bfloat16", "float32")
+
+
+def recipe_stage(recipe: str) -> int:
+    """The ZeroAdamW stage of a recipe ("zero3_lean" -> 3)."""
+    return int(recipe.removeprefix("zero")[0])
+
+
+def moment_dtype_supported(name: str) -> bool:
+    """Whether this build's ``ZeroAdamW(moment_dtype=getattr(torch, name), param_remainders=True)`` accepts bf16
+    params (built on one process, no process group)."""
+    import zero_ext
+
+    if name == "float32":
+        return True
+    try:
+        opt = zero_ext.ZeroAdamW([torch.nn.Parameter(torch.zeros(64, dtype=torch.bfloat16))], param_remainders=True,
+                                 moment_dtype=getattr(torch, name))  # fmt: skip
+    except (TypeError, ValueError, NotImplementedError, RuntimeError):
+        return False
+    opt.close()
+    return True
+
+
+def leanest_moment_dtype() -> str:
+    """The first of :data:`LEAN_MOMENTS` this build of ZeroAdamW accepts (:func:`moment_dtype_supported`)."""
+    return next(name for name in LEAN_MOMENTS if moment_dtype_supported(name))
+
+
+def recipe_label(cfg: "RunConfig") -> str:
+    return LABELS[cfg.recipe].format(moments=cfg.moment_dtype.replace("bfloat16", "bf16").replace("float32", "fp32"))
 
 
 @dataclass
@@ -309,6 +343,8 @@ class RunConfig:
     offload: Optional[str] = None  # ZeroAdamW's offload: None, "cpu" or "nvme"
     offload_dir: Optional[str] = None  # offload="nvme": where the state files go
     offload_window: Optional[int] = None  # offload="nvme": bytes of host window (the engine's default when None)
+    param_remainders: bool = False  # ZeroAdamW: the fp32 master kept as the bf16 param + an int16 remainder
+    moment_dtype: str = "float32"  # ZeroAdamW's moment_dtype, a torch dtype name ("float32", "bfloat16", "int8")
     progress: str = ""  # rank 0 shows a progress bar with this label ("": none)
 
 
@@ -330,7 +366,7 @@ def build(cfg: RunConfig, model_cfg: GPTConfig, device: torch.device):
     if cfg.recipe not in RECIPES:
         raise ValueError(f"unknown recipe {cfg.recipe!r}; expected one of {RECIPES}")
     model.to(device=device, dtype=getattr(torch, cfg.param_dtype))
-    stage = int(cfg.recipe[-1])
+    stage = recipe_stage(cfg.recipe)
     # Stage 3 needs the model for its hooks; stages 1 and 2 run as before (no module=, as their results were taken).
     s3 = (
         dict(module=model, reshard_after_forward=cfg.reshard_after_forward, prefetch=cfg.prefetch) if stage == 3 else {}
@@ -340,8 +376,12 @@ def build(cfg: RunConfig, model_cfg: GPTConfig, device: torch.device):
         off = dict(offload=cfg.offload)
         if cfg.offload == "nvme":
             off.update(offload_dir=cfg.offload_dir, offload_window=cfg.offload_window)
+    # The precision keywords only where they differ from the defaults (a build without moment_dtype still runs).
+    precision = dict(param_remainders=True) if cfg.param_remainders else {}
+    if cfg.moment_dtype != "float32":
+        precision["moment_dtype"] = getattr(torch, cfg.moment_dtype)
     opt = zero_ext.ZeroAdamW(model.named_parameters(), **hyper, stage=stage, max_grad_norm=cfg.max_grad_norm,
-                             bucket_size=cfg.bucket_size, **s3, **off)  # fmt: skip
+                             bucket_size=cfg.bucket_size, **s3, **off, **precision)  # fmt: skip
     return model, model, opt
 
 

@@ -8,6 +8,8 @@ Recipes (same data, same seed, same starting weights, gradient norm clipped at 1
   DDP + torch.optim.AdamW(fused=True), fp32 params, bf16 autocast   (16 bytes of model state per param)
   ZeroAdamW stage 1 / stage 2 / stage 3, bf16 params (fp32 master inside), bf16 autocast (stage 3: module=model,
   parameters gathered bucket by bucket around their use)
+  zero3_lean: ZeroAdamW stage 3 with param_remainders=True and the leanest moment_dtype this build accepts (int8,
+  else bf16, else fp32; the row's label says which): the headline bytes/param of issue 24, measured (--no-lean: not run)
 
 On a CPU, a probe first times one of the job's GEMMs with bf16 operands as a bf16 GEMM and as an fp32 one, and
 where the bf16 GEMM has no fast path (AVX2-only CPUs: ~40x slower) autocast's matmuls run as fp32 GEMMs on
@@ -15,7 +17,8 @@ bf16-rounded operands (main_job_compute.py); the job prints which and records it
 
 Prints a table (per-rank model-state memory measured and from zero_ext.memory.estimate, stage 3's window of gathered
 parameters, peak memory, step time, tokens/s, final loss), checks that the losses agree (stages 1, 2, 3 bitwise,
-ZeRO within --loss-tol of DDP), and writes main_job.{json,md,png} to --out-dir (default bench/out/, which git
+ZeRO, zero3_lean included, within --loss-tol of DDP; zero3_lean is not bitwise the stages' run unless its moments
+are fp32), and writes main_job.{json,md,png} to --out-dir (default bench/out/, which git
 ignores).
 """
 
@@ -37,7 +40,7 @@ import harness
 import torch
 import torch.distributed as dist
 from gpt_model import GPT, MarkovData, add_model_args, backward_first, model_config, num_params
-from harness import LABELS, MIB, OUT, RunConfig, build, forward_backward, launch, model_state
+from harness import MIB, OUT, RunConfig, build, forward_backward, launch, model_state, recipe_label, recipe_stage
 from main_job_chart import save_chart
 from main_job_compute import describe, matmul_context, probe
 
@@ -48,6 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=None, help="processes (default: 2 on CPU, every GPU on CUDA)")
     p.add_argument("--stages", default="1,2,3", help="ZeroAdamW stages to run, comma-separated (default: 1,2,3)")
     p.add_argument("--no-baseline", action="store_true", help="skip the DDP + torch AdamW run")
+    p.add_argument("--no-lean", action="store_true", help="skip zero3_lean (stage 3, remainders, leanest moments)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch", type=int, default=16, help="global batch in sequences (split over the ranks)")
     add_model_args(p)
@@ -220,12 +224,13 @@ def train(rank: int, world: int, device: torch.device, cfg: RunConfig, matmul: s
     dist.all_reduce(time_t, op=dist.ReduceOp.MAX)
     digest = hashlib.sha256()
     # Stage 3 keeps 1/N of every parameter between steps: read the full ones inside gathered_params() (collective).
-    with opt.gathered_params() if cfg.recipe == "zero3" else contextlib.nullcontext():
+    stage3 = is_zero and recipe_stage(cfg.recipe) == 3
+    with opt.gathered_params() if stage3 else contextlib.nullcontext():
         for p in model.parameters():
             digest.update(p.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
     out = {
         "recipe": cfg.recipe,
-        "label": LABELS[cfg.recipe] + (f", offload={cfg.offload!r}" if cfg.offload else ""),
+        "label": recipe_label(cfg) + (f", offload={cfg.offload!r}" if cfg.offload else ""),
         "world_size": world,
         "num_params": num_params(model),
         "losses": [float(v) for v in loss_t.cpu()],
@@ -251,10 +256,10 @@ def train(rank: int, world: int, device: torch.device, cfg: RunConfig, matmul: s
         # Stage 3 gathers these buckets once a step, not twice: kept from forward for backward, which needs them first.
         out["kept_for_backward_numel"] = (
             harness.kept_for_backward_numel(opt, backward_first(model), cfg.prefetch)
-            if cfg.recipe == "zero3" and cfg.reshard_after_forward
+            if stage3 and cfg.reshard_after_forward
             else 0
         )
-        if cfg.recipe == "zero3":  # bytes of gathered buckets: the declared bound, the most held (not persistent)
+        if stage3:  # bytes of gathered buckets: the declared bound, the most held (not persistent)
             out["window_bound"] = ledger["window_bound"]
             out["window_peak"] = opt.memory_report().window_peak  # over the whole run
         out["skipped_steps"] = opt.skipped_steps
@@ -274,7 +279,7 @@ def agreement(runs: dict, tol: float) -> dict:
     """Every ZeroAdamW stage must be bitwise equal to the lowest one run (losses and final params); ZeRO vs DDP within
     ``tol`` nats."""
     checks = {}
-    zero = [r for r in ("zero1", "zero2", "zero3") if r in runs]
+    zero = [r for r in ("zero1", "zero2", "zero3") if r in runs]  # the same training run, bit for bit
     for other in zero[1:]:
         a, b = runs[zero[0]], runs[other]
         same_loss, same_params = a["losses"] == b["losses"], a["param_digest"] == b["param_digest"]
@@ -284,9 +289,10 @@ def agreement(runs: dict, tol: float) -> dict:
             "final_params_bitwise_equal": same_params,
             "max_abs_loss_diff": max(abs(x - y) for x, y in zip(a["losses"], b["losses"])),
         }
-    for r in zero:
+    for r in zero + [r for r in ("zero3_lean",) if r in runs]:
         run = runs[r]
-        if run.get("offload") == "nvme" and run["config"]["offload_window"] is not None:
+        # (zero3_lean keeps fewer bytes on disk by design: the disk-vs-window check is the stages' own)
+        if run.get("offload") == "nvme" and run["config"]["offload_window"] is not None and r in zero:
             # A model whose optimizer state does not fit the memory it may use: the state lives on disk and
             # streams through the window, which is what bounds the memory the optimizer state takes.
             window = run["config"]["offload_window"]
@@ -365,7 +371,7 @@ def render(runs: dict, checks: dict, meta_: dict, matmul: dict, entropy: float, 
         v = "PASS" if c["ok"] else "FAIL"
         if name.endswith("state_on_disk"):
             verdicts.append(
-                f"{v} {name.split('_')[0]} optimizer state on disk {c['on_disk_bytes'] / MIB:.2f} MiB/rank = "
+                f"{v} {name.removesuffix('_state_on_disk')} optimizer state on disk {c['on_disk_bytes'] / MIB:.2f} MiB/rank = "
                 f"{c['ratio']:.0f}x the {c['window_bytes'] / 2**10:.0f} KiB host window (>= 100x); host buffers "
                 f"in all (window + gradient landing + parameter staging) {c['offload_buffers_bytes'] / MIB:.2f} MiB"
             )
@@ -377,7 +383,7 @@ def render(runs: dict, checks: dict, meta_: dict, matmul: dict, entropy: float, 
             )
         else:
             verdicts.append(
-                f"{v} {name.split('_')[0]} vs DDP: max |dloss| {c['max_abs_loss_diff']:.4f} nats (final "
+                f"{v} {name.removesuffix('_vs_ddp')} vs DDP: max |dloss| {c['max_abs_loss_diff']:.4f} nats (final "
                 f"{c['final_abs_loss_diff']:.4f}, mean {c['mean_abs_loss_diff']:.4f}) <= tolerance "
                 f"{c['tolerance_nats']}"
             )
@@ -394,7 +400,8 @@ def render(runs: dict, checks: dict, meta_: dict, matmul: dict, entropy: float, 
         "gathered window (stage 3): bytes of gathered bf16 buckets held at once, the bound memory_report() declares "
         "and the most held during the run (peak); transient, not part of the persistent model state.",
         "estimate = zero_ext.memory.estimate(Psi, N, stage): DDP row with fp32 widths (4+4+8 bytes), "
-        "ZeRO rows with bf16 params/grads + 12 bytes fp32 master/exp_avg/exp_avg_sq.",
+        "ZeRO rows with bf16 params/grads + 12 bytes fp32 master/exp_avg/exp_avg_sq (zero3_lean: its update rule's "
+        "bytes per element, e.g. 10 with remainders and fp32 moments, 6 with bf16 moments).",
         f"peak = {first['peak_memory_measure']} (max over ranks): at this model size mostly activations, "
         "temporaries and runtime buffers, not model state"
         + (
@@ -497,6 +504,8 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     meta_ = harness.meta(torch.device(args.device))  # at the start: the commit that ran
     recipes = ([] if args.no_baseline else ["ddp"]) + [f"zero{s}" for s in args.stages]
+    lean = None if args.no_lean or 3 not in args.stages else harness.leanest_moment_dtype()
+    recipes += ["zero3_lean"] if lean else []
     world, out = args.world_size, Path(args.out_dir)
     with torch.device("meta"):
         psi = num_params(GPT(model_config(args)))
@@ -522,7 +531,9 @@ def main(argv=None) -> int:
     for i, recipe in enumerate(recipes, 1):
         tag = f"[{i}/{len(recipes)}] {recipe}"
         off = f", offload={args.offload!r}" if args.offload and recipe != "ddp" else ""
-        print(f"{tag}: {LABELS[recipe]}{off}: starting {world} processes", flush=True)
+        precision = dict(param_remainders=True, moment_dtype=lean) if recipe == "zero3_lean" else {}
+        label = recipe_label(RunConfig(recipe=recipe, **precision))
+        print(f"{tag}: {label}{off}: starting {world} processes", flush=True)
         cfg = RunConfig(
             recipe=recipe,
             model=model_config(args),
@@ -533,6 +544,7 @@ def main(argv=None) -> int:
             bucket_size=args.bucket_size or None,
             progress="" if args.no_progress else tag,
             **(offload_options(args) if recipe != "ddp" else {}),
+            **precision,
         )
         runs[recipe] = launch(train, world, args.device, cfg, matmul["matmul"])
     checks = agreement(runs, args.loss_tol)

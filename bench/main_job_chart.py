@@ -15,22 +15,31 @@ from pathlib import Path
 from harness import step_stats
 
 MIB = 2**20
-COLORS = {"ddp": "tab:blue", "zero1": "tab:orange", "zero2": "tab:green", "zero3": "tab:purple"}
+COLORS = {
+    "ddp": "tab:blue",
+    "zero1": "tab:orange",
+    "zero2": "tab:green",
+    "zero3": "tab:purple",
+    "zero3_lean": "tab:red",
+}
 SHORT = {
     "ddp": "DDP + AdamW\nfp32 params",
     "zero1": "ZeroAdamW stage 1\nbf16 params",
     "zero2": "ZeroAdamW stage 2\nbf16 params",
     "zero3": "ZeroAdamW stage 3\nbf16 params",
+    "zero3_lean": "stage 3, remainders\n+ lean moments",
 }
 # Loss curves lie on top of each other: DDP wide underneath, the stages thinner and differently dashed over it.
 STYLES = {"ddp": dict(lw=5, alpha=0.45), "zero1": dict(lw=2.2), "zero2": dict(lw=1.6, ls="--"),
-          "zero3": dict(lw=1.2, ls=":")}  # fmt: skip
-GAP_STYLES = {"zero1": dict(ls="-", marker="o", ms=3), "zero2": dict(ls="--"), "zero3": dict(ls=":", marker="x", ms=4)}
+          "zero3": dict(lw=1.2, ls=":"), "zero3_lean": dict(lw=1.2, ls="-.")}  # fmt: skip
+GAP_STYLES = {"zero1": dict(ls="-", marker="o", ms=3), "zero2": dict(ls="--"), "zero3": dict(ls=":", marker="x", ms=4),
+              "zero3_lean": dict(ls="-.", marker="+", ms=5)}  # fmt: skip
 # Stacking order and colour of each kind of model state (kinds a run does not have are skipped).
 KINDS = {
     "params": "#4e79a7",
     "grads": "#a0cbe8",
     "master": "#f28e2b",
+    "remainder": "#ffbe7d",  # param_remainders: the int16 low half of the master (the bf16 param is the rest)
     "exp_avg": "#59a14f",
     "exp_avg_sq": "#8cd17d",
     "grad_shard": "#b6992d",

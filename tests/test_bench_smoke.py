@@ -54,22 +54,28 @@ def test_main_job_and_memory_model(tmp_path, matmul):
         assert job["matmul"]["decided_by"] == "probe" and job["matmul"]["bf16_gemm_ms"] > 0
     else:
         assert job["matmul"] == {"matmul": "fp32", "decided_by": "--matmul"}
-    assert set(runs) == {"ddp", "zero1", "zero2", "zero3"}
+    assert set(runs) == {"ddp", "zero1", "zero2", "zero3", "zero3_lean"}
     assert set(checks) == {"zero1_vs_zero2_bitwise", "zero1_vs_zero3_bitwise", "zero1_vs_ddp", "zero2_vs_ddp",
-                           "zero3_vs_ddp"}  # fmt: skip
+                           "zero3_vs_ddp", "zero3_lean_vs_ddp"}  # fmt: skip
     assert all(c["ok"] for c in checks.values()), checks
     for other in ("zero2", "zero3"):  # every stage bit for bit the same training run
         assert checks[f"zero1_vs_{other}_bitwise"]["losses_bitwise_equal"]
         assert runs["zero1"]["losses"] == runs[other]["losses"]
         assert runs["zero1"]["param_digest"] == runs[other]["param_digest"]
-    for name in ("zero1", "zero2", "zero3"):
+    for name in ("zero1", "zero2", "zero3", "zero3_lean"):
         r = runs[name]
         assert len(r["losses"]) == 2 and r["skipped_steps"] == 0
         extras = r["padding"] + r["staging"] + r["grad_shard_fp32"] - r["param_shard_not_kept"]
         assert r["formula_this_rank"] + extras == r["model_state_total"]
         # stage 3 with bf16 params keeps no bf16 shard (each gather rounds the fp32 master): 2 bytes per owned param
+        # (with param_remainders the kept bf16 shard is the master's high half)
         assert r["param_shard_not_kept"] == (2 * r["owned_numel"] if name == "zero3" else 0)
         assert checks[f"{name}_vs_ddp"]["max_abs_loss_diff"] <= checks[f"{name}_vs_ddp"]["tolerance_nats"]
+    lean = runs["zero3_lean"]  # stage 3, param_remainders, the leanest moments: the remainder replaces the master
+    assert "param_remainders + " in lean["label"] and lean["config"]["param_remainders"]
+    assert lean["model_state"]["remainder"] > 0 and lean["model_state"].get("master", 0) == 0
+    short = {"int8": "int8", "bfloat16": "bf16", "float32": "fp32"}[lean["config"]["moment_dtype"]]
+    assert lean["label"].endswith(f"{short} moments"), lean["label"]
     z3 = runs["zero3"]
     assert 0 < z3["window_peak"] <= z3["window_bound"] and "window_bound" not in runs["zero2"]
     assert z3["model_state"].get("params", 0) == 0  # no param-dtype shard at stage 3: the fp32 master is gathered
@@ -82,7 +88,7 @@ def test_main_job_and_memory_model(tmp_path, matmul):
     paper = mem["paper_table_7_5B"]
     assert paper["ok"] and paper["row64_ok"]
     assert [round(gb, 1) for gb in paper["row64_gb"]] == [120.0, 31.4, 16.6, 1.9]
-    assert mem["measured_vs_formula"]["ok"] and len(mem["measured_vs_formula"]["rows"]) == 4
+    assert mem["measured_vs_formula"]["ok"] and len(mem["measured_vs_formula"]["rows"]) == 5
 
 
 def test_main_job_with_the_optimizer_state_on_disk(tmp_path):
@@ -115,6 +121,30 @@ def test_main_job_writes_to_an_untracked_folder_by_default():
     ignored = subprocess.run(["git", "check-ignore", "-q", "bench/out/main_job.json"], cwd=REPO)
     assert ignored.returncode == 0, "bench/out/ must be in .gitignore"
     assert "--out-dir bench/results" in run("main_job.py", "--help").stdout
+
+
+def test_precision_memory_tiny(tmp_path):
+    """Issue 24's memory table: every ZeroAdamW setting this build runs is measured, and agrees with
+    estimate(engine=True) but for padding and with the live storages; the peers are measured; the goal is checked."""
+    run("bench_precision_memory.py", *TINY_GPT, "--worlds", "1,2", "--out-dir", str(tmp_path))
+    res = result(tmp_path / "precision_memory.json")
+    rows = {r["key"]: r for r in res["rows"]}
+    assert {"fp32", "remainders"} <= set(res["measured_settings"])
+    for key, r in rows.items():
+        if key.startswith("zero_ext/"):
+            assert r["how"] == ("measured" if key.split("/")[1] in res["measured_settings"] else "formula")
+        if r["how"] == "measured" and key.startswith("zero_ext/"):
+            for n in ("1", "2"):  # padding only: a few bytes per rank on this model
+                assert 0 <= r["bytes_per_param"][n] - r["formula_bytes_per_param"][n] < 0.1, (key, r)
+        if "live_bytes" in r:
+            for n in ("1", "2"):
+                ledger = r["total_bytes"][n] if "total_bytes" in r else r["bytes_per_param"][n] * res["params"]
+                hidden = r["allocated"][n].get("ddp_buckets", 0)  # DDP's C++ reducer owns them
+                assert abs(r["live_bytes"][n] - ledger + hidden) < 0.05 * res["params"], (key, n, r)
+    assert {"ddp_fp32", "ddp_bf16", "zero_redundancy", "fsdp2", "torchao_adamw8bit", "megatron"} <= set(rows)
+    assert rows["fsdp2"]["bytes_per_param"]["2"] == pytest.approx(8, abs=0.05)  # 16/N: fp32 params, grads, moments
+    assert rows["zero_ext/remainders/1"]["bytes_per_param"]["2"] < rows["zero_ext/fp32/1"]["bytes_per_param"]["2"]
+    assert set(res["goal"]) == {"1", "2"} and all(g["ok"] == (g["ratio"] <= 0.5) for g in res["goal"].values())
 
 
 def test_fused_adamw_tiny(tmp_path):

@@ -6,20 +6,60 @@ and two moments: K = 12). Per rank, with N ranks and Psi parameters, for K = 12:
 
     stage 0 (DDP)  16 Psi              stage 2   2 Psi + 14 Psi / N
     stage 1         4 Psi + 12 Psi / N  stage 3   16 Psi / N
+
+The precision settings change K (:func:`state_bytes_per_element`): ``param_remainders`` stores an int16 remainder
+instead of the fp32 master (K - 2), ``moment_dtype=torch.bfloat16`` two bytes per moment (K - 4), ``torch.int8``
+one byte per moment plus an fp32 scale per block of :data:`INT8_BLOCK` elements (K - 5.97). ``engine=True`` counts
+the gradients and the stage-3 parameter shard as ZeroAdamW keeps them (an fp32 gradient shard on every rank; no
+bf16 parameter shard at stage 3 unless it is half of the master, with ``param_remainders``): what
+:func:`report` measures, padding and the bounded staging pool aside.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Union
 
-from .update_rule import default_bytes_per_element
+import torch
+
+from .update_rule import AdamW
 
 if TYPE_CHECKING:  # a type only: buffers.py never imports this module back
     from .buffers import ShardedState
 
-__all__ = ["estimate", "estimate_breakdown", "MemoryReport", "report", "human_bytes"]
+__all__ = [
+    "estimate", "estimate_breakdown", "state_bytes_per_element", "moment_bytes", "INT8_BLOCK", "MemoryReport",
+    "report", "human_bytes",
+]  # fmt: skip
+
+# Elements per fp32 scale of int8 moments: torchao's AdamW8bit default (torchao/optim/README.md: "block size is 256
+# for 8-bit"); Dettmers et al. 2022 use 2048. The int8 kernels (issue 24, q8) may settle on another size: then this
+# constant follows them. At 256 the scale adds 4/256 = 1/64 byte per moment element.
+INT8_BLOCK = 256
+GRAD_SHARD_BYTES = 4  # ZeroAdamW reduces every gradient into an fp32 shard (exact averaging, fp32 accumulation)
+
+
+def moment_bytes(moment_dtype: torch.dtype = torch.float32) -> Fraction:
+    """Bytes per element of one moment (exp_avg or exp_avg_sq) stored as ``moment_dtype``: 4 (fp32), 2 (bf16), or
+    1 + 4 / :data:`INT8_BLOCK` (int8 codes and their fp32 block scales)."""
+    if moment_dtype in (torch.float32, torch.bfloat16):
+        return Fraction(moment_dtype.itemsize)
+    if moment_dtype == torch.int8:
+        return 1 + Fraction(4, INT8_BLOCK)
+    raise ValueError(f"moment_dtype must be torch.float32, torch.bfloat16 or torch.int8, got {moment_dtype!r}")
+
+
+def state_bytes_per_element(
+    *, param_remainders: bool = False, moment_dtype: torch.dtype = torch.float32, amsgrad: bool = False
+) -> Fraction:
+    """Optimizer-state bytes per element of a rank's shard for bf16 parameters (ZeRO's K), from the AdamW rule's
+    kinds: the stored master (fp32, or the int16 remainder with ``param_remainders``) and each moment
+    (exp_avg, exp_avg_sq, and max_exp_avg_sq with ``amsgrad``) at :func:`moment_bytes` of ``moment_dtype``."""
+    width = moment_bytes(moment_dtype)
+    rule = AdamW(torch.bfloat16, amsgrad=amsgrad, param_remainders=param_remainders)
+    master, *moments = rule.kinds
+    return master.itemsize + width * len(moments)
 
 
 def estimate_breakdown(
@@ -29,37 +69,74 @@ def estimate_breakdown(
     *,
     param_bytes: int = 2,
     grad_bytes: int = 2,
-    optimizer_state_bytes: Optional[int] = None,
+    optimizer_state_bytes: Optional[Union[int, Fraction]] = None,
     param_remainders: bool = False,
+    moment_dtype: torch.dtype = torch.float32,
+    engine: bool = False,
 ) -> dict[str, Fraction]:
     """Per-rank bytes of params, grads and optimizer states under ZeRO ``stage`` (exact fractions).
 
     The defaults are the paper's mixed-precision Adam (``optimizer_state_bytes``: the AdamW rule's bytes per
-    element, 12; 10 with ``param_remainders``, whose int16 remainder replaces the fp32 master); fp32 training with
-    the params as their own master is ``param_bytes=4, grad_bytes=4, optimizer_state_bytes=8``.
+    element, 12; :func:`state_bytes_per_element` of ``param_remainders`` and ``moment_dtype`` otherwise, e.g. 10
+    with ``param_remainders``, whose int16 remainder replaces the fp32 master; an explicit
+    ``optimizer_state_bytes`` wins over ``param_remainders``); fp32 training with the params as their own master is
+    ``param_bytes=4, grad_bytes=4, optimizer_state_bytes=8``.
+
+    ``engine=True`` (stages 1-3): the gradients and the parameters as ZeroAdamW keeps them, instead of the paper's
+    ``grad_bytes``-wide gradients sharded like the stage: an fp32 gradient shard (4 Psi / N) at every stage, plus
+    stage 1's full ``grad_bytes``-wide gradient buffer; at stage 3 with bf16/fp16 params no parameter shard (each
+    gather rounds the fp32 master) unless ``param_remainders`` (the bf16 shard is half of the master).
     """
     if optimizer_state_bytes is None:
-        optimizer_state_bytes = default_bytes_per_element(param_remainders=param_remainders)
+        optimizer_state_bytes = state_bytes_per_element(param_remainders=param_remainders, moment_dtype=moment_dtype)
+    elif moment_dtype != torch.float32:
+        raise ValueError(
+            "optimizer_state_bytes is the whole optimizer state per element, moments included: give it or "
+            f"moment_dtype, not both (got moment_dtype={moment_dtype!r})"
+        )
     if not isinstance(num_params, int) or num_params < 0:
         raise ValueError(f"num_params must be an int >= 0, got {num_params!r}")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {stage!r}")
+    if engine and stage == 0:
+        raise ValueError("engine=True describes ZeroAdamW: stage must be 1, 2 or 3, got 0 (DDP)")
     psi, n = Fraction(num_params), world_size
     params = psi * param_bytes / (n if stage >= 3 else 1)
     grads = psi * grad_bytes / (n if stage >= 2 else 1)
-    states = psi * optimizer_state_bytes / (n if stage >= 1 else 1)
+    states = psi * Fraction(optimizer_state_bytes) / (n if stage >= 1 else 1)
+    if engine:
+        grads = (psi * grad_bytes if stage == 1 else 0) + psi * GRAD_SHARD_BYTES / n
+        if stage == 3 and param_bytes < 4 and not param_remainders:
+            params = Fraction(0)  # the fp32 master is the shard: each gather rounds it
     return {"params": params, "grads": grads, "optimizer_states": states}
 
 
-def estimate(num_params: int, world_size: int, stage: int, **widths: int) -> float:
-    """The ZeRO model-state bytes per rank for ``stage`` 0 (plain DDP), 1, 2 or 3 (see module docstring).
+def estimate(
+    num_params: int,
+    world_size: int,
+    stage: int,
+    *,
+    param_remainders: bool = False,
+    moment_dtype: torch.dtype = torch.float32,
+    engine: bool = False,
+    param_bytes: int = 2,
+    grad_bytes: int = 2,
+    optimizer_state_bytes: Optional[Union[int, Fraction]] = None,
+) -> float:
+    """The ZeRO model-state bytes per rank for ``stage`` 0 (plain DDP), 1, 2 or 3 (see module docstring); the
+    keywords are :func:`estimate_breakdown`'s.
 
     >>> round(estimate(7_500_000_000, 64, 2) / 1e9, 1)   # ZeRO paper, Table 1
     16.6
+    >>> estimate(1000, 8, 3, param_remainders=True, moment_dtype=torch.int8, engine=True) / 1000  # B/param
+    1.25390625
     """
-    return float(sum(estimate_breakdown(num_params, world_size, stage, **widths).values()))
+    parts = estimate_breakdown(num_params, world_size, stage, param_remainders=param_remainders,
+                               moment_dtype=moment_dtype, engine=engine, param_bytes=param_bytes,
+                               grad_bytes=grad_bytes, optimizer_state_bytes=optimizer_state_bytes)  # fmt: skip
+    return float(sum(parts.values()))
 
 
 @dataclass(frozen=True)
@@ -143,7 +220,7 @@ class MemoryReport:
 
         w = self.widths
         p, g = w.get("param_bytes", 2), w.get("grad_bytes", 2)
-        o = w.get("optimizer_state_bytes", default_bytes_per_element())
+        o = w.get("optimizer_state_bytes", state_bytes_per_element())
         formula = {1: f"{p} + {g} + {o}/N", 2: f"{p} + ({g} + {o})/N", 3: f"({p} + {g} + {o})/N"}.get(
             self.stage, ""
         ) + " B/param"
