@@ -129,6 +129,8 @@ def train(rank: int, world: int, device: torch.device, kind: str, options: dict,
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach().float())
+        if rank == 0 and len(losses) % 50 == 0:  # a sign of life: a run takes minutes on a loaded machine
+            print(f"  step {len(losses)}: loss {losses[-1].item():.4f}, {time.perf_counter() - t0:.0f} s", flush=True)
     train_s = time.perf_counter() - t0
     loss_t = torch.stack(losses)
     if world > 1:
