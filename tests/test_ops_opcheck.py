@@ -55,6 +55,38 @@ def test_fused_adamw_remainder_opcheck(device, variant):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "variant", ["bf16_moments", "bf16_moments_amsgrad_param_out", "bf16_moments_remainder", "tensor_step_offset"]
+)
+def test_fused_adamw_bf16_moments_opcheck(device, variant):
+    """bf16 moments (moment_dtype=torch.bfloat16): exp_avg, exp_avg_sq (and max_exp_avg_sq) in bf16, with the new
+    int arguments rounding_seed and element_offset (past 2^32: int64 in the schema)."""
+    master, grad, exp_avg, exp_avg_sq = _adamw_args(device)
+    kwargs = dict(SCALARS, rounding_seed=-12345, element_offset=2**32 + 5)
+    if variant == "bf16_moments_amsgrad_param_out":
+        kwargs.update(max_exp_avg_sq=(torch.rand(97, device=device) * 0.01).to(torch.bfloat16), maximize=True,
+                      param_out=torch.empty(97, device=device, dtype=torch.bfloat16))  # fmt: skip
+    if variant == "bf16_moments_remainder":
+        master = master.to(torch.bfloat16)
+        kwargs["remainder"] = torch.randint(-(2**15), 2**15, (97,), device=device, dtype=torch.int16)
+    if variant == "tensor_step_offset":
+        kwargs.update(step_tensor=torch.tensor(7.0, device=device), found_inf=torch.zeros((), device=device))
+    moments = (exp_avg.to(torch.bfloat16), exp_avg_sq.to(torch.bfloat16))
+    torch.library.opcheck(ADAMW, (master, grad, *moments), kwargs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_adamw_fp32_moments_ignore_the_rounding_arguments(device):
+    """rounding_seed / element_offset with fp32 moments: accepted, no effect (the same bits as without them)."""
+    args = _adamw_args(device)
+    twin = [t.clone() for t in args]
+    torch.library.opcheck(ADAMW, [t.clone() for t in args], dict(SCALARS, rounding_seed=3, element_offset=10))
+    ADAMW(*args, **SCALARS, rounding_seed=3, element_offset=10)
+    ADAMW(*twin, **SCALARS)
+    assert all(torch.equal(a, b) for a, b in zip(args, twin))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_flatten_opcheck(device):
     tensors = [torch.randn(5, device=device), torch.randn(7, device=device, dtype=torch.float16)]
     flat = torch.zeros(16, device=device, dtype=torch.bfloat16)

@@ -30,6 +30,14 @@ Every range has a name and one place that computes it (apex's ``ParameterFragmen
   ``Run.slot_range(slot)``: a parameter's elements relative to its run's start (its view of a stage-3 storage);
 - ``OwnedPiece.param_range`` / ``OwnedPiece.shard_range``: the elements of one parameter a rank owns, in the
   flattened parameter and in the rank's shard buffers.
+
+Every element also has a *canonical* index: its place in the layout of one rank with one bucket larger than every
+parameter (``canonical_offsets``: the parameters in placement order, each 16-aligned). bf16 moments' stochastic
+rounding keys on it (:mod:`.update_rule`), so that an element rounds the same way whatever the world size, stage or
+bucket size. Inside a bucket the parameters are packed as they are there (from a 64-aligned start, each 16-aligned;
+a split parameter is one contiguous run across its buckets), so a bucket's canonical indices are its flat offsets
+plus one shift per bucket (``Layout.canonical_start``). Padding gets the indices that follow; it is zero, and zero
+rounds to zero whatever the random bits.
 """
 
 from __future__ import annotations
@@ -249,6 +257,16 @@ class Layout:
             runs.append(Run(len(runs), b.index, last, b.offset, numel, b.slots))
             self.run_of.append(len(runs) - 1)
         self.runs: tuple[Run, ...] = tuple(runs)
+        canonical = canonical_offsets(self.numels)
+        # flat offset + shift = canonical index, for every element of a bucket (see the module docstring)
+        self.canonical_shift: tuple[int, ...] = tuple(
+            canonical[b.slots[0]] - self.slots[b.slots[0]].offset for b in self.buckets
+        )
+
+    def canonical_start(self, bucket: Bucket, rank: int) -> int:
+        """The canonical index (see the module docstring) of the first element of ``rank``'s slice of ``bucket``;
+        the slice's element j has index ``canonical_start + j``."""
+        return bucket.rank_range(rank).start + self.canonical_shift[bucket.index]
 
     def single_rank_shard_range(self, slot: Slot) -> Range:
         """``slot``'s elements in the shard buffers of a world of one, where a rank's shard is every bucket."""
@@ -275,6 +293,16 @@ class Layout:
     def owned_real_numel(self, rank: int) -> int:
         """Elements of real parameters (not padding or gaps) in ``rank``'s shard."""
         return sum(p.numel for p in self.owned_pieces(rank))
+
+
+def canonical_offsets(numels: Sequence[int]) -> tuple[int, ...]:
+    """Each parameter's offset in the layout of one rank with one unbounded bucket: in placement order (reverse
+    registration), each at the next ``PARAM_ALIGN``-aligned element."""
+    offsets, fill = [0] * len(numels), 0
+    for index in reversed(range(len(numels))):
+        offsets[index] = round_up(fill, PARAM_ALIGN)
+        fill = offsets[index] + int(numels[index])
+    return tuple(offsets)
 
 
 def fingerprint(parts: Sequence[str]) -> int:

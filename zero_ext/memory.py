@@ -233,9 +233,8 @@ def report(state: "ShardedState", window=None) -> MemoryReport:
         disk = group.state.disk_bytes()
         if disk:
             kinds = [k for k in group.rule.kinds if group.state.where().get(k.name) == "disk"]  # not a remainder
-            per_kind = disk // len(kinds)  # one file per kind, each the same size (fp32 kinds)
-            for kind in kinds:
-                out.on_disk[kind.name] = out.on_disk.get(kind.name, 0) + per_kind
+            for kind, nbytes in group.state.disk_bytes_by_kind().items():  # one file per kind, in its dtype
+                out.on_disk[kind] = out.on_disk.get(kind, 0) + nbytes
             out.padding += disk - sum(k.itemsize for k in kinds) * group.layout.shard_numel  # the files' last block
         pw = group.dtype.itemsize
         gw = pw  # the formula's gradients have the param dtype

@@ -20,6 +20,7 @@ __all__ = ["fused_adamw_", "flatten_", "unflatten_", "sum_squares", "cpu_isa", "
 
 _ADAMW_SCALARS = ("lr", "beta1", "beta2", "eps", "weight_decay", "step", "grad_scale")
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_MOMENTS = (torch.float32, torch.bfloat16)
 
 
 def fused_adamw_(
@@ -40,30 +41,40 @@ def fused_adamw_(
     max_exp_avg_sq: Optional[torch.Tensor] = None,
     maximize: bool = False,
     remainder: Optional[torch.Tensor] = None,
+    rounding_seed: int = 0,
+    element_offset: int = 0,
 ) -> None:
     """One fused AdamW update of a contiguous shard, in place.
 
-    ``master``, ``exp_avg`` and ``exp_avg_sq`` are fp32 and updated in place; ``grad`` is fp32, bf16
-    or fp16 and is multiplied by ``grad_scale`` first. ``step`` is the step count including this
-    update (>= 1). ``param_out`` (bf16/fp16, same numel) receives the new master rounded to nearest
-    even. A nonzero ``found_inf`` makes the call a no-op (``max_exp_avg_sq`` untouched too). The math
-    and its order are those of ``torch.optim.AdamW``, computed in fp32, including its ``amsgrad`` and
-    ``maximize``: ``max_exp_avg_sq`` (fp32, same numel) makes the step amsgrad (it is updated to
-    ``maximum(max_exp_avg_sq, exp_avg_sq)``, NaN-propagating, and divides instead of ``exp_avg_sq``);
-    ``maximize=True`` negates the gradient.
+    ``master`` is fp32, ``exp_avg`` and ``exp_avg_sq`` are fp32 or bf16 (one dtype), all updated in place;
+    ``grad`` is fp32, bf16 or fp16 and is multiplied by ``grad_scale`` first. ``step`` is the step count including
+    this update (>= 1). ``param_out`` (bf16/fp16, same numel) receives the new master rounded to nearest even. A
+    nonzero ``found_inf`` makes the call a no-op (no byte of any tensor changes). The math and its order are those
+    of ``torch.optim.AdamW``, computed in fp32, including its ``amsgrad`` and ``maximize``: ``max_exp_avg_sq``
+    (the moments' dtype, same numel) makes the step amsgrad (it is updated to ``maximum(max_exp_avg_sq,
+    exp_avg_sq)``, NaN-propagating, and divides instead of ``exp_avg_sq``); ``maximize=True`` negates the gradient.
+
+    bf16 moments (``moment_dtype=torch.bfloat16``): each loads exactly to fp32, the update is the fp32 one, and
+    the new moments are stored with stochastic rounding (``zero_ext.stochastic_rounding``): element ``i`` of the
+    call takes the random bits of the hash of (``rounding_seed``, ``step``, ``element_offset + i``), exp_avg the low
+    16, exp_avg_sq and max_exp_avg_sq the high 16. ``element_offset`` (>= 0) is the canonical index of the call's
+    first element, so an element rounds the same way however the state is sharded. Both are ignored for fp32
+    moments.
 
     ``remainder`` (int16, same numel; ``param_remainders=True``): the fp32 master is kept as ``master``, then the
-    bf16 parameter itself (its high half), plus this 16-bit remainder: master bits = (param bits << 16) +
-    remainder, read and written back split the same way (param = (bits + 0x8000) >> 16, remainder = the low 16
-    bits; ``zero_ext.master_split``). The update is bitwise the fp32 master's; ``param_out`` must be None.
+    bf16 parameter itself, plus this 16-bit remainder and a tie bit kept in the sign bit of ``exp_avg_sq``'s
+    storage (``zero_ext.master_split``: param = the master rounded to nearest even, master bits = (param bits <<
+    16) + remainder + (tie << 16)); read and written back split the same way. The update is bitwise the fp32
+    master's and the parameter bitwise its ``param_out``; ``param_out`` must be None. Serialisers read
+    ``exp_avg_sq`` through ``master_split.without_tie``.
 
     Scalars given as numbers or CPU tensors (read on the host, no device sync) are validated: lr, eps and
     weight_decay finite and >= 0, betas in [0, 1), step finite and >= 1, grad_scale finite. Scalars given as
     tensors on master's CUDA device are read by the kernel and not validated (that would synchronise with the
     host): the caller vouches for them, as the engine does. ``found_inf``'s value is never validated: any
     nonzero value, NaN included, skips the update.
-    No two of ``master``, ``grad``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` and ``param_out`` may share a
-    byte. Every check runs before anything is written.
+    No two of ``master``, ``grad``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``, ``param_out`` and ``remainder``
+    may share a byte. Every check runs before anything is written.
     """
     values = (lr, beta1, beta2, eps, weight_decay, step, grad_scale)
     floats, tensors = zip(*(split_scalar("zero_ext.fused_adamw_", n, v) for n, v in zip(_ADAMW_SCALARS, values)))
@@ -79,6 +90,8 @@ def fused_adamw_(
         max_exp_avg_sq=max_exp_avg_sq,
         maximize=bool(maximize),
         remainder=remainder,
+        rounding_seed=int(rounding_seed),
+        element_offset=int(element_offset),
     )
 
 
@@ -161,15 +174,25 @@ def _fused_adamw_fake(master, grad, exp_avg, exp_avg_sq, **kwargs) -> None:
         torch._check(
             kwargs.get("param_out") is None, lambda: "zero_ext.fused_adamw_: `param_out` must be None with `remainder`"
         )
-    for name, t, dtypes in (("grad", grad, _FLOATS), ("exp_avg", exp_avg, (torch.float32,)),
-                            ("exp_avg_sq", exp_avg_sq, (torch.float32,))):  # fmt: skip
-        _check_dense("fused_adamw_", name, t, "master", master, dtypes)
-        torch._check(t.numel() == master.numel(), lambda: f"zero_ext.fused_adamw_: `{name}` numel != master's")
-    for name, dtypes in (("param_out", (torch.bfloat16, torch.float16)), ("max_exp_avg_sq", (torch.float32,))):
-        t = kwargs.get(name)
+    _check_dense("fused_adamw_", "grad", grad, "master", master, _FLOATS)
+    torch._check(grad.numel() == master.numel(), lambda: "zero_ext.fused_adamw_: `grad` numel != master's")
+    _check_dense("fused_adamw_", "exp_avg", exp_avg, "master", master, _MOMENTS)
+    torch._check(exp_avg.numel() == master.numel(), lambda: "zero_ext.fused_adamw_: `exp_avg` numel != master's")
+    moments = (("exp_avg_sq", exp_avg_sq), ("max_exp_avg_sq", kwargs.get("max_exp_avg_sq")))
+    for name, t in moments:
         if t is not None:
-            _check_dense("fused_adamw_", name, t, "master", master, dtypes)
+            _check_dense("fused_adamw_", name, t, "master", master, (exp_avg.dtype,))
             torch._check(t.numel() == master.numel(), lambda: f"zero_ext.fused_adamw_: `{name}` numel != master's")
+    param_out = kwargs.get("param_out")
+    if param_out is not None:
+        _check_dense("fused_adamw_", "param_out", param_out, "master", master, (torch.bfloat16, torch.float16))
+        torch._check(
+            param_out.numel() == master.numel(), lambda: "zero_ext.fused_adamw_: `param_out` numel != master's"
+        )
+    element_offset = kwargs.get("element_offset", 0)
+    torch._check(
+        element_offset >= 0, lambda: f"zero_ext.fused_adamw_: `element_offset` must be >= 0, got {element_offset}"
+    )
     _check_scalar_tensor("found_inf", kwargs.get("found_inf"), master)
     for name in _ADAMW_SCALARS:
         _check_scalar_tensor(name, kwargs.get(f"{name}_tensor"), master)

@@ -27,7 +27,7 @@ from .reducer import GradSync
 from .state_builder import BuildOptions, StateBuilder
 from .state_dict import load_local_state_dict, local_state_dict
 from .step import Stepper
-from .update_rule import MASTER, check_flag, rule_for_group
+from .update_rule import MASTER, check_flag, check_moment_dtype, rule_for_group
 
 
 def _cuda_graph_capturing() -> bool:
@@ -118,6 +118,14 @@ class ZeroAdamW(torch.optim.Optimizer):
             gather otherwise); with offload it saves 2 bytes per element of host memory. A parameter written in
             place between steps keeps its remainder: the master becomes the written value plus the old low bits
             (which still round to it), where the fp32 master would take the written value exactly.
+        moment_dtype: the dtype AdamW's two moments (and amsgrad's running maximum) are stored in:
+            ``torch.float32`` (the default; torch's moments to the bit) or ``torch.bfloat16`` (2 bytes each instead of
+            4; the update is the same fp32 arithmetic, the moments are stored with stochastic rounding whose random
+            bits hash (a seed of the param group, the step, the element's index in the unsharded layout), so an
+            element rounds alike at every stage, world size, bucket size and offload: those runs stay bitwise equal
+            to each other, not to fp32 moments). State dicts and checkpoints hold fp32 moments (bf16 widens exactly;
+            loading fp32 ones into bf16 rounds to nearest even), so either setting loads into the other.
+            ``torch.int8`` is not available yet in this version.
         offload_window: ``offload="nvme"``: bytes of host memory per rank the state streams through (default
             ``zero_ext.offload.DEFAULT_WINDOW``, 128 MiB), split evenly between the flat groups; each share is at least
             one 4 KiB block per kind per slot, and a shard smaller than its share allocates only what it needs.
@@ -174,6 +182,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         offload_dir: Optional[str] = None,
         offload_window: Optional[int] = None,
         param_remainders: bool = False,
+        moment_dtype: torch.dtype = torch.float32,
         collective_timeout: Optional[float] = 300.0,
     ):
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps,
@@ -182,6 +191,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         # 1. every argument checked, before anything is built or any rank is waited for
         check_offload_options(offload, offload_dir, offload_window)
         check_flag("zero_ext.ZeroAdamW", "param_remainders", param_remainders)
+        check_moment_dtype("zero_ext.ZeroAdamW", moment_dtype)
         check_options(stage, defaults, max_grad_norm, bucket_size, staging_buffers, reduce_dtype, grad_accum_dtype)
         check_stage3_options(stage, module, reshard_after_forward, prefetch, defer_all_gather_to)
         check_process_group(process_group, communicator)
@@ -197,7 +207,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         # 3. every rank plans its flat groups and agrees on them (collective; a failure anywhere fails every rank)
         options = BuildOptions(stage, process_group, communicator, bucket_size, reduce_dtype, grad_accum_dtype,
                                module, sync_module_states, param_init, param_device, staging_buffers, offload,
-                               offload_dir, offload_window, param_remainders)  # fmt: skip
+                               offload_dir, offload_window, param_remainders, moment_dtype)  # fmt: skip
         builder = StateBuilder(self.param_groups, options)
         self.bucket_size = builder.bucket_size
         # 4. the sharded state: parameters re-pointed into flat buffers, optimizer state allocated

@@ -13,6 +13,10 @@ with their parameters: its views then come from the param buffer) and ``grad`` (
 ``param_remainders`` it does not: the master is the parameters' rank slices joined with the ``remainder`` kind
 (:mod:`.master_split`); :meth:`read` and :meth:`write` of ``master`` convert, so serialisers see an fp32 master
 either way.
+
+A kind may be stored below fp32 (``moment_dtype=torch.bfloat16``: the moments): :meth:`read` widens it to fp32
+(exact) and :meth:`write` rounds fp32 values to it (``copy_``: round to nearest even), so serialisers see fp32
+moments whatever is stored.
 """
 
 from __future__ import annotations
@@ -41,6 +45,11 @@ class BucketState(NamedTuple):
         """Elements ``r`` (in this run's coordinates) of every view."""
         out = None if self.param_out is None else r.of(self.param_out)
         return BucketState({k: r.of(v) for k, v in self.state.items()}, r.of(self.grad), out)
+
+
+def widened(values: torch.Tensor) -> torch.Tensor:
+    """A kind's values as serialisers see them: fp32 (a bf16 moment widened, exactly; fp32 as is, not copied)."""
+    return values.float() if values.dtype == torch.bfloat16 else values
 
 
 def views_of(buffers: dict[str, torch.Tensor], r: Range) -> dict[str, torch.Tensor]:
@@ -161,12 +170,12 @@ class DeviceState:
                 view.copy_(part.shifted(-shard_range.start).of(param))
 
     def read(self, kind: str, shard_range: Range) -> torch.Tensor:
-        """``shard_range`` of ``kind`` (fp32, on the state's device): a view where the range is one run of memory,
-        else a copy. Do not modify it: :meth:`write` changes the state."""
+        """``shard_range`` of ``kind`` (fp32, on the state's device): a view where the range is one run of fp32
+        memory, else a copy (a bf16 kind widened). Do not modify it: :meth:`write` changes the state."""
         if kind == MASTER and self.rule.param_remainders:
             return self._read_joined_master(shard_range)
         runs = self._views(kind, shard_range)
-        return runs[0][1] if len(runs) == 1 else torch.cat([v for _, v in runs])
+        return widened(runs[0][1] if len(runs) == 1 else torch.cat([v for _, v in runs]))
 
     def host_view(self, kind: str, shard_range: Range) -> Optional[torch.Tensor]:
         """A writable view of ``shard_range`` of ``kind`` when it is one run of fp32 host memory (a loader can
@@ -179,7 +188,8 @@ class DeviceState:
         return None
 
     def write(self, kind: str, shard_range: Range, values: torch.Tensor) -> None:
-        """Overwrite ``shard_range`` of ``kind`` with ``values`` (any device; cast to fp32)."""
+        """Overwrite ``shard_range`` of ``kind`` with ``values`` (any device; cast to the kind's dtype, rounding to
+        nearest even)."""
         if kind == MASTER and self.rule.param_remainders:
             return self._write_split_master(shard_range, values)
         for part, view in self._views(kind, shard_range):
@@ -196,6 +206,10 @@ class DeviceState:
 
     def disk_bytes(self) -> int:
         return 0
+
+    def disk_bytes_by_kind(self) -> dict[str, int]:
+        """Bytes of each kind's file (offload="nvme"; none here)."""
+        return {}
 
     def close(self) -> None:
         """Release what outlives the process otherwise (files)."""

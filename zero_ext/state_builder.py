@@ -54,6 +54,7 @@ class BuildOptions:
     offload_dir: Optional[str]
     offload_window: Optional[int]
     param_remainders: bool = False
+    moment_dtype: torch.dtype = torch.float32
 
 
 class StateBuilder:
@@ -105,7 +106,13 @@ class StateBuilder:
                         "ones (use the default param_remainders=False: an fp32 master)"
                     )
         self.rules: list[UpdateRule] = [
-            rule_for_group(dtype, self.param_groups[gi], o.param_remainders and dtype == torch.bfloat16)
+            rule_for_group(
+                dtype,
+                self.param_groups[gi],
+                o.param_remainders and dtype == torch.bfloat16,
+                moment_dtype=o.moment_dtype,
+                group_index=gi,
+            )  # fmt: skip
             for gi, members in plan.groups
             for dtype in [members[0][1].dtype]
         ]

@@ -171,6 +171,8 @@ class Stepper:
         """The group's update rule (one fused kernel) on every run of ``unit`` whose parameters update (one step
         counter per run); returns those runs, in the unit's coordinates."""
         state, updated = self.state, []
+        # the canonical index of the bucket slice's first element (bf16 moments' rounding: layout.py)
+        canonical = group.layout.canonical_start(unit.bucket, group.rank)
         for run, cls in update_runs(group, unit.bucket, active, state.step_counts):
             part = run.intersect(unit.rows)
             if not part.numel:
@@ -178,7 +180,8 @@ class Stepper:
             r = part.shifted(-unit.rows.start)  # in the unit's own coordinates
             updated.append(r)
             v = unit.views.run(r)
-            group.rule.apply(v.state, v.grad, v.param_out, s, state.step_counts.steps[cls], grad_scale, self.found_inf)
+            group.rule.apply(v.state, v.grad, v.param_out, s, state.step_counts.steps[cls], grad_scale, self.found_inf,
+                             element_offset=canonical + part.start)  # fmt: skip
         return updated
 
 

@@ -15,6 +15,13 @@ writes both halves). :attr:`AdamW.kinds` are what a placement stores; :attr:`Ada
 checkpoints and consolidation hold (the fp32 master first, whatever is stored), so a state saved with either
 setting loads into the other: the placements convert on read and write.
 
+``moment_dtype=torch.bfloat16`` stores the moment kinds (exp_avg, exp_avg_sq, max_exp_avg_sq) in bf16, 2 bytes each
+instead of 4: the kernel loads them exactly to fp32, updates them with the same fp32 arithmetic and stores them with
+stochastic rounding, its random bits a hash of (:attr:`AdamW.rounding_seed`, the step, the element's *canonical*
+index: ``element_offset`` of :meth:`AdamW.apply`, :meth:`.layout.Layout.canonical_start`), so an element rounds the
+same way at every world size, stage and bucket size. :attr:`AdamW.saved_kinds` stay fp32: bf16 -> fp32 is exact on
+save, fp32 -> bf16 rounds to nearest even on load (deterministic), so either setting loads into the other.
+
 Two questions about the master have two names on purpose. :attr:`UpdateRule.master_is_param`: the parameters' own
 values are the master (fp32 parameters), so a state dict holds no separate copy and the model's state dict carries
 it. A placement's ``master_copy``: that placement stores a separate fp32 master buffer (bf16/fp16 parameters
@@ -23,6 +30,7 @@ everywhere; fp32 ones too when the state is offloaded, because the parameters st
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
@@ -33,6 +41,7 @@ from .hyperparams import Scalar, check_hyperparameters
 
 MASTER = "master"  # the fp32 master copy of the parameters, the one kind every rule saves
 REMAINDER = "remainder"  # param_remainders: the master's low 16 bits, stored instead of the fp32 master
+MOMENT_DTYPES = (torch.float32, torch.bfloat16)  # what ZeroAdamW(moment_dtype=...) accepts today
 
 
 @dataclass(frozen=True)
@@ -92,19 +101,25 @@ class AdamW:
 
     name = "adamw"
 
-    def __init__(self, param_dtype: torch.dtype, amsgrad: bool = False, param_remainders: bool = False):
+    def __init__(self, param_dtype: torch.dtype, amsgrad: bool = False, param_remainders: bool = False,
+                 moment_dtype: torch.dtype = torch.float32, group_index: int = 0):  # fmt: skip
         self.param_dtype = param_dtype
         self.amsgrad = bool(amsgrad)
         self.param_remainders = bool(param_remainders)
+        check_moment_dtype("zero_ext.ZeroAdamW", moment_dtype)
+        self.moment_dtype = moment_dtype
+        # The stochastic rounding's seed: a fixed function of the flat group's identity (its param group and dtype),
+        # never of the world size, stage or rank, so that every setting rounds every element alike.
+        self.rounding_seed = zlib.crc32(f"{group_index}/{param_dtype}".encode())
         if self.param_remainders and param_dtype != torch.bfloat16:
             raise ValueError(
                 f"`param_remainders=True` keeps the fp32 master as the bfloat16 parameter plus a 16-bit remainder: "
                 f"it needs bfloat16 parameters, got {param_dtype}"
             )
-        moments = tuple(StateKind(m) for m in ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.amsgrad else []))
-        self.saved_kinds: tuple[StateKind, ...] = (StateKind(MASTER), *moments)
+        names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.amsgrad else [])
+        self.saved_kinds: tuple[StateKind, ...] = (StateKind(MASTER), *(StateKind(m) for m in names))
         stored = StateKind(REMAINDER, torch.int16) if self.param_remainders else StateKind(MASTER)
-        self.kinds: tuple[StateKind, ...] = (stored, *moments)
+        self.kinds: tuple[StateKind, ...] = (stored, *(StateKind(m, moment_dtype) for m in names))
 
     # ---------------------------------------------------------------- what it keeps
     @property
@@ -137,7 +152,15 @@ class AdamW:
 
     def describe(self) -> str:
         """What every rank must agree on (part of the layout fingerprint)."""
-        return f"{self.name}(amsgrad={self.amsgrad}, param_remainders={self.param_remainders})"
+        return (
+            f"{self.name}(amsgrad={self.amsgrad}, param_remainders={self.param_remainders}, "
+            f"moment_dtype={self.moment_dtype}, rounding_seed={self.rounding_seed})"
+        )
+
+    @property
+    def rounds_moments(self) -> bool:
+        """The moments are stored below fp32 (stochastic rounding: the kernel needs the element offset)."""
+        return self.moment_dtype != torch.float32
 
     # ---------------------------------------------------------------- its scalars
     def check_group(self, where: str, group: Mapping[str, Any], device: Optional[torch.device] = None,
@@ -164,9 +187,12 @@ class AdamW:
 
     # ---------------------------------------------------------------- the update
     def apply(self, state: Mapping[str, torch.Tensor], grad: torch.Tensor, param_out: Optional[torch.Tensor],
-              s: AdamWScalars, step, grad_scale, found_inf: Optional[torch.Tensor]) -> None:  # fmt: skip
+              s: AdamWScalars, step, grad_scale, found_inf: Optional[torch.Tensor],
+              element_offset: int = 0) -> None:  # fmt: skip
         """One fused update of a contiguous run: ``state`` maps each kind to its view of the run. With
-        ``param_remainders`` ``param_out`` is the bf16 parameter, the master's high half, read and written."""
+        ``param_remainders`` ``param_out`` is the bf16 parameter, the master's high half, read and written.
+        ``element_offset``: the canonical index of the run's first element (bf16 moments' rounding; ignored
+        otherwise)."""
         if self.param_remainders:
             master, param_out, remainder = param_out, None, state[REMAINDER]
         else:
@@ -176,16 +202,39 @@ class AdamW:
             lr=s.lr, beta1=s.beta1, beta2=s.beta2, eps=s.eps, weight_decay=s.weight_decay, step=step,
             grad_scale=grad_scale, param_out=param_out, found_inf=found_inf,
             max_exp_avg_sq=state.get("max_exp_avg_sq"), maximize=bool(s.maximize), remainder=remainder,
+            **self._rounding(element_offset),
         )  # fmt: skip
+
+    def _rounding(self, element_offset: int) -> dict[str, int]:
+        """The kernel's stochastic-rounding arguments, given only where the moments are rounded (an fp32 rule calls
+        the kernel exactly as before they existed)."""
+        if not self.rounds_moments:
+            return {}
+        return {"rounding_seed": self.rounding_seed, "element_offset": int(element_offset)}
 
 
 UpdateRule = AdamW  # the interface the engine codes against; AdamW is its one implementation today
 
 
-def rule_for_group(param_dtype: torch.dtype, group: Mapping[str, Any], param_remainders: bool = False) -> UpdateRule:
-    """The rule a flat group of ``param_dtype`` parameters of param group ``group`` keeps (``param_remainders``:
-    the optimizer's option; a ValueError naming it unless the parameters are bf16)."""
-    return AdamW(param_dtype, amsgrad=bool(group.get("amsgrad", False)), param_remainders=param_remainders)
+def check_moment_dtype(where: str, moment_dtype: Any) -> None:
+    """A ValueError naming ``moment_dtype`` unless it is one this version stores."""
+    if any(moment_dtype is d for d in MOMENT_DTYPES):
+        return
+    if moment_dtype is torch.int8:
+        raise ValueError(
+            f"{where}: `moment_dtype=torch.int8` (block-quantized 8-bit moments) is not available yet in this version "
+            "of zero_ext; use torch.float32 (the default) or torch.bfloat16 (stochastic rounding)"
+        )
+    raise ValueError(f"{where}: `moment_dtype` must be torch.float32 or torch.bfloat16, got {moment_dtype!r}")
+
+
+def rule_for_group(param_dtype: torch.dtype, group: Mapping[str, Any], param_remainders: bool = False,
+                   moment_dtype: torch.dtype = torch.float32, group_index: int = 0) -> UpdateRule:  # fmt: skip
+    """The rule a flat group of ``param_dtype`` parameters of param group ``group`` (``group_index``: its position,
+    which seeds the stochastic rounding) keeps; ``param_remainders`` and ``moment_dtype``: the optimizer's options
+    (a ValueError naming them unless valid)."""
+    return AdamW(param_dtype, amsgrad=bool(group.get("amsgrad", False)), param_remainders=param_remainders,
+                 moment_dtype=moment_dtype, group_index=group_index)  # fmt: skip
 
 
 def rule_for_saved_group(hyperparameters: Mapping[str, Any], param_dtype: torch.dtype = torch.bfloat16) -> UpdateRule:
@@ -200,13 +249,13 @@ def all_kind_names() -> tuple[str, ...]:
     return AdamW(torch.bfloat16, amsgrad=True).saved_kind_names
 
 
-def default_bytes_per_element(param_remainders: bool = False) -> int:
+def default_bytes_per_element(param_remainders: bool = False, moment_dtype: torch.dtype = torch.float32) -> int:
     """Mixed-precision AdamW's state per parameter: fp32 master + two fp32 moments (ZeRO's K = 12); with
-    ``param_remainders`` an int16 remainder instead of the master (K = 10)."""
-    return AdamW(torch.bfloat16, param_remainders=param_remainders).bytes_per_element()
+    ``param_remainders`` an int16 remainder instead of the master (K = 10); with bf16 moments 4 bytes less."""
+    return AdamW(torch.bfloat16, param_remainders=param_remainders, moment_dtype=moment_dtype).bytes_per_element()
 
 
 __all__: Sequence[str] = [
     "MASTER", "REMAINDER", "StateKind", "AdamWScalars", "AdamW", "UpdateRule", "rule_for_group", "rule_for_saved_group",
-    "all_kind_names", "default_bytes_per_element", "IMPLEMENTATION_KEYWORDS",
+    "all_kind_names", "default_bytes_per_element", "IMPLEMENTATION_KEYWORDS", "MOMENT_DTYPES", "check_moment_dtype",
 ]  # fmt: skip

@@ -32,41 +32,95 @@ inline __m512 load_grad(const void* grad, int64_t i) {
   }
 }
 
-// Round to nearest even with integer math: VCVTNEPS2BF16 would flush subnormals to zero.
-inline __m256i float_to_bf16(__m512 x) {
+// ---- moments: fp32 loads and stores stay in the float domain (VMOVUPS, as before bf16 moments
+// existed); bf16 moments are widened to fp32 exactly (bits << 16), so their sign bit (the tie bit
+// with param_remainders) lands in bit 31 either way.
+template <bool kBf16>
+inline __m512 load_moment(const void* p, int64_t i) {
+  if constexpr (kBf16) {
+    const __m256i h =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm512_loadu_ps(static_cast<const float*>(p) + i);
+  }
+}
+
+// bf16 bits, one per 32-bit lane (every lane <= 0xFFFF: VPMOVDW's truncation is exact).
+inline void store_bf16_lanes(void* p, int64_t i, __m512i bits) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p) + i),
+                      _mm512_cvtepi32_epi16(bits));
+}
+
+// stochastic_rounding.h's mix32 on 16 lanes (VPMULLD: the low 32 bits of each product).
+inline __m512i mix32(__m512i x) {
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7FEB352D));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846CA68Bu)));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+// random_bits(key, first + lane) for the 16 lanes: the index's low word wraps per lane, and a lane
+// that wrapped carries one into its high word (an offset can cross 2^32 inside a vector).
+inline __m512i random_bits(uint32_t key, uint64_t first) {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i low = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first)), lane);
+  const __mmask16 wrapped = _mm512_cmplt_epu32_mask(low, lane);
+  const __m512i high_first = _mm512_set1_epi32(static_cast<int>(first >> 32));
+  const __m512i high = _mm512_mask_add_epi32(high_first, wrapped, high_first, _mm512_set1_epi32(1));
+  const __m512i inner = mix32(_mm512_xor_si512(_mm512_set1_epi32(static_cast<int>(key)), high));
+  return mix32(_mm512_xor_si512(inner, low));
+}
+
+// stochastic_rounding.h's sr_bf16 with r in [0, 2^16) per lane: (bits + r) >> 16, NaN -> 0xFFFF.
+inline __m512i sr_bf16(__m512 x, __m512i r) {
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), r), 16);
+  const __mmask16 ordered = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);
+  return _mm512_mask_blend_epi32(ordered, _mm512_set1_epi32(0xFFFF), rounded);
+}
+
+// float_to_bf16's round to nearest even, one 32-bit lane per result (NaN -> 0xFFFF).
+inline __m512i rne_bf16_lanes(__m512 x) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
   r = _mm512_srli_epi32(r, 16);
   const __mmask16 ordered = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);
-  r = _mm512_mask_blend_epi32(ordered, _mm512_set1_epi32(0xFFFF), r);  // NaN -> 0xFFFF like ATen
-  return _mm512_cvtepi32_epi16(r);
+  return _mm512_mask_blend_epi32(ordered, _mm512_set1_epi32(0xFFFF), r);
 }
 
-// The master of a remainder run (kOut 3): param bits << 16 plus the sign-extended remainder
-// (master_split.h join_master_bits).
-inline __m512 load_joined_master(const AdamWBuffers& b, int64_t i) {
+// Round to nearest even with integer math: VCVTNEPS2BF16 would flush subnormals to zero.
+inline __m256i float_to_bf16(__m512 x) { return _mm512_cvtepi32_epi16(rne_bf16_lanes(x)); }
+
+// The master of a remainder run (kOut 3): param bits << 16 plus the sign-extended remainder plus
+// the tie bit (0 or 1 per lane) << 16 (master_split.h join_master_bits).
+inline __m512 load_joined_master(const AdamWBuffers& b, int64_t i, __m512i tie) {
   const __m256i param =
       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<uint16_t*>(b.param_out) + i));
   const __m256i rem = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.remainder + i));
-  const __m512i hi = _mm512_slli_epi32(_mm512_cvtepu16_epi32(param), 16);
+  const __m512i hi = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtepu16_epi32(param), tie), 16);
   return _mm512_castsi512_ps(_mm512_add_epi32(hi, _mm512_cvtepi16_epi32(rem)));
 }
 
-// master_split.h's param_of_master_bits and remainder_of_master_bits: (u + 0x8000) >> 16 (0xFFFF
-// for NaN) and the low 16 bits (VPMOVDW truncates).
-inline void store_split_master(const AdamWBuffers& b, int64_t i, __m512 x) {
-  const __m512i u = _mm512_castps_si512(x);
-  __m512i hi = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x8000)), 16);
-  const __mmask16 ordered = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);
-  hi = _mm512_mask_blend_epi32(ordered, _mm512_set1_epi32(0xFFFF), hi);
+// master_split.h's split: param = RNE (0xFFFF for NaN), d = bits - (param << 16), remainder = the
+// low 16 bits of d (VPMOVDW truncates), tie = (d == 0x8000). Returns the tie bits (0 or 1 per
+// lane).
+inline __m512i store_split_master(const AdamWBuffers& b, int64_t i, __m512 x) {
+  const __m512i param = rne_bf16_lanes(x);
+  const __m512i delta = _mm512_sub_epi32(_mm512_castps_si512(x), _mm512_slli_epi32(param, 16));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(b.param_out) + i),
-                      _mm512_cvtepi32_epi16(hi));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(b.remainder + i), _mm512_cvtepi32_epi16(u));
+                      _mm512_cvtepi32_epi16(param));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(b.remainder + i), _mm512_cvtepi32_epi16(delta));
+  const __mmask16 tie = _mm512_cmpeq_epi32_mask(delta, _mm512_set1_epi32(0x8000));
+  return _mm512_maskz_mov_epi32(tie, _mm512_set1_epi32(1));
 }
 
-template <DType kGrad, int kOut, bool kAmsgrad, bool kSmallWeight, bool kStream>
+// kOut: 0 = no param_out, 1 = bf16, 2 = fp16, 3 = the master is bf16 param_out + remainder + the
+// tie bit in exp_avg_sq's sign bit. kBf16: bf16 moments, stored with stochastic rounding.
+template <DType kGrad, int kOut, bool kAmsgrad, bool kBf16, bool kSmallWeight, bool kStream>
 int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c) {
+  constexpr bool kSplit = kOut == 3;
   const __m512 grad_scale = _mm512_set1_ps(c.grad_scale);
   const __m512 decay = _mm512_set1_ps(c.decay);
   const __m512 weight = _mm512_set1_ps(c.lerp_weight);
@@ -76,37 +130,63 @@ int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoeff
   const __m512 bc2_sqrt = _mm512_set1_ps(c.bc2_sqrt);
   const __m512 eps = _mm512_set1_ps(c.eps);
   const __m512 neg_step_size = _mm512_set1_ps(c.neg_step_size);
+  const __m512i low16 = _mm512_set1_epi32(0xFFFF);
   int64_t i = begin;
   for (; i + kWidth <= end; i += kWidth) {
     const __m512 g = _mm512_mul_ps(load_grad<kGrad>(b.grad, i), grad_scale);
-    const __m512 master = kOut == 3 ? load_joined_master(b, i) : _mm512_loadu_ps(b.master + i);
+    __m512 v = load_moment<kBf16>(b.exp_avg_sq, i);
+    __m512i tie = _mm512_setzero_si512();
+    if constexpr (kSplit) {  // the tie bit out of exp_avg_sq's sign (bit 31 once widened)
+      const __m512i bits = _mm512_castps_si512(v);
+      tie = _mm512_srli_epi32(bits, 31);
+      v = _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)));
+    }
+    const __m512 master = kSplit ? load_joined_master(b, i, tie) : _mm512_loadu_ps(b.master + i);
     const __m512 p = _mm512_mul_ps(master, decay);
-    __m512 m = _mm512_loadu_ps(b.exp_avg + i);
-    __m512 v = _mm512_loadu_ps(b.exp_avg_sq + i);
+    __m512 m = load_moment<kBf16>(b.exp_avg, i);
     const __m512 diff = _mm512_sub_ps(g, m);
     // fnmadd(a, b, c) = -(a*b) + c rounded once: fmaf(-diff, 1 - w, g) of lerp (adamw_math.h).
     m = kSmallWeight ? _mm512_fmadd_ps(weight, diff, m)
                      : _mm512_fnmadd_ps(diff, one_minus_weight, g);
     v = _mm512_fmadd_ps(_mm512_mul_ps(one_minus_beta2, g), g, _mm512_mul_ps(v, beta2));
     __m512 v_hat = v;
+    __m512 v_max;
     if constexpr (kAmsgrad) {
-      __m512 v_max = _mm512_loadu_ps(b.max_exp_avg_sq + i);
+      v_max = load_moment<kBf16>(b.max_exp_avg_sq, i);
       // nan_propagating_max(v_max, v) (adamw_math.h): v_max where v_max > v or v_max is NaN.
       const __mmask16 keep =
           _mm512_cmp_ps_mask(v_max, v, _CMP_GT_OQ) | _mm512_cmp_ps_mask(v_max, v_max, _CMP_UNORD_Q);
       v_max = _mm512_mask_blend_ps(keep, v, v_max);
-      _mm512_storeu_ps(b.max_exp_avg_sq + i, v_max);
       v_hat = v_max;
     }
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v_hat), bc2_sqrt), eps);
     const __m512 p_new = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(neg_step_size, m), denom));
-    if constexpr (kOut == 3) {
-      store_split_master(b, i, p_new);
+    if constexpr (kSplit) {
+      tie = store_split_master(b, i, p_new);
     } else {
       _mm512_storeu_ps(b.master + i, p_new);
     }
-    _mm512_storeu_ps(b.exp_avg + i, m);
-    _mm512_storeu_ps(b.exp_avg_sq + i, v);
+    if constexpr (kBf16) {
+      const __m512i h = random_bits(b.rounding_key, b.element_offset + static_cast<uint64_t>(i));
+      const __m512i r_v = _mm512_srli_epi32(h, 16);
+      __m512i v_bits = sr_bf16(v, r_v);
+      if constexpr (kSplit) {
+        v_bits = _mm512_or_si512(_mm512_and_si512(v_bits, _mm512_set1_epi32(0x7FFF)),
+                                 _mm512_slli_epi32(tie, 15));
+      }
+      store_bf16_lanes(b.exp_avg, i, sr_bf16(m, _mm512_and_si512(h, low16)));
+      store_bf16_lanes(b.exp_avg_sq, i, v_bits);
+      if constexpr (kAmsgrad) store_bf16_lanes(b.max_exp_avg_sq, i, sr_bf16(v_max, r_v));
+    } else {
+      if constexpr (kSplit) {
+        const __m512i bits =
+            _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF));
+        v = _mm512_castsi512_ps(_mm512_or_si512(bits, _mm512_slli_epi32(tie, 31)));
+      }
+      _mm512_storeu_ps(static_cast<float*>(b.exp_avg) + i, m);
+      _mm512_storeu_ps(static_cast<float*>(b.exp_avg_sq) + i, v);
+      if constexpr (kAmsgrad) _mm512_storeu_ps(static_cast<float*>(b.max_exp_avg_sq) + i, v_max);
+    }
     if constexpr (kOut == 1 || kOut == 2) {
       const __m256i h =
           kOut == 1 ? float_to_bf16(p_new) : _mm512_cvtps_ph(p_new, _MM_FROUND_TO_NEAREST_INT);
@@ -122,40 +202,48 @@ int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoeff
   return i;
 }
 
-template <DType kGrad, int kOut, bool kAmsgrad, bool kStream>
+template <DType kGrad, int kOut, bool kAmsgrad, bool kBf16, bool kStream>
 int64_t body_lerp(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c) {
   // The branch of torch's lerp (adamw_math.h) depends only on the weight: pick it once per call.
   return __builtin_fabsf(c.lerp_weight) < 0.5f
-             ? body<kGrad, kOut, kAmsgrad, true, kStream>(b, begin, end, c)
-             : body<kGrad, kOut, kAmsgrad, false, kStream>(b, begin, end, c);
+             ? body<kGrad, kOut, kAmsgrad, kBf16, true, kStream>(b, begin, end, c)
+             : body<kGrad, kOut, kAmsgrad, kBf16, false, kStream>(b, begin, end, c);
 }
 
 // Non-temporal stores for the write-only param_out stream of a large call (b.stream_out) when this
 // range of it is 32-byte aligned: they skip the read (write-allocate) of param_out's cache lines
 // (numbers in fused_adamw.cpp). Same values either way.
-template <DType kGrad, int kOut, bool kAmsgrad>
+template <DType kGrad, int kOut, bool kAmsgrad, bool kBf16>
 int64_t body_store(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c) {
   const auto addr = reinterpret_cast<uintptr_t>(static_cast<uint16_t*>(b.param_out) + begin);
   if (b.stream_out && addr % 32 == 0)
-    return body_lerp<kGrad, kOut, kAmsgrad, true>(b, begin, end, c);
-  return body_lerp<kGrad, kOut, kAmsgrad, false>(b, begin, end, c);
+    return body_lerp<kGrad, kOut, kAmsgrad, kBf16, true>(b, begin, end, c);
+  return body_lerp<kGrad, kOut, kAmsgrad, kBf16, false>(b, begin, end, c);
 }
 
-template <DType kGrad, bool kAmsgrad>
+template <DType kGrad, bool kAmsgrad, bool kBf16>
 int64_t body_out(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoefficients& c) {
-  if (b.remainder != nullptr) return body_lerp<kGrad, 3, kAmsgrad, false>(b, begin, end, c);
-  if (b.param_out == nullptr) return body_lerp<kGrad, 0, kAmsgrad, false>(b, begin, end, c);
+  if (b.remainder != nullptr) return body_lerp<kGrad, 3, kAmsgrad, kBf16, false>(b, begin, end, c);
+  if (b.param_out == nullptr) return body_lerp<kGrad, 0, kAmsgrad, kBf16, false>(b, begin, end, c);
   if (b.param_out_dtype == DType::kBFloat16)
-    return body_store<kGrad, 1, kAmsgrad>(b, begin, end, c);
-  return body_store<kGrad, 2, kAmsgrad>(b, begin, end, c);
+    return body_store<kGrad, 1, kAmsgrad, kBf16>(b, begin, end, c);
+  return body_store<kGrad, 2, kAmsgrad, kBf16>(b, begin, end, c);
 }
 
 // amsgrad is a template flag, so the plain path pays nothing for it (no load, no branch).
-template <DType kGrad>
+template <DType kGrad, bool kBf16>
 int64_t body_amsgrad(const AdamWBuffers& b, int64_t begin, int64_t end,
                      const AdamWCoefficients& c) {
-  if (b.max_exp_avg_sq == nullptr) return body_out<kGrad, false>(b, begin, end, c);
-  return body_out<kGrad, true>(b, begin, end, c);
+  if (b.max_exp_avg_sq == nullptr) return body_out<kGrad, false, kBf16>(b, begin, end, c);
+  return body_out<kGrad, true, kBf16>(b, begin, end, c);
+}
+
+// bf16 moments are a template flag too: the fp32 path computes no hash and converts nothing.
+template <DType kGrad>
+int64_t body_moments(const AdamWBuffers& b, int64_t begin, int64_t end,
+                     const AdamWCoefficients& c) {
+  if (b.moment_dtype == DType::kBFloat16) return body_amsgrad<kGrad, true>(b, begin, end, c);
+  return body_amsgrad<kGrad, false>(b, begin, end, c);
 }
 
 }  // namespace
@@ -164,11 +252,11 @@ int64_t fused_adamw_avx512(const AdamWBuffers& b, int64_t begin, int64_t end,
                            const AdamWCoefficients& c) {
   switch (b.grad_dtype) {
     case DType::kBFloat16:
-      return body_amsgrad<DType::kBFloat16>(b, begin, end, c);
+      return body_moments<DType::kBFloat16>(b, begin, end, c);
     case DType::kFloat16:
-      return body_amsgrad<DType::kFloat16>(b, begin, end, c);
+      return body_moments<DType::kFloat16>(b, begin, end, c);
     default:
-      return body_amsgrad<DType::kFloat32>(b, begin, end, c);
+      return body_moments<DType::kFloat32>(b, begin, end, c);
   }
 }
 

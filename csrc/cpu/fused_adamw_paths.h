@@ -6,22 +6,12 @@
 
 #include "../adamw_math.h"
 #include "../dtype.h"
+#include "kernels.h"
 
 namespace zero_ext::cpu {
 
-// Arguments of one fused_adamw call; `param_out` is null when there is no low-precision copy,
-// `max_exp_avg_sq` null unless amsgrad. With `remainder` (param_remainders, master_split.h),
-// `master` is null and the master is `param_out` (bf16, read and written) joined with `remainder`.
-struct AdamWBuffers {
-  float* master;
-  const void* grad;
-  DType grad_dtype;
-  float* exp_avg;
-  float* exp_avg_sq;
-  float* max_exp_avg_sq;
-  void* param_out;
-  DType param_out_dtype;
-  int16_t* remainder;
+// Arguments of one fused_adamw call (kernels.h AdamWTensors), plus how to store param_out.
+struct AdamWBuffers : AdamWTensors {
   // Write param_out with non-temporal stores where aligned (a call too big for the caches).
   bool stream_out = false;
 };

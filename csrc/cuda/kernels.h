@@ -21,19 +21,27 @@ struct AdamWArgs {
   DeviceScalar lr, beta1, beta2, eps, weight_decay, step, grad_scale;
   const float* found_inf;  // device fp32; nonzero => the whole call is a no-op. May be null.
   bool maximize;           // torch's maximize: the gradient is negated (adamw_coefficients)
+  // bf16 moments only: the stochastic rounding's seed and the canonical index of element 0
+  // (stochastic_rounding.h; the kernel derives the key from the seed and the step).
+  int64_t rounding_seed = 0;
+  uint64_t element_offset = 0;
 };
 
 // One fused AdamW step over n elements; the CPU kernel's formula (adamw_math.h). Its FMAs are
 // explicit fmaf and nvcc (default -fmad=true) finds no other mul+add pair to contract, so the
 // result should be the CPU kernel's bits; not yet checked on a GPU (the tests allow a few ulp).
-// max_exp_avg_sq may be null; otherwise it makes the step amsgrad (fp32, n elements, updated in
+// exp_avg, exp_avg_sq and max_exp_avg_sq have moment_dtype (fp32, or bf16 stored with stochastic
+// rounding keyed on args.rounding_seed, the step and args.element_offset + i: the CPU kernel's
+// bits). max_exp_avg_sq may be null; otherwise it makes the step amsgrad (n elements, updated in
 // place). param_out may be null; otherwise bf16 or fp16, rounded to nearest-even from this kernel's
 // master. With remainder (param_remainders): master is null, param_out is the bf16 parameter and
-// the master is it joined with remainder (master_split.h), both read and written back split.
-cudaError_t launch_fused_adamw(float* master, const void* grad, DType grad_dtype, float* exp_avg,
-                               float* exp_avg_sq, float* max_exp_avg_sq, void* param_out,
+// the master is it joined with remainder and the tie bit in exp_avg_sq's sign bit (master_split.h),
+// all read and written back split.
+cudaError_t launch_fused_adamw(float* master, const void* grad, DType grad_dtype, void* exp_avg,
+                               void* exp_avg_sq, void* max_exp_avg_sq, void* param_out,
                                DType param_out_dtype, int64_t n, const AdamWArgs& args,
-                               cudaStream_t stream, int16_t* remainder = nullptr);
+                               cudaStream_t stream, int16_t* remainder = nullptr,
+                               DType moment_dtype = DType::kFloat32);
 
 // Multi-tensor copy between a flat buffer and `count` tensors in ONE launch. `device_slices` is
 // device memory holding `count` TensorSlice records; max_numel is the largest slice (sizes the

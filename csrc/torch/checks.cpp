@@ -90,7 +90,7 @@ void check_fused_adamw_args(const at::Tensor& master, const at::Tensor& grad,
                             const std::optional<at::Tensor>& max_exp_avg_sq,
                             const std::optional<at::Tensor>& param_out,
                             const std::optional<at::Tensor>& found_inf,
-                            const std::optional<at::Tensor>& remainder) {
+                            const std::optional<at::Tensor>& remainder, int64_t element_offset) {
   if (remainder.has_value()) {
     TORCH_CHECK(master.scalar_type() == at::kBFloat16,
                 "zero_ext.fused_adamw_: with `remainder`, `master` must be the bfloat16 parameter "
@@ -107,18 +107,24 @@ void check_fused_adamw_args(const at::Tensor& master, const at::Tensor& grad,
   }
   TORCH_CHECK(master.is_contiguous() && master.layout() == at::kStrided,
               "zero_ext.fused_adamw_: `master` must be a contiguous dense tensor");
-  TORCH_CHECK(exp_avg.scalar_type() == at::kFloat,
-              "zero_ext.fused_adamw_: `exp_avg` must be float32, got ", exp_avg.scalar_type());
-  TORCH_CHECK(exp_avg_sq.scalar_type() == at::kFloat,
-              "zero_ext.fused_adamw_: `exp_avg_sq` must be float32, got ",
+  // One moment dtype per call: the kernels are instantiated per (moment dtype), not per moment.
+  TORCH_CHECK(exp_avg.scalar_type() == at::kFloat || exp_avg.scalar_type() == at::kBFloat16,
+              "zero_ext.fused_adamw_: `exp_avg` must be float32 or bfloat16, got ",
+              exp_avg.scalar_type());
+  TORCH_CHECK(exp_avg_sq.scalar_type() == exp_avg.scalar_type(),
+              "zero_ext.fused_adamw_: `exp_avg_sq` must have `exp_avg`'s dtype (",
+              exp_avg.scalar_type(), "; the moments share one dtype, float32 or bfloat16), got ",
               exp_avg_sq.scalar_type());
+  TORCH_CHECK(element_offset >= 0, "zero_ext.fused_adamw_: `element_offset` must be >= 0, got ",
+              element_offset);
   to_kernel_dtype(grad, "fused_adamw_", "grad");
   check_state_tensor(grad, master, "grad");
   check_state_tensor(exp_avg, master, "exp_avg");
   check_state_tensor(exp_avg_sq, master, "exp_avg_sq");
   if (max_exp_avg_sq.has_value()) {
-    TORCH_CHECK(max_exp_avg_sq->scalar_type() == at::kFloat,
-                "zero_ext.fused_adamw_: `max_exp_avg_sq` (amsgrad) must be float32, got ",
+    TORCH_CHECK(max_exp_avg_sq->scalar_type() == exp_avg.scalar_type(),
+                "zero_ext.fused_adamw_: `max_exp_avg_sq` (amsgrad) must have `exp_avg`'s dtype (",
+                exp_avg.scalar_type(), "; the moments share one dtype), got ",
                 max_exp_avg_sq->scalar_type());
     check_state_tensor(*max_exp_avg_sq, master, "max_exp_avg_sq");
   }

@@ -37,14 +37,15 @@ void check_no_overlap(const char* op, const std::vector<ByteRange>& writes,
 
 // Shapes, dtypes, devices, contiguity and numel of fused_adamw_'s tensors and found_inf's shape,
 // and that no two of master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out, remainder share
-// a byte. With remainder (int16), master is the bf16 parameter and param_out must be absent.
-// The scalars are checked by resolve_adamw_scalars (scalars.h).
+// a byte. With remainder (int16), master is the bf16 parameter and param_out must be absent. The
+// moments (exp_avg, exp_avg_sq, max_exp_avg_sq) share one dtype, float32 or bfloat16;
+// element_offset is >= 0. The scalars are checked by resolve_adamw_scalars (scalars.h).
 void check_fused_adamw_args(const at::Tensor& master, const at::Tensor& grad,
                             const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                             const std::optional<at::Tensor>& max_exp_avg_sq,
                             const std::optional<at::Tensor>& param_out,
                             const std::optional<at::Tensor>& found_inf,
-                            const std::optional<at::Tensor>& remainder);
+                            const std::optional<at::Tensor>& remainder, int64_t element_offset);
 
 // flatten_/unflatten_: flat is a contiguous fp32/bf16/fp16 buffer; tensors contiguous, same device,
 // fp32/bf16/fp16; offsets.size() == tensors.size(); every range inside flat. Memory: flatten_'s

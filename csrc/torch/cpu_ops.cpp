@@ -7,6 +7,7 @@
 
 #include "../adamw_math.h"
 #include "../cpu/kernels.h"
+#include "../stochastic_rounding.h"
 #include "checks.h"
 #include "scalars.h"
 
@@ -23,9 +24,10 @@ void fused_adamw_cpu(
     const std::optional<at::Tensor>& step_tensor,
     const std::optional<at::Tensor>& grad_scale_tensor, const std::optional<at::Tensor>& param_out,
     const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& max_exp_avg_sq,
-    bool maximize, const std::optional<at::Tensor>& remainder) {
+    bool maximize, const std::optional<at::Tensor>& remainder, int64_t rounding_seed,
+    int64_t element_offset) {
   check_fused_adamw_args(master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out, found_inf,
-                         remainder);
+                         remainder, element_offset);
   // A skipped step is a no-op before its scalars are read: the step that found the inf is the one
   // whose clip coefficient is nan and, when it is a parameter's first, whose step count is still 0
   // (the CUDA kernel reads found_inf first too).
@@ -46,15 +48,22 @@ void fused_adamw_cpu(
                          s.weight_decay.value, s.step.value, s.grad_scale.value, maximize);
   // With a remainder the kernel's master is the bf16 parameter (`master`) joined with it.
   const bool split = remainder.has_value();
-  void* out = split ? master.data_ptr() : param_out.has_value() ? param_out->data_ptr() : nullptr;
-  const DType out_dtype = param_out.has_value()
-                              ? to_kernel_dtype(*param_out, "fused_adamw_", "param_out")
-                              : DType::kBFloat16;
-  float* v_max = max_exp_avg_sq.has_value() ? max_exp_avg_sq->data_ptr<float>() : nullptr;
-  cpu::fused_adamw(split ? nullptr : master.data_ptr<float>(), grad.const_data_ptr(),
-                   to_kernel_dtype(grad, "fused_adamw_", "grad"), exp_avg.data_ptr<float>(),
-                   exp_avg_sq.data_ptr<float>(), v_max, out, out_dtype, n, coeffs,
-                   at::get_num_threads(), split ? remainder->data_ptr<int16_t>() : nullptr);
+  cpu::AdamWTensors t;
+  t.master = split ? nullptr : master.data_ptr<float>();
+  t.grad = grad.const_data_ptr();
+  t.grad_dtype = to_kernel_dtype(grad, "fused_adamw_", "grad");
+  t.exp_avg = exp_avg.data_ptr();
+  t.exp_avg_sq = exp_avg_sq.data_ptr();
+  t.max_exp_avg_sq = max_exp_avg_sq.has_value() ? max_exp_avg_sq->data_ptr() : nullptr;
+  t.moment_dtype = to_kernel_dtype(exp_avg, "fused_adamw_", "exp_avg");
+  t.param_out = split ? master.data_ptr() : param_out.has_value() ? param_out->data_ptr() : nullptr;
+  t.param_out_dtype = param_out.has_value()
+                          ? to_kernel_dtype(*param_out, "fused_adamw_", "param_out")
+                          : DType::kBFloat16;
+  t.remainder = split ? remainder->data_ptr<int16_t>() : nullptr;
+  t.rounding_key = rounding_key(rounding_seed, s.step.value);
+  t.element_offset = static_cast<uint64_t>(element_offset);
+  cpu::fused_adamw(t, n, coeffs, at::get_num_threads());
 }
 
 void flatten_cpu(const at::Tensor& flat, at::TensorList tensors, at::IntArrayRef offsets,

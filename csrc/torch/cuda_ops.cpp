@@ -50,12 +50,13 @@ void fused_adamw_cuda(
     const std::optional<at::Tensor>& step_tensor,
     const std::optional<at::Tensor>& grad_scale_tensor, const std::optional<at::Tensor>& param_out,
     const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& max_exp_avg_sq,
-    bool maximize, const std::optional<at::Tensor>& remainder) {
+    bool maximize, const std::optional<at::Tensor>& remainder, int64_t rounding_seed,
+    int64_t element_offset) {
   // --- validation: everything below this block may write ---
   TORCH_CHECK(master.is_cuda(), "zero_ext.fused_adamw_: `master` must be a CUDA tensor, got ",
               master.device());
   check_fused_adamw_args(master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out, found_inf,
-                         remainder);
+                         remainder, element_offset);
   const AdamWScalars s = resolve_adamw_scalars({{lr, lr_tensor},
                                                 {beta1, beta1_tensor},
                                                 {beta2, beta2_tensor},
@@ -92,11 +93,14 @@ void fused_adamw_cuda(
   // With a remainder the kernel's master is the bf16 parameter (`master`) joined with it.
   const bool split = remainder.has_value();
   void* out = split ? master.data_ptr() : param_out.has_value() ? param_out->data_ptr() : nullptr;
-  float* v_max = max_exp_avg_sq.has_value() ? max_exp_avg_sq->data_ptr<float>() : nullptr;
-  C10_CUDA_CHECK(cuda::launch_fused_adamw(
-      split ? nullptr : master.data_ptr<float>(), grad.const_data_ptr(), grad_dtype,
-      exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(), v_max, out, out_dtype, n, args,
-      stream, split ? remainder->data_ptr<int16_t>() : nullptr));
+  args.rounding_seed = rounding_seed;
+  args.element_offset = static_cast<uint64_t>(element_offset);
+  void* v_max = max_exp_avg_sq.has_value() ? max_exp_avg_sq->data_ptr() : nullptr;
+  C10_CUDA_CHECK(cuda::launch_fused_adamw(split ? nullptr : master.data_ptr<float>(),
+                                          grad.const_data_ptr(), grad_dtype, exp_avg.data_ptr(),
+                                          exp_avg_sq.data_ptr(), v_max, out, out_dtype, n, args,
+                                          stream, split ? remainder->data_ptr<int16_t>() : nullptr,
+                                          to_kernel_dtype(exp_avg, "fused_adamw_", "exp_avg")));
 }
 
 // flatten_ (to_flat) and unflatten_: one H2D copy of the slice records, one kernel launch.

@@ -57,7 +57,7 @@ TORCH_LIBRARY(zero_ext, m) {
       "Tensor? beta2_tensor=None, Tensor? eps_tensor=None, Tensor? weight_decay_tensor=None, "
       "Tensor? step_tensor=None, Tensor? grad_scale_tensor=None, Tensor(d!)? param_out=None, "
       "Tensor? found_inf=None, Tensor(e!)? max_exp_avg_sq=None, bool maximize=False, "
-      "Tensor(f!)? remainder=None) -> ()");
+      "Tensor(f!)? remainder=None, int rounding_seed=0, int element_offset=0) -> ()");
   m.def("flatten_(Tensor(a!) flat, Tensor[] tensors, int[] offsets, float scale=1.0) -> ()");
   m.def("unflatten_(Tensor flat, Tensor(a!)[] tensors, int[] offsets, float scale=1.0) -> ()");
   m.def("sum_squares(Tensor x) -> (Tensor sumsq, Tensor nonfinite)");

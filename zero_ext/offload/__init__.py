@@ -29,7 +29,7 @@ from ..placement import DeviceState
 from ..update_rule import REMAINDER, AdamW, UpdateRule
 from . import leftovers
 from .disk import DiskState, min_window_bytes
-from .files import ALIGN
+from .files import file_nbytes
 from .host import HostState
 
 __all__ = ["OFFLOADS", "DEFAULT_WINDOW", "check_offload_options", "prepare_offload", "placement_factory"]
@@ -93,7 +93,7 @@ def disk_bytes_needed(groups: Sequence[tuple[Layout, UpdateRule]]) -> int:
     """Bytes the state files of these flat groups take (one file per kind of each group's rule, whole blocks; a
     remainder stays in host memory)."""
     return sum(
-        sum(max(ALIGN, -(-layout.shard_numel * k.itemsize // ALIGN) * ALIGN) for k in rule.kinds if k.name != REMAINDER)
+        sum(file_nbytes(layout.shard_numel, {k.name: k.dtype for k in rule.kinds if k.name != REMAINDER}).values())
         for layout, rule in groups
     )
 

@@ -27,9 +27,9 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from ..layout import Bucket, Layout, Range
-from ..placement import BucketState, Unit
+from ..placement import BucketState, Unit, widened
 from ..update_rule import MASTER, REMAINDER, UpdateRule
-from .files import ALIGN, ALIGN_ELEMENTS, StateFiles, aligned_buffer
+from .files import ALIGN, StateFiles, aligned_buffer, granule
 from .host import HostGradients, copy_runs_to_device, fetch_params
 
 SLOTS = 3  # chunks in the window: one updated, one read ahead, one written behind
@@ -42,24 +42,36 @@ def _window_bytes_per_element(rule: UpdateRule) -> int:
     return files + (rule.param_dtype.itemsize if rule.param_dtype != torch.float32 else 0)
 
 
+def _file_kinds(rule: UpdateRule) -> list:
+    """The kinds in files: every kind but a remainder, each in its own dtype (bf16 moments: bf16 files)."""
+    return [k for k in rule.kinds if k.name != REMAINDER]
+
+
+def _granule(rule: UpdateRule) -> int:
+    """Elements that are whole 4 KiB blocks of every file (1024 with fp32 files only, 2048 with bf16 ones)."""
+    return granule([k.dtype for k in _file_kinds(rule)])
+
+
 def chunk_numel(window_bytes: int, rule: UpdateRule, shard_numel: int) -> int:
-    """Elements per chunk: ``SLOTS`` chunks of every kind fit ``window_bytes``; whole blocks; no larger than the
-    shard needs."""
-    numel = window_bytes // (SLOTS * _window_bytes_per_element(rule)) // ALIGN_ELEMENTS * ALIGN_ELEMENTS
-    needed = -(-shard_numel // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
-    return max(ALIGN_ELEMENTS, min(numel, needed))
+    """Elements per chunk: ``SLOTS`` chunks of every kind fit ``window_bytes``; whole blocks of every file; no
+    larger than the shard needs."""
+    per = _granule(rule)
+    numel = window_bytes // (SLOTS * _window_bytes_per_element(rule)) // per * per
+    needed = -(-shard_numel // per) * per
+    return max(per, min(numel, needed))
 
 
 def min_window_bytes(rule: UpdateRule) -> int:
-    return SLOTS * _window_bytes_per_element(rule) * ALIGN_ELEMENTS
+    return SLOTS * _window_bytes_per_element(rule) * _granule(rule)
 
 
 class _Slot:
     """One chunk's buffers in the window, with the I/O and the host-to-device copy that use them."""
 
     def __init__(self, numel: int, rule: UpdateRule, cuda: bool):
-        self.raw = {k.name: _io_buffer(numel * 4, cuda) for k in rule.kinds if k.name != REMAINDER}
-        self.fp32 = {kind: buf.view(torch.float32) for kind, buf in self.raw.items()}
+        kinds = _file_kinds(rule)
+        self.raw = {k.name: _io_buffer(numel * k.itemsize, cuda) for k in kinds}
+        self.typed = {k.name: self.raw[k.name].view(k.dtype) for k in kinds}  # each kind in its dtype
         param_dtype = rule.param_dtype
         lowp = param_dtype != torch.float32
         self.param_out = torch.empty(numel, dtype=param_dtype, pin_memory=cuda) if lowp else None
@@ -102,17 +114,17 @@ class DiskState(HostGradients):
 
     def __init__(self, layout: Layout, params, device: torch.device, rule: UpdateRule, directory: str, stem: str,
                  window: int):  # fmt: skip
-        # The files hold the fp32 kinds. param_remainders' int16 remainder stays in host memory beside the grad
-        # shard (2 bytes per element next to its 4): the disk then moves the moments only, 8 bytes per element each
-        # way instead of 12, and the files stay fp32 arrays; the master's high half is the parameters.
-        files = [k for k in rule.kinds if k.name != REMAINDER]
-        if any(k.dtype != torch.float32 for k in files):
-            raise NotImplementedError("offload='nvme' keeps fp32 state kinds only (the files are fp32 arrays)")
+        # The files hold the kinds in their dtypes (bf16 moments: bf16 files, half the bytes moved). param_remainders'
+        # int16 remainder stays in host memory beside the grad shard (2 bytes per element next to its 4): the disk
+        # then moves the moments only, 8 bytes per element each way instead of 12 (4 with bf16 moments); the
+        # master's high half is the parameters.
+        files = _file_kinds(rule)
         self._init_gradients(layout, params, device, rule)
         n = layout.shard_numel
         self.kinds = tuple(k.name for k in files)
+        self.itemsize = {k.name: k.itemsize for k in files}
         self.buffers = {REMAINDER: torch.zeros(n, dtype=torch.int16)} if rule.param_remainders else {}
-        self.files = StateFiles(directory, stem, self.kinds, n)
+        self.files = StateFiles(directory, stem, self.kinds, n, {k.name: k.dtype for k in files})
         self.window_budget = window  # bytes: SLOTS chunks of every kind fit it (memory_report's bound)
         try:
             self.chunk = chunk_numel(window, rule, n)
@@ -130,13 +142,22 @@ class DiskState(HostGradients):
             return  # read after the last step: the files have not changed since
         slot, chunk = self.slots[i % SLOTS], self.chunks[i]
         slot.wait_free()
-        nbytes = _blocks(chunk.numel) * 4
-        slot.reads = [self.files.read_async(k, chunk.start, slot.raw[k][:nbytes]) for k in self.kinds]
+        numel = self._blocks(chunk.numel)
+        slot.reads = [
+            self.files.read_async(k, chunk.start, slot.raw[k][: numel * self.itemsize[k]]) for k in self.kinds
+        ]
 
     def _start_write(self, i: int) -> None:
         slot, chunk = self.slots[i % SLOTS], self.chunks[i]
-        nbytes = _blocks(chunk.numel) * 4
-        slot.writes = [self.files.write_async(k, chunk.start, slot.raw[k][:nbytes]) for k in self.kinds]
+        numel = self._blocks(chunk.numel)
+        slot.writes = [
+            self.files.write_async(k, chunk.start, slot.raw[k][: numel * self.itemsize[k]]) for k in self.kinds
+        ]
+
+    def _blocks(self, numel: int) -> int:
+        """``numel`` rounded up to whole blocks of every file (elements)."""
+        per = _granule(self.rule)
+        return -(-numel // per) * per
 
     def units(self, buckets: Sequence[Bucket]) -> Iterator[Unit]:
         wanted = {b.index for b in buckets}
@@ -157,7 +178,7 @@ class DiskState(HostGradients):
                     continue
                 local = part.shifted(-chunk.start)  # in the slot's buffers
                 out = None if slot.param_out is None else local.of(slot.param_out)
-                kinds = {k: local.of(t) for k, t in slot.fp32.items()}
+                kinds = {k: local.of(t) for k, t in slot.typed.items()}
                 if self.rule.param_remainders:  # the remainder in host memory, the high half from the parameters
                     kinds[REMAINDER] = part.of(self._remainder())
                     fetch_params(self.params, bucket, part.shifted(-bucket.shard_offset), out)
@@ -206,7 +227,7 @@ class DiskState(HostGradients):
             return self._read_joined_master(shard_range)
         if kind in self.buffers:  # a remainder, in host memory
             return shard_range.of(self.buffers[kind])
-        return self.files.read_range(kind, shard_range.start, shard_range.numel)
+        return widened(self.files.read_range(kind, shard_range.start, shard_range.numel))
 
     def host_view(self, kind: str, shard_range: Range) -> Optional[torch.Tensor]:
         return shard_range.of(self.grad) if kind == "grad" else None
@@ -234,7 +255,10 @@ class DiskState(HostGradients):
         return {**kinds, "window": "host", **self._landing_where()}
 
     def disk_bytes(self) -> int:
-        return self.files.nbytes * len(self.kinds)
+        return sum(self.files.nbytes_of.values())
+
+    def disk_bytes_by_kind(self) -> dict[str, int]:
+        return dict(self.files.nbytes_of)
 
     def close(self) -> None:
         try:
@@ -242,8 +266,3 @@ class DiskState(HostGradients):
                 slot.wait_free()
         finally:
             self.files.close()
-
-
-def _blocks(numel: int) -> int:
-    """``numel`` rounded up to whole blocks (elements)."""
-    return -(-numel // ALIGN_ELEMENTS) * ALIGN_ELEMENTS

@@ -1,6 +1,6 @@
-"""fp32 arrays in files, read and written by I/O threads: the NVMe placement's working memory.
+"""Arrays in files (fp32, or bf16 moments), read and written by I/O threads: the NVMe placement's working memory.
 
-One file per (rank, flat group, kind) under a directory the placement creates. I/O is plain ``preadv``/``pwritev``
+One file per (rank, flat group, kind) under a directory the placement creates, each in its kind's dtype. I/O is plain ``preadv``/``pwritev``
 on a reader and a writer thread (they release the GIL, so reads ahead and writes behind overlap the CPU AdamW
 kernel), with ``O_DIRECT`` where the filesystem accepts it (no page cache: what is read comes from the disk, what is
 written leaves memory; tmpfs refuses it, and then the page cache is used). O_DIRECT needs the memory address, the
@@ -20,12 +20,32 @@ import multiprocessing.util
 import os
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 ALIGN = 4096  # bytes: a page, and a multiple of every device's logical block size we expect
 ALIGN_ELEMENTS = ALIGN // 4  # fp32 elements per aligned block
+FILE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def block_elements(dtype: torch.dtype) -> int:
+    """Elements of ``dtype`` per aligned block (a transfer starts and ends on one)."""
+    return ALIGN // dtype.itemsize
+
+
+def granule(dtypes: Sequence[torch.dtype]) -> int:
+    """Elements that are whole blocks in every one of ``dtypes``' files (fp32 only: 1024; with bf16: 2048): transfers
+    of every kind at once start and end on a multiple of it."""
+    return max((block_elements(d) for d in dtypes), default=ALIGN_ELEMENTS)
+
+
+def file_nbytes(numel: int, dtypes: dict[str, torch.dtype]) -> dict[str, int]:
+    """Each kind's file size for ``numel`` elements: whole granules (every file covers the same elements, so a
+    transfer of the last granule stays inside each)."""
+    per = granule(list(dtypes.values()))
+    padded = max(per, -(-numel // per) * per)
+    return {k: padded * d.itemsize for k, d in dtypes.items()}
 
 
 HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
@@ -61,14 +81,17 @@ def aligned_buffer(nbytes: int) -> torch.Tensor:
 
 
 class StateFiles:
-    """``kinds`` fp32 arrays of ``numel`` elements, one file each, in ``directory`` (created here; the files are
-    deleted, and the directory when empty, by :meth:`close`, when this object is collected, or at exit)."""
+    """``kinds`` arrays of ``numel`` elements, one file each, in ``directory`` (created here; the files are deleted,
+    and the directory when empty, by :meth:`close`, when this object is collected, or at exit). ``dtypes``: each
+    kind's dtype (default fp32)."""
 
-    def __init__(self, directory: str, stem: str, kinds: Sequence[str], numel: int):
+    def __init__(self, directory: str, stem: str, kinds: Sequence[str], numel: int,
+                 dtypes: Optional[dict[str, torch.dtype]] = None):  # fmt: skip
         self.directory, self.numel = directory, numel
-        self.nbytes = max(ALIGN, -(-numel * 4 // ALIGN) * ALIGN)  # whole blocks
+        self.dtypes = {k: (dtypes or {}).get(k, torch.float32) for k in kinds}
+        self.nbytes_of = file_nbytes(numel, self.dtypes)
         os.makedirs(directory, exist_ok=True)
-        self.paths = {k: os.path.join(directory, f"{stem}.{k}.f32") for k in kinds}
+        self.paths = {k: os.path.join(directory, f"{stem}.{k}.{FILE_SUFFIX[d]}") for k, d in self.dtypes.items()}
         self.direct = True
         self.fds: dict[str, int] = {}
         self._readers: ThreadPoolExecutor | None = None
@@ -86,10 +109,12 @@ class StateFiles:
                 self.fds[kind] = self._open(path)
                 # Reserve the blocks now: a full disk fails here, not in the middle of a step's write-behind.
                 # The reserved blocks read as zeros (every kind but the master starts at zero).
-                os.posix_fallocate(self.fds[kind], 0, self.nbytes)
+                os.posix_fallocate(self.fds[kind], 0, self.nbytes_of[kind])
         except OSError as e:
             self.close()
-            raise OSError(e.errno, f"zero_ext offload: cannot create {self.nbytes} bytes in {directory}: {e.strerror}")
+            raise OSError(
+                e.errno, f"zero_ext offload: cannot create {self.nbytes_of[kind]} bytes in {directory}: {e.strerror}"
+            )
         except BaseException:
             self.close()
             raise
@@ -113,41 +138,42 @@ class StateFiles:
         self.direct = False
         return os.open(path, flags, 0o600)
 
-    @staticmethod
-    def _check(start: int, buf: torch.Tensor) -> None:
-        if start % ALIGN_ELEMENTS or buf.numel() % ALIGN or buf.data_ptr() % ALIGN:
+    def _offset(self, kind: str, start: int, buf: torch.Tensor) -> int:
+        """Byte offset of element ``start`` of ``kind``'s file; checks that the transfer is whole aligned blocks."""
+        offset = start * self.dtypes[kind].itemsize
+        if offset % ALIGN or buf.numel() % ALIGN or buf.data_ptr() % ALIGN:
             raise ValueError("StateFiles: transfers must be whole aligned blocks (start, length and address)")
-
-    def _read(self, kind: str, start: int, buf: torch.Tensor) -> int:
-        return pread_all(self.fds[kind], self.paths[kind], start * 4, buf)
-
-    def _write(self, kind: str, start: int, buf: torch.Tensor) -> int:
-        return pwrite_all(self.fds[kind], start * 4, buf)
+        return offset
 
     def read_async(self, kind: str, start: int, buf: torch.Tensor) -> Future:
         """Fill ``buf`` (aligned uint8) with the file's bytes from element ``start`` (aligned), on an I/O thread."""
-        self._check(start, buf)
-        return self._readers.submit(pread_all, self.fds[kind], self.paths[kind], start * 4, buf)
+        offset = self._offset(kind, start, buf)
+        return self._readers.submit(pread_all, self.fds[kind], self.paths[kind], offset, buf)
 
     def write_async(self, kind: str, start: int, buf: torch.Tensor) -> Future:
-        self._check(start, buf)
-        return self._writers.submit(pwrite_all, self.fds[kind], start * 4, buf)
+        offset = self._offset(kind, start, buf)
+        return self._writers.submit(pwrite_all, self.fds[kind], offset, buf)
+
+    def _block_range(self, kind: str, start: int, numel: int) -> tuple[int, int, torch.Tensor]:
+        """The whole blocks around elements [start, start + numel): (first element, buffer of them read)."""
+        per = block_elements(self.dtypes[kind])
+        lo, hi = start // per * per, -(-(start + numel) // per) * per
+        buf = aligned_buffer((hi - lo) * self.dtypes[kind].itemsize)
+        pread_all(self.fds[kind], self.paths[kind], self._offset(kind, lo, buf), buf)
+        return lo, buf
 
     def read_range(self, kind: str, start: int, numel: int) -> torch.Tensor:
-        """Elements [start, start + numel) as a new fp32 tensor (any alignment; synchronous)."""
-        lo, hi = start // ALIGN_ELEMENTS * ALIGN_ELEMENTS, -(-(start + numel) // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
-        buf = aligned_buffer((hi - lo) * 4)
-        self._read(kind, lo, buf)
-        return buf.view(torch.float32)[start - lo : start - lo + numel].clone()
+        """Elements [start, start + numel) as a new tensor of the kind's dtype (any alignment; synchronous)."""
+        lo, buf = self._block_range(kind, start, numel)
+        return buf.view(self.dtypes[kind])[start - lo : start - lo + numel].clone()
 
     def write_range(self, kind: str, start: int, values: torch.Tensor) -> None:
-        """Overwrite elements from ``start`` with ``values`` (any alignment; synchronous read-modify-write)."""
+        """Overwrite elements from ``start`` with ``values`` (any alignment; cast to the kind's dtype, rounding to
+        nearest even; synchronous read-modify-write)."""
         numel = values.numel()
-        lo, hi = start // ALIGN_ELEMENTS * ALIGN_ELEMENTS, -(-(start + numel) // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
-        buf = aligned_buffer((hi - lo) * 4)
-        self._read(kind, lo, buf)
-        buf.view(torch.float32)[start - lo : start - lo + numel].copy_(values.reshape(-1))
-        self._write(kind, lo, buf)
+        lo, buf = self._block_range(kind, start, numel)
+        buf.view(self.dtypes[kind])[start - lo : start - lo + numel].copy_(values.reshape(-1))
+        pwrite_all(self.fds[kind], self._offset(kind, lo, buf), buf)
 
     def close(self) -> None:
         """Finish the I/O in flight, close and delete the files (the state is working memory; checkpoints are the
