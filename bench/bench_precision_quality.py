@@ -294,8 +294,9 @@ def main(argv=None) -> int:
             "world_size": args.world_size,
             "last": args.last,
             "bar_pct": args.bar,
+            "smooth": args.smooth,
             "matmul": m,
-        },  # fmt: skip
+        },
         "entropy_rate": entropy,
         "num_params": n_params,
         "runs": {n: {k: v for k, v in r.items() if k != "params"} for n, r in runs.items()},

@@ -2,11 +2,16 @@
 
 Left: every run's loss curve, raw (thin, faint) and smoothed (a trailing moving average, solid), on a log scale
 from the start; middle: the same from the middle of the run, where the curves separate, if they do; right: each run's
-smoothed loss minus fp32's, in percent of fp32's, against the issue's +-1 % bar. Skipped runs are named in the title.
+smoothed loss minus fp32's, in percent of fp32's, scaled to the gaps (the issue's +-1 % bar drawn when it fits).
+Skipped runs are named in the title. ``python bench/precision_quality_chart.py bench/results/precision_quality.json``
+redraws a result's chart from its JSON.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 from pathlib import Path
 
 COLORS = {
@@ -71,16 +76,23 @@ def save_chart(runs: dict, entropy: float, args, path) -> Path:
                title=title, title_fontsize=8)  # fmt: skip
 
     if "fp32" in trained:
-        ref = smooth["fp32"]
+        ref, shown = smooth["fp32"], []
         for name in (n for n in trained if n != "fp32"):
             gap = [100 * (a - b) / b for a, b in zip(smooth[name], ref)]
+            shown += gap[args.smooth :]  # the first window averages fewer steps: noisier, left out of the scale
             ax_gap.plot(range(1, len(gap) + 1), gap, color=COLORS.get(name, "gray"), ls=DASH.get(name, "-"),
                         lw=WIDTH.get(name, 1.4), label=name)  # fmt: skip
-        ax_gap.axhspan(-args.bar, args.bar, color="tab:green", alpha=0.1, label=f"+-{args.bar:g} % (the bar)")
         ax_gap.axhline(0, color="black", lw=0.8)
-        ax_gap.set_ylim(-4 * args.bar, 4 * args.bar)
+        # Scaled to the gaps, not to the bar: gaps of hundredths of a percent are flat lines on a +-1 % axis.
+        top = 1.3 * max([abs(v) for v in shown] + [0.01])
+        ax_gap.set_ylim(-top, top)
+        if args.bar <= top:
+            ax_gap.axhspan(-args.bar, args.bar, color="tab:green", alpha=0.1, label=f"+-{args.bar:g} % (the bar)")
+        else:
+            ax_gap.text(0.02, 0.03, f"the bar, +-{args.bar:g} %, is {args.bar / top:.0f}x this axis' range",
+                        transform=ax_gap.transAxes, fontsize=8, color="tab:green")  # fmt: skip
         ax_gap.legend(fontsize=8, loc="upper right")
-    ax_gap.set(title=f"smoothed loss vs fp32's, % (clipped at +-{4 * args.bar:g})", xlabel="step", ylabel="%")
+    ax_gap.set(title="smoothed loss minus fp32's, in % of fp32's", xlabel="step", ylabel="%")
     fig.suptitle(
         f"Optimizer-state precision: the benchmark GPT, {args.steps} steps, ZeroAdamW stage {args.stage} on "
         f"{args.world_size} ranks, same weights and batches"
@@ -89,3 +101,16 @@ def save_chart(runs: dict, entropy: float, args, path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def redraw(json_path: str) -> Path:
+    """The chart of a result file, drawn again from its JSON (next to it, as ``<name>.png``)."""
+    data = json.loads(Path(json_path).read_text())
+    c = data["config"]
+    args = argparse.Namespace(smooth=c.get("smooth", 20), last=c["last"], bar=c["bar_pct"], steps=c["steps"],
+                              stage=int(c["recipe"][-1]), world_size=c["world_size"])  # fmt: skip
+    return save_chart(data["runs"], data["entropy_rate"], args, Path(json_path).with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    print("wrote", redraw(sys.argv[1]))
