@@ -213,7 +213,13 @@ def verdict(ok) -> str:
     return {True: "PASS", False: "FAIL", None: "NOT RUN"}[ok]
 
 
-def render(runs: dict, checks: dict, args, meta_: dict, entropy: float, n_params: int) -> str:
+def torchao_8bit_numel(model) -> int:
+    """Elements whose moments torchao's AdamW8bit keeps in 8 bits: parameters of >= 4096 elements and a multiple of
+    its block size, 256 (torchao 0.18, optim/adam.py ``_new_buffer``); the others keep fp32 moments."""
+    return sum(p.numel() for p in model.parameters() if p.numel() >= 4096 and p.numel() % 256 == 0)
+
+
+def render(runs: dict, checks: dict, args, meta_: dict, entropy: float, n_params: int, n_8bit: int) -> str:
     rows = []
     for name, r in runs.items():
         if "losses" not in r:
@@ -254,7 +260,8 @@ def render(runs: dict, checks: dict, args, meta_: dict, entropy: float, n_params
         "- wall s: the run's processes from start to end (process start, data, and torchao's torch.compile included); "
         "train: the training loop alone. Other work on the 2 cores slows both.",
         "- torchao AdamW8bit: block size 256, dynamic-tree 8-bit maps (signed for exp_avg, unsigned for exp_avg_sq), "
-        "parameters under 4096 elements keep fp32 moments (its min_quant_size); fp32 params, one process.",
+        f"parameters under 4096 elements or not a multiple of 256 keep fp32 moments: {n_8bit:,} of {n_params:,} "
+        f"elements ({100 * n_8bit / n_params:.1f} %) have 8-bit moments here; fp32 params, one process.",
     ]
     return "\n".join(lines)
 
@@ -284,8 +291,9 @@ def main(argv=None) -> int:
             print(f"[{name}] SKIPPED: {r['skipped']}", flush=True)
     checks = analyse(runs, args)
     entropy = MarkovData(args.vocab, args.seq_len, seed=args.seed).entropy_rate()
-    n_params = num_params(GPT(model_cfg))
-    body = render(runs, checks, args, meta_, entropy, n_params)
+    model = GPT(model_cfg)
+    n_params, n_8bit = num_params(model), torchao_8bit_numel(model)
+    body = render(runs, checks, args, meta_, entropy, n_params, n_8bit)
     print(body)
     payload = {
         "config": {
@@ -299,6 +307,7 @@ def main(argv=None) -> int:
         },
         "entropy_rate": entropy,
         "num_params": n_params,
+        "torchao_8bit_numel": n_8bit,
         "runs": {n: {k: v for k, v in r.items() if k != "params"} for n, r in runs.items()},
         "checks": checks,
     }
@@ -306,7 +315,7 @@ def main(argv=None) -> int:
     if not args.no_chart:
         from precision_quality_chart import save_chart
 
-        chart = save_chart(runs, entropy, args, os.path.join(args.out_dir, f"{args.name}.png"))
+        chart = save_chart(runs, entropy, args, os.path.join(args.out_dir, f"{args.name}.png"), checks)
         with open(paths[1], "a") as f:
             f.write(f"\n![loss curves]({os.path.basename(chart)})\n")
         paths.append(chart)

@@ -39,7 +39,7 @@ def moving_average(xs: list, window: int) -> list:
     return out
 
 
-def save_chart(runs: dict, entropy: float, args, path) -> Path:
+def save_chart(runs: dict, entropy: float, args, path, checks: dict | None = None) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -55,6 +55,8 @@ def save_chart(runs: dict, entropy: float, args, path) -> Path:
         style = dict(color=COLORS.get(name, "gray"), ls=DASH.get(name, "-"), zorder=ZORDER.get(name, 2))
         final = f"{r['final_loss']:.4f}"
         gap = f", {r['gap_to_fp32_pct']:+.2f} % vs fp32" if "gap_to_fp32_pct" in r and name != "fp32" else ""
+        if name == "remainders" and (checks or {}).get("remainders_bitwise_fp32", {}).get("ok"):
+            gap = ", bitwise = fp32 (losses and params)"
         for ax, start in ((ax_all, 0), (ax_late, half)):
             ax.plot(steps[start:], r["losses"][start:], lw=0.6, alpha=0.3, **style)
             ax.plot(steps[start:], smooth[name][start:], lw=WIDTH.get(name, 1.6), alpha=0.9,
@@ -109,7 +111,7 @@ def redraw(json_path: str) -> Path:
     c = data["config"]
     args = argparse.Namespace(smooth=c.get("smooth", 20), last=c["last"], bar=c["bar_pct"], steps=c["steps"],
                               stage=int(c["recipe"][-1]), world_size=c["world_size"])  # fmt: skip
-    return save_chart(data["runs"], data["entropy_rate"], args, Path(json_path).with_suffix(".png"))
+    return save_chart(data["runs"], data["entropy_rate"], args, Path(json_path).with_suffix(".png"), data["checks"])
 
 
 if __name__ == "__main__":
