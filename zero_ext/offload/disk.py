@@ -27,7 +27,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from ..layout import Bucket, Layout, Range
-from ..placement import BucketState, Unit, widened
+from ..placement import BucketState, Unit
 from ..update_rule import REMAINDER, UpdateRule
 from .files import ALIGN, StateFiles, aligned_buffer, granule
 from .host import HostGradients, copy_runs_to_device, fetch_params
@@ -230,7 +230,7 @@ class DiskState(HostGradients):
             return shard_range.of(self.grad)
         if kind in self.buffers:  # a remainder, in host memory
             return shard_range.of(self.buffers[kind])
-        return widened(self.files.read_range(kind, shard_range.start, shard_range.numel))
+        return self.files.read_range(kind, shard_range.start, shard_range.numel)  # as kept: DeviceState.read widens
 
     def _store(self, kind: str, shard_range: Range, values: torch.Tensor) -> None:
         if kind == "grad" or kind in self.buffers:
