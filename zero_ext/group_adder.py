@@ -132,7 +132,9 @@ class GroupAdder:
         for dtype in SUPPORTED_DTYPES:
             members = [(gidx, p) for gidx, p in self.members if p.dtype == dtype]
             if members:
-                rule = rule_for_group(dtype, self.group, moment_dtype=self.options.moment_dtype, group_index=self.index)
+                # the optimizer's precision options hold for added groups too (param_remainders refuses non-bf16)
+                rule = rule_for_group(dtype, self.group, self.options.param_remainders,
+                                      moment_dtype=self.options.moment_dtype, group_index=self.index)  # fmt: skip
                 rule.check_group(f"param group {self.index}", self.group)
                 layout = Layout([p.numel() for _, p in members], state.world_size, state.bucket_size)
                 self.specs.append((self.index, members, layout, rule))
