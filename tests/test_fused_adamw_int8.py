@@ -229,3 +229,29 @@ def test_fake_rejects_a_bad_block_under_meta():
     meta = [t.to("meta") for t in (s.master, torch.zeros(97), s.m_codes, s.m_scales, s.v_codes, s.v_scales)]
     with pytest.raises(RuntimeError, match="`block` must be a multiple of 16"):
         OP(*meta, block=24, step=1.0, **HP)
+
+
+def _to(state: State, device: str) -> State:
+    c = state.clone()
+    c.__dict__ = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in c.__dict__.items()}
+    return c
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n,block", [(97, 16), (1025, 64), (4096 + 7, 2048), (3 * 65536 + 40, 64)])
+@pytest.mark.parametrize("out", ["none", "bf16", "remainder"])
+def test_cuda_matches_the_cpu_kernel(n, block, out):
+    """The CUDA kernel against the CPU kernel, three steps, with block tails. Written without a GPU and never run:
+    expected bitwise (same IEEE operations; explicit fmaf only). If it fails by an ulp, check whether ptxas
+    contracted a mul+add of adamw_update (adamw_math.h) into an FMA (-fmad=true): codes then differ where a
+    moment sits on a threshold, and the fp32 op's CUDA tests would show the same."""
+    cpu = State(n, block, out)
+    gpu = _to(cpu, "cuda")
+    for step in (1, 2, 3):
+        grad = _grad(n, torch.bfloat16, step)
+        cpu.step(fused_adamw_int8_, grad, step)
+        gpu.step(fused_adamw_int8_, grad.cuda(), step, found_inf=torch.zeros((), device="cuda"))
+        assert_same_state(_to(gpu, "cpu"), cpu)
+    before = _to(gpu, "cpu")
+    gpu.step(fused_adamw_int8_, _grad(n, torch.bfloat16, 4).cuda(), 4, found_inf=torch.ones((), device="cuda"))
+    assert_same_state(_to(gpu, "cpu"), before)
