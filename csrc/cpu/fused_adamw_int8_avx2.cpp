@@ -82,11 +82,39 @@ inline float reduce_absmax(__m256 amax) {
   return finish_absmax(r);
 }
 
-// encode_code: the count of thresholds below y, by a binary search over gathered thresholds.
+// Every 32nd threshold, thresholds[32e + 31] for e = 0..6 (the rest 0): the candidates of the
+// binary search's steps of 32 and more, which one VPERMPS reads from a register without a gather.
+struct CoarseThresholds {
+  alignas(32) float values[8];
+};
+
 template <int kCodes>
-inline __m256i encode(const float* thresholds, __m256 y) {
+const CoarseThresholds& coarse_thresholds(const float* thresholds) {
+  static const CoarseThresholds table = [thresholds] {
+    CoarseThresholds t{};
+    for (int e = 0; 32 * e + 31 < kCodes - 1; ++e) t.values[e] = thresholds[32 * e + 31];
+    return t;
+  }();
+  return table;
+}
+
+// encode_code: the count of thresholds below y, by the same binary search. At a step of s >= 32
+// the candidate thresholds[pos + s - 1] is coarse[(pos + s) / 32 - 1] (pos is a multiple of 2s),
+// read by a permute from `coarse` = coarse_thresholds<kCodes>; the smaller steps gather.
+// NOTE: measured as in fused_adamw_int8_avx512.cpp: 75.7 vs 3.6 ns/element (20.8x the fp32 op)
+// gathering at every step, 24.9 vs 3.2 (7.9x) with the permuted steps.
+template <int kCodes>
+inline __m256i encode(const float* thresholds, __m256 coarse, __m256 y) {
   __m256i pos = _mm256_setzero_si256();
-  for (int step = kCodes / 2; step >= 1; step /= 2) {
+  int step = kCodes / 2;
+  for (; step >= 32; step /= 2) {
+    const __m256i e = _mm256_sub_epi32(
+        _mm256_srli_epi32(_mm256_add_epi32(pos, _mm256_set1_epi32(step)), 5), _mm256_set1_epi32(1));
+    const __m256 t = _mm256_permutevar8x32_ps(coarse, e);
+    const __m256i below = _mm256_castps_si256(_mm256_cmp_ps(t, y, _CMP_LT_OQ));
+    pos = _mm256_add_epi32(pos, _mm256_and_si256(below, _mm256_set1_epi32(step)));
+  }
+  for (; step >= 1; step /= 2) {
     const __m256i idx = _mm256_add_epi32(pos, _mm256_set1_epi32(step - 1));
     const __m256 t = _mm256_i32gather_ps(thresholds, idx, 4);
     const __m256i below = _mm256_castps_si256(_mm256_cmp_ps(t, y, _CMP_LT_OQ));
@@ -171,12 +199,16 @@ void block(const Int8AdamWBuffers& b, int64_t blk, const AdamWCoefficients& c) {
   const float v_max = reduce_absmax(v_amax);
   const __m256 m_div = _mm256_set1_ps(encode_divisor(m_max));
   const __m256 v_div = _mm256_set1_ps(encode_divisor(v_max));
+  const __m256 m_coarse =
+      _mm256_load_ps(coarse_thresholds<kInt8ExpAvgCodes>(kExpAvgThresholds).values);
+  const __m256 v_coarse =
+      _mm256_load_ps(coarse_thresholds<kInt8ExpAvgSqCodes>(kExpAvgSqThresholds).values);
   for (int64_t j = 0; j < b.block; j += kWidth) {
     const int64_t i = begin + j;
     store_bytes(b.exp_avg_codes + i,
-                encode<kInt8ExpAvgCodes>(kExpAvgThresholds,
+                encode<kInt8ExpAvgCodes>(kExpAvgThresholds, m_coarse,
                                          _mm256_div_ps(_mm256_load_ps(m_new + j), m_div)));
-    __m256i vc = encode<kInt8ExpAvgSqCodes>(kExpAvgSqThresholds,
+    __m256i vc = encode<kInt8ExpAvgSqCodes>(kExpAvgSqThresholds, v_coarse,
                                             _mm256_div_ps(_mm256_load_ps(v_new + j), v_div));
     if constexpr (kOut == 3) {
       vc = _mm256_or_si256(vc, _mm256_load_si256(reinterpret_cast<const __m256i*>(tie + j)));

@@ -68,11 +68,39 @@ inline float reduce_absmax(__m512 amax) {
   return finish_absmax(r);
 }
 
-// encode_code: the count of thresholds below y, by a binary search over gathered thresholds.
+// Every 8th threshold, thresholds[8e + 7] for e = 0..30 (the rest 0): the candidates of the binary
+// search's steps of 8 and more, which one VPERMT2PS reads from two registers without a gather.
+struct CoarseThresholds {
+  alignas(64) float values[32];
+};
+
 template <int kCodes>
-inline __m512i encode(const float* thresholds, __m512 y) {
+const CoarseThresholds& coarse_thresholds(const float* thresholds) {
+  static const CoarseThresholds table = [thresholds] {
+    CoarseThresholds t{};
+    for (int e = 0; 8 * e + 7 < kCodes - 1; ++e) t.values[e] = thresholds[8 * e + 7];
+    return t;
+  }();
+  return table;
+}
+
+// encode_code: the count of thresholds below y, by the same binary search. At a step of s >= 8 the
+// candidate thresholds[pos + s - 1] is coarse[(pos + s) / 8 - 1] (pos is a multiple of 2s), read
+// by a permute from (lo, hi) = coarse_thresholds<kCodes>; the last three steps gather.
+// NOTE: 2^22 elements, bf16 grad, param_out, one thread, the (loaded) 2-core dev VM, each run
+// timing the fp32 op and this one alternately (median of 5): with eight gathers per search (17 per
+// 16 elements) 42.8 vs 3.7 ns/element (11.7x the fp32 op); with three, 16.0 vs 4.1 (3.9x).
+template <int kCodes>
+inline __m512i encode(const float* thresholds, __m512 lo, __m512 hi, __m512 y) {
   __m512i pos = _mm512_setzero_si512();
-  for (int step = kCodes / 2; step >= 1; step /= 2) {
+  for (int step = kCodes / 2; step >= 8; step /= 2) {
+    const __m512i e = _mm512_sub_epi32(
+        _mm512_srli_epi32(_mm512_add_epi32(pos, _mm512_set1_epi32(step)), 3), _mm512_set1_epi32(1));
+    const __m512 t = _mm512_permutex2var_ps(lo, e, hi);
+    const __mmask16 below = _mm512_cmp_ps_mask(t, y, _CMP_LT_OQ);
+    pos = _mm512_mask_add_epi32(pos, below, pos, _mm512_set1_epi32(step));
+  }
+  for (int step = 4; step >= 1; step /= 2) {
     const __m512i idx = _mm512_add_epi32(pos, _mm512_set1_epi32(step - 1));
     const __m512 t = _mm512_i32gather_ps(idx, thresholds, 4);
     const __mmask16 below = _mm512_cmp_ps_mask(t, y, _CMP_LT_OQ);
@@ -160,11 +188,17 @@ void block(const Int8AdamWBuffers& b, int64_t blk, const AdamWCoefficients& c) {
   const float v_max = reduce_absmax(v_amax);
   const __m512 m_div = _mm512_set1_ps(encode_divisor(m_max));
   const __m512 v_div = _mm512_set1_ps(encode_divisor(v_max));
+  const CoarseThresholds& m_coarse = coarse_thresholds<kInt8ExpAvgCodes>(kExpAvgThresholds);
+  const CoarseThresholds& v_coarse = coarse_thresholds<kInt8ExpAvgSqCodes>(kExpAvgSqThresholds);
+  const __m512 m_lo = _mm512_load_ps(m_coarse.values);
+  const __m512 m_hi = _mm512_load_ps(m_coarse.values + 16);
+  const __m512 v_lo = _mm512_load_ps(v_coarse.values);
+  const __m512 v_hi = _mm512_load_ps(v_coarse.values + 16);
   for (int64_t j = 0; j < b.block; j += kWidth) {
     const int64_t i = begin + j;
-    const __m512i mc = encode<kInt8ExpAvgCodes>(kExpAvgThresholds,
+    const __m512i mc = encode<kInt8ExpAvgCodes>(kExpAvgThresholds, m_lo, m_hi,
                                                 _mm512_div_ps(_mm512_load_ps(m_new + j), m_div));
-    __m512i vc = encode<kInt8ExpAvgSqCodes>(kExpAvgSqThresholds,
+    __m512i vc = encode<kInt8ExpAvgSqCodes>(kExpAvgSqThresholds, v_lo, v_hi,
                                             _mm512_div_ps(_mm512_load_ps(v_new + j), v_div));
     if constexpr (kOut == 3) {
       vc = _mm512_or_si512(
