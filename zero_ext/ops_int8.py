@@ -1,6 +1,28 @@
 """The fused AdamW step with int8 block-quantized moments: a thin documented wrapper over
 ``torch.ops.zero_ext.fused_adamw_int8_`` and its fake (meta) impl. The maps, the block layout and the plain-torch
 reference of the same arithmetic are in :mod:`zero_ext.blockwise_int8`.
+
+For the engine (not integrated yet; ``ZeroAdamW(moment_dtype=torch.int8)`` is refused):
+
+- State per flat group shard of ``n`` elements: ``exp_avg_codes`` / ``exp_avg_sq_codes`` int8 ``[n]``, and
+  ``exp_avg_scales`` / ``exp_avg_sq_scales`` fp32 ``[ceil(n / 64)]``; zero-initialised (codes 0, scales 0) is the
+  zero moment. 1 + 4/64 = 1.0625 bytes per element per moment.
+- Blocks are aligned to the first element of each call: a call over shard elements ``[a, b)`` passes
+  ``codes[a:b]`` and ``scales[a // 64 : ceil(b / 64)]`` and needs ``a % 64 == 0``; only the call that ends at the
+  shard's end may end mid-block (its short last block). Bucket shard slices are multiples of 64 elements, so
+  per-bucket calls qualify; offload windows and fragments must be cut at multiples of 64 too. A range that must
+  start or end inside a block would need the kernel widened to the whole blocks, with the elements outside the
+  update range dequantized and re-encoded with the block's new scale but not updated (not implemented).
+- Bitwise across world sizes and stages only if a block holds the same elements everywhere: the block grid must be
+  64-aligned in the canonical layout (SPEC B: every bucket's canonical start a multiple of 64). Padding elements
+  (zero grad, zero master) keep zero moments.
+- Checkpoints: ``blockwise_int8.dequantize`` (bit 7 of exp_avg_sq's codes ignored) gives the fp32 moments to
+  save; loading quantizes the fp32 moments with the target's block grid (``blockwise_int8.quantize``), which is
+  deterministic but not lossless for a checkpoint saved from fp32 moments.
+- param_remainders: ``remainder=`` and the tie bit in bit 7 of ``exp_avg_sq_codes``; serialisers read the master
+  with ``blockwise_int8.join_rne(param, remainder, tie_of(codes))`` and must keep bit 7 when writing the codes.
+- No amsgrad (no ``max_exp_avg_sq`` argument): refuse ``amsgrad=True`` with int8 moments, or extend the op with
+  an fp32 (or quantized) ``max_exp_avg_sq``.
 """
 
 from __future__ import annotations
