@@ -171,7 +171,10 @@ def markdown(res: dict, args, command: str) -> str:
     lines = [
         "# int8 AdamW moments: maps x block sizes on the benchmark GPT",
         "",
-        f"Command: `{command}`",
+        "Commands (each part of the measurement, run side by side into one JSON; then `--part md` wrote this file):",
+        "",
+        *sorted({f"    {v}" for k, v in res.items() if k.startswith("command_") and k != "command_num_params"}),
+        "",
         f"torch {torch.__version__}, {res['num_params']:,} params, {args.steps} steps, batch {args.batch} x "
         f"{args.seq_len}, lr {HP['lr']}, betas ({HP['beta1']}, {HP['beta2']}), eps {HP['eps']}, wd "
         f"{HP['weight_decay']}, seed {args.seed}; CPU, one thread.",
@@ -186,6 +189,17 @@ def markdown(res: dict, args, command: str) -> str:
         b = "4" if name == "fp32" else f"{1 + 4 / int(name.split('/')[2]):.4f}"
         gap = (r["final_eval_loss"] - base) / base * 100
         lines.append(f"| {name} | {b} | {r['final_eval_loss']:.4f} | {gap:+.2f} % |")
+    steps = list(res["closed_loop"]["fp32"]["eval_loss"])
+    lines += ["", "Held-out loss along the run (gap vs fp32 at the same step, %):", "",
+              "| config | " + " | ".join(steps) + " |", "|---|" + "---|" * len(steps)]  # fmt: skip
+    for name, r in res["closed_loop"].items():
+        gaps = [
+            (r["eval_loss"][s] - res["closed_loop"]["fp32"]["eval_loss"][s])
+            / res["closed_loop"]["fp32"]["eval_loss"][s]
+            * 100
+            for s in steps
+        ]
+        lines.append(f"| {name} | " + " | ".join(f"{g:+.2f}" for g in gaps) + " |")
     lines += [
         "",
         "## Update direction error on the fp32 trajectory (teacher forced)",
@@ -217,7 +231,9 @@ def main() -> None:
     p.add_argument("--probe-every", type=int, default=25)
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--part", default="all", help="all | teacher | a comma list of closed-loop configs")
+    p.add_argument(
+        "--part", default="all", help="all | teacher | md (only rewrite --md) | a comma list of closed-loop configs"
+    )
     p.add_argument("--out", default="bench/investigations/int8_moments.json")
     p.add_argument("--md", default="")
     args = p.parse_args()
@@ -240,7 +256,7 @@ def main() -> None:
     res = save("num_params", None, n)
     if args.part in ("all", "teacher"):
         res = save("teacher_forced", None, teacher_forced(args))
-    if args.part != "teacher":
+    if args.part not in ("teacher", "md"):
         names = (["fp32"] + [f"dyn8s/{v}/{b}" for v in ("dyn8u", "dyn7") for b in BLOCKS] + ["linear8s/linear8u/256"]
                  if args.part == "all" else args.part.split(","))  # fmt: skip
         for name in names:
