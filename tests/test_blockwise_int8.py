@@ -188,3 +188,18 @@ def test_reference_found_inf_changes_nothing():
     before = [t.clone() for t in (master, mc, ms, vc, vs)]
     q8.fused_adamw_int8_reference(master, torch.randn(300), mc, ms, vc, vs, step=1, found_inf=torch.ones(()), **HP)
     assert all(torch.equal(a, b) for a, b in zip(before, (master, mc, ms, vc, vs)))
+
+
+def test_reference_writes_the_tie_bit_of_a_master_that_stays_a_tie():
+    """lr = 0 and weight_decay = 0 keep every master: masters planted on ties that RNE rounds down come back with
+    bit 7 set in every exp_avg_sq code and join to themselves (random masters are ties in ~2^-16 of elements)."""
+    n, block = 64 * 3 + 7, 64
+    master, mc, ms, vc, vs = _state(n, block, seed=2)
+    master = (_bits(master) & ~0x1FFFF | 0x8000).view(torch.float32)
+    param, rem, tie = q8.split_rne(master)
+    assert bool(tie.all())
+    vc = (vc.view(torch.uint8) | 0x80).view(torch.int8)
+    hp = dict(HP, lr=0.0, weight_decay=0.0)
+    q8.fused_adamw_int8_reference(param, torch.randn(n), mc, ms, vc, vs, step=1, remainder=rem, block=block, **hp)
+    assert bool(q8.tie_of(vc).all())
+    assert torch.equal(_bits(q8.join_rne(param, rem, q8.tie_of(vc))), _bits(master))
