@@ -1,0 +1,141 @@
+// cpu::fused_adamw_int8 (fused_adamw_int8.h): the scalar path, which is the reference of the SIMD
+// paths (fused_adamw_int8_avx2.cpp, fused_adamw_int8_avx512.cpp: the same IEEE operations in the
+// same order, FMA exactly where adamw_math.h calls fmaf), and the OpenMP driver.
+#pragma GCC optimize("fp-contract=off")
+
+#include "fused_adamw_int8.h"
+
+#include <algorithm>
+
+#include "../fused_adamw_int8_math.h"
+#include "float_convert.h"
+#include "kernels.h"
+
+namespace zero_ext::cpu {
+namespace {
+
+constexpr float kExpAvgMap[] = ZERO_EXT_INT8_EXP_AVG_MAP;
+constexpr float kExpAvgThresholds[] = ZERO_EXT_INT8_EXP_AVG_THRESHOLDS;
+constexpr float kExpAvgSqMap[] = ZERO_EXT_INT8_EXP_AVG_SQ_MAP;
+constexpr float kExpAvgSqThresholds[] = ZERO_EXT_INT8_EXP_AVG_SQ_THRESHOLDS;
+
+// NOTE: one task = 1024 blocks of 64 (64K elements), as cpu::fused_adamw's chunks: below that a
+// parallel region costs more than it saves on the 2-core dev VM.
+constexpr int64_t kChunkElements = int64_t{1} << 16;
+
+// kOut: 0 = no param_out, 1 = bf16, 2 = fp16, 3 = the master is bf16 param_out + remainder + tie.
+template <DType kGrad, int kOut>
+void scalar_block(const Int8AdamWBuffers& b, int64_t blk, const AdamWCoefficients& c) {
+  const int64_t begin = blk * b.block;
+  const int64_t len = std::min(b.n - begin, b.block);
+  float m_new[kInt8MaxBlock];
+  float v_new[kInt8MaxBlock];
+  uint8_t tie[kInt8MaxBlock];
+  uint16_t* const param = static_cast<uint16_t*>(b.param_out);
+  const uint8_t* const m_codes = reinterpret_cast<const uint8_t*>(b.exp_avg_codes) + begin;
+  const uint8_t* const v_codes = reinterpret_cast<const uint8_t*>(b.exp_avg_sq_codes) + begin;
+  const float m_scale = b.exp_avg_scales[blk];
+  const float v_scale = b.exp_avg_sq_scales[blk];
+  float m_amax = 0.0f;
+  float v_amax = 0.0f;
+  for (int64_t j = 0; j < len; ++j) {
+    const int64_t i = begin + j;
+    float m = kExpAvgMap[m_codes[j]] * m_scale;
+    float v = kExpAvgSqMap[v_codes[j] & 0x7Fu] * v_scale;
+    float p = kOut == 3 ? bits_float(join_rne_bits(param[i], b.remainder[i], v_codes[j] >> 7))
+                        : b.master[i];
+    adamw_update(p, load_as_float(b.grad, kGrad, i), m, v, c);
+    if constexpr (kOut == 3) {
+      const SplitMaster s = split_rne_bits(float_bits(p));
+      param[i] = s.param;
+      b.remainder[i] = s.remainder;
+      tie[j] = static_cast<uint8_t>(s.tie << 7);
+    } else {
+      b.master[i] = p;
+      tie[j] = 0;
+    }
+    if constexpr (kOut == 1) param[i] = float_to_bf16(p);
+    if constexpr (kOut == 2) param[i] = float_to_fp16(p);
+    m_new[j] = m;
+    v_new[j] = v;
+    m_amax = absmax_step(m_amax, m);
+    v_amax = absmax_step(v_amax, v);
+  }
+  m_amax = finish_absmax(m_amax);
+  v_amax = finish_absmax(v_amax);
+  const float m_div = encode_divisor(m_amax);
+  const float v_div = encode_divisor(v_amax);
+  uint8_t* const m_out = reinterpret_cast<uint8_t*>(b.exp_avg_codes) + begin;
+  uint8_t* const v_out = reinterpret_cast<uint8_t*>(b.exp_avg_sq_codes) + begin;
+  for (int64_t j = 0; j < len; ++j) {
+    m_out[j] =
+        static_cast<uint8_t>(encode_code<kInt8ExpAvgCodes>(kExpAvgThresholds, m_new[j] / m_div));
+    v_out[j] = static_cast<uint8_t>(
+        encode_code<kInt8ExpAvgSqCodes>(kExpAvgSqThresholds, v_new[j] / v_div) | tie[j]);
+  }
+  b.exp_avg_scales[blk] = m_amax;
+  b.exp_avg_sq_scales[blk] = v_amax;
+}
+
+template <DType kGrad>
+void scalar_blocks(const Int8AdamWBuffers& b, int64_t first, int64_t last,
+                   const AdamWCoefficients& c) {
+  for (int64_t blk = first; blk < last; ++blk) {
+    if (b.remainder != nullptr) {
+      scalar_block<kGrad, 3>(b, blk, c);
+    } else if (b.param_out == nullptr) {
+      scalar_block<kGrad, 0>(b, blk, c);
+    } else if (b.param_out_dtype == DType::kBFloat16) {
+      scalar_block<kGrad, 1>(b, blk, c);
+    } else {
+      scalar_block<kGrad, 2>(b, blk, c);
+    }
+  }
+}
+
+void run_blocks(const Int8AdamWBuffers& b, int64_t first, int64_t last, const AdamWCoefficients& c,
+                Isa isa) {
+  if (isa == Isa::kAvx512) {
+    first = fused_adamw_int8_avx512(b, first, last, c);
+  } else if (isa == Isa::kAvx2) {
+    first = fused_adamw_int8_avx2(b, first, last, c);
+  }
+  fused_adamw_int8_scalar(b, first, last, c);
+}
+
+}  // namespace
+
+int64_t fused_adamw_int8_scalar(const Int8AdamWBuffers& b, int64_t block_begin, int64_t block_end,
+                                const AdamWCoefficients& c) {
+  switch (b.grad_dtype) {
+    case DType::kBFloat16:
+      scalar_blocks<DType::kBFloat16>(b, block_begin, block_end, c);
+      break;
+    case DType::kFloat16:
+      scalar_blocks<DType::kFloat16>(b, block_begin, block_end, c);
+      break;
+    default:
+      scalar_blocks<DType::kFloat32>(b, block_begin, block_end, c);
+      break;
+  }
+  return block_end;
+}
+
+void fused_adamw_int8(const Int8AdamWBuffers& b, const AdamWCoefficients& c, int num_threads) {
+  if (b.n <= 0) return;
+  const int64_t blocks = (b.n + b.block - 1) / b.block;
+  const int64_t per_chunk = std::max<int64_t>(1, kChunkElements / b.block);
+  const int64_t chunks = (blocks + per_chunk - 1) / per_chunk;
+  const Isa isa = active_isa();
+  if (chunks <= 1 || num_threads <= 1) {
+    run_blocks(b, 0, blocks, c, isa);
+    return;
+  }
+  const int threads = static_cast<int>(std::min<int64_t>(num_threads, chunks));
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t k = 0; k < chunks; ++k) {
+    run_blocks(b, k * per_chunk, std::min(blocks, (k + 1) * per_chunk), c, isa);
+  }
+}
+
+}  // namespace zero_ext::cpu

@@ -1,0 +1,182 @@
+// CUDA body of the int8 fused AdamW step: the CPU scalar path's arithmetic
+// (csrc/cpu/fused_adamw_int8.cpp, csrc/fused_adamw_int8_math.h) with one thread block per
+// quantization block. NEVER RUN: written on a machine without a GPU, compile-checked with nvcc.
+//
+// Per quantization block: every thread reads the block's old scales, then takes elements
+// j = threadIdx.x, + blockDim.x, ...: dequantize (maps in shared memory), adamw_update, write the
+// master/param, keep the new moments in shared memory and a running |x| max; the block absmax by
+// warp shuffles + shared memory (NaN-propagating, so order does not matter; a NaN becomes the
+// canonical NaN); then encode (binary search over the thresholds in shared memory) and thread 0
+// writes the new scales. Expected bitwise equal to the CPU (same IEEE operations; explicit fmaf
+// only; sqrtf and '/' are correctly rounded under nvcc's defaults -prec-sqrt=true -prec-div=true).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "common.cuh"
+#include "fused_adamw_int8.h"
+
+namespace zero_ext::cuda {
+namespace {
+
+__constant__ float kExpAvgMap[] = ZERO_EXT_INT8_EXP_AVG_MAP;
+__constant__ float kExpAvgThresholds[] = ZERO_EXT_INT8_EXP_AVG_THRESHOLDS;
+__constant__ float kExpAvgSqMap[] = ZERO_EXT_INT8_EXP_AVG_SQ_MAP;
+__constant__ float kExpAvgSqThresholds[] = ZERO_EXT_INT8_EXP_AVG_SQ_THRESHOLDS;
+
+constexpr int kMaxThreads = 256;
+constexpr int kWarps = kMaxThreads / 32;
+
+__device__ __forceinline__ double read_scalar(const DeviceScalar& s) {
+  return s.ptr != nullptr ? static_cast<double>(*s.ptr) : s.value;
+}
+
+__device__ __forceinline__ float load_grad(const void* grad, DType dtype, int64_t i) {
+  switch (dtype) {
+    case DType::kBFloat16:
+      return __bfloat162float(static_cast<const __nv_bfloat16*>(grad)[i]);
+    case DType::kFloat16:
+      return __half2float(static_cast<const __half*>(grad)[i]);
+    default:
+      return static_cast<const float*>(grad)[i];
+  }
+}
+
+__device__ __forceinline__ float warp_absmax(float x) {
+  for (int offset = 16; offset >= 1; offset /= 2) {
+    x = nan_propagating_max(__shfl_xor_sync(0xFFFFFFFFu, x, offset), x);
+  }
+  return x;
+}
+
+// The block-wide NaN-propagating max of every thread's `x` (blockDim.x a multiple of 32).
+__device__ __forceinline__ float block_absmax(float x, float* scratch) {
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  x = warp_absmax(x);
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    x = lane < static_cast<int>(blockDim.x / 32) ? scratch[lane] : 0.0f;
+    x = warp_absmax(x);
+    if (lane == 0) scratch[kWarps] = x;
+  }
+  __syncthreads();
+  return finish_absmax(scratch[kWarps]);
+}
+
+// kOut: 0 = no param_out, 1 = bf16, 2 = fp16, 3 = the master is bf16 param_out + remainder + tie.
+template <int kOut>
+__global__ void __launch_bounds__(kMaxThreads)
+    fused_adamw_int8_kernel(Int8AdamWBuffers b, AdamWArgs args) {
+  if (args.found_inf != nullptr && *args.found_inf != 0.0f) return;
+  const AdamWCoefficients c =
+      adamw_coefficients(read_scalar(args.lr), read_scalar(args.beta1), read_scalar(args.beta2),
+                         read_scalar(args.eps), read_scalar(args.weight_decay),
+                         read_scalar(args.step), read_scalar(args.grad_scale), args.maximize);
+  __shared__ float m_map[kInt8ExpAvgCodes];
+  __shared__ float m_thresholds[kInt8ExpAvgCodes];
+  __shared__ float v_map[kInt8ExpAvgSqCodes];
+  __shared__ float v_thresholds[kInt8ExpAvgSqCodes];
+  __shared__ float scratch[2][kWarps + 1];
+  extern __shared__ float dynamic[];  // m_new[block], v_new[block], tie[block] (bytes)
+  float* const m_new = dynamic;
+  float* const v_new = dynamic + b.block;
+  uint8_t* const tie = reinterpret_cast<uint8_t*>(dynamic + 2 * b.block);
+  for (int k = threadIdx.x; k < kInt8ExpAvgCodes; k += blockDim.x) {
+    m_map[k] = kExpAvgMap[k];
+    if (k < kInt8ExpAvgCodes - 1) m_thresholds[k] = kExpAvgThresholds[k];
+    if (k < kInt8ExpAvgSqCodes) v_map[k] = kExpAvgSqMap[k];
+    if (k < kInt8ExpAvgSqCodes - 1) v_thresholds[k] = kExpAvgSqThresholds[k];
+  }
+  __syncthreads();
+  uint16_t* const param = static_cast<uint16_t*>(b.param_out);
+  const uint8_t* const m_codes_in = reinterpret_cast<const uint8_t*>(b.exp_avg_codes);
+  const uint8_t* const v_codes_in = reinterpret_cast<const uint8_t*>(b.exp_avg_sq_codes);
+  const int64_t blocks = (b.n + b.block - 1) / b.block;
+  for (int64_t blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
+    const int64_t begin = blk * b.block;
+    const int64_t len = b.n - begin < b.block ? b.n - begin : b.block;
+    const float m_scale = b.exp_avg_scales[blk];
+    const float v_scale = b.exp_avg_sq_scales[blk];
+    float m_amax = 0.0f;
+    float v_amax = 0.0f;
+    for (int64_t j = threadIdx.x; j < len; j += blockDim.x) {
+      const int64_t i = begin + j;
+      const uint32_t vc = v_codes_in[i];
+      // __fmul_rn: never contracted with adamw_update's first add (g - m) into an FMA (-fmad=true
+      // would be free to), so the dequantized moments round like the CPU's.
+      float m = __fmul_rn(m_map[m_codes_in[i]], m_scale);
+      float v = __fmul_rn(v_map[vc & 0x7Fu], v_scale);
+      float p = kOut == 3 ? __uint_as_float(join_rne_bits(param[i], b.remainder[i], vc >> 7))
+                          : b.master[i];
+      adamw_update(p, load_grad(b.grad, b.grad_dtype, i), m, v, c);
+      if constexpr (kOut == 3) {
+        const SplitMaster s = split_rne_bits(__float_as_uint(p));
+        param[i] = s.param;
+        b.remainder[i] = s.remainder;
+        tie[j] = static_cast<uint8_t>(s.tie << 7);
+      } else {
+        b.master[i] = p;
+        tie[j] = 0;
+      }
+      if constexpr (kOut == 1) param[i] = rne_bf16_bits(__float_as_uint(p));
+      if constexpr (kOut == 2) {
+        const __half h = __float2half_rn(p);
+        param[i] = *reinterpret_cast<const uint16_t*>(&h);
+      }
+      m_new[j] = m;
+      v_new[j] = v;
+      m_amax = absmax_step(m_amax, m);
+      v_amax = absmax_step(v_amax, v);
+    }
+    // block_absmax's barriers also order every thread's read of the old scales before thread 0
+    // writes the new ones, and the shared-memory moments before the encode below.
+    m_amax = block_absmax(m_amax, scratch[0]);
+    v_amax = block_absmax(v_amax, scratch[1]);
+    const float m_div = encode_divisor(m_amax);
+    const float v_div = encode_divisor(v_amax);
+    for (int64_t j = threadIdx.x; j < len; j += blockDim.x) {
+      const int64_t i = begin + j;
+      b.exp_avg_codes[i] = static_cast<int8_t>(
+          static_cast<uint8_t>(encode_code<kInt8ExpAvgCodes>(m_thresholds, m_new[j] / m_div)));
+      b.exp_avg_sq_codes[i] = static_cast<int8_t>(static_cast<uint8_t>(
+          encode_code<kInt8ExpAvgSqCodes>(v_thresholds, v_new[j] / v_div) | tie[j]));
+    }
+    if (threadIdx.x == 0) {
+      b.exp_avg_scales[blk] = m_amax;
+      b.exp_avg_sq_scales[blk] = v_amax;
+    }
+    __syncthreads();  // the next block reuses the shared buffers and the scratch
+  }
+}
+
+template <int kOut>
+cudaError_t launch(const Int8AdamWBuffers& b, const AdamWArgs& args, cudaStream_t stream) {
+  cudaError_t err = cudaSuccess;
+  const int sms = sm_count(&err);
+  if (err != cudaSuccess) return err;
+  const int64_t blocks = (b.n + b.block - 1) / b.block;
+  // NOTE: 8 resident thread blocks per SM for 64-element blocks (64 threads each) is only 512
+  // threads/SM; the grid-stride loop keeps them busy. Unmeasured (no GPU here).
+  const int64_t cap = static_cast<int64_t>(sms) * 16;
+  const unsigned grid = static_cast<unsigned>(blocks < cap ? blocks : cap);
+  // Whole warps (block_absmax shuffles with a full mask); threads past the block's end idle.
+  const int64_t warps = (b.block + 31) / 32;
+  const int threads = static_cast<int>(warps * 32 < kMaxThreads ? warps * 32 : kMaxThreads);
+  const size_t smem = static_cast<size_t>(b.block) * (2 * sizeof(float) + 1);
+  fused_adamw_int8_kernel<kOut><<<grid, threads, smem, stream>>>(b, args);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_fused_adamw_int8(const Int8AdamWBuffers& b, const AdamWArgs& args,
+                                    cudaStream_t stream) {
+  if (b.n <= 0) return cudaSuccess;
+  if (b.remainder != nullptr) return launch<3>(b, args, stream);
+  if (b.param_out == nullptr) return launch<0>(b, args, stream);
+  if (b.param_out_dtype == DType::kBFloat16) return launch<1>(b, args, stream);
+  return launch<2>(b, args, stream);
+}
+
+}  // namespace zero_ext::cuda

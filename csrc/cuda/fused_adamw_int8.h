@@ -1,0 +1,17 @@
+// Torch-free CUDA launcher of the int8 fused AdamW step (csrc/fused_adamw_int8_math.h). Never run:
+// written without a GPU and compile-checked only.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include "../fused_adamw_int8_math.h"
+#include "kernels.h"
+
+namespace zero_ext::cuda {
+
+// One CUDA thread block per quantization block (grid-stride over the blocks): dequantize, update
+// (adamw_update), block absmax by warp shuffles, encode, write the new scales. found_inf is read by
+// the kernel (nonzero: no byte written). b.block a multiple of 16 in [16, 4096].
+cudaError_t launch_fused_adamw_int8(const Int8AdamWBuffers& b, const AdamWArgs& args,
+                                    cudaStream_t stream);
+
+}  // namespace zero_ext::cuda
