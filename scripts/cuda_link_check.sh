@@ -99,7 +99,7 @@ import zero_ext  # loads zero_ext._C: must not need a GPU
 import zero_ext.kernels.dispatch  # noqa: F401  (the kernels folder was built into the package)
 
 assert not torch.cuda.is_available()
-for op in ("fused_adamw_", "flatten_", "unflatten_", "sum_squares"):
+for op in ("fused_adamw_", "fused_adamw_int8_", "flatten_", "unflatten_", "sum_squares"):
     for key in ("CPU", "CUDA"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"zero_ext::{op}", key), (op, key)
 print(f"import ok without a GPU: torch {torch.__version__}, CPU and CUDA kernels registered for every op")

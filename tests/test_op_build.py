@@ -9,7 +9,7 @@ import torch
 
 from zero_ext import ops
 
-TENSOR_OPS = ("fused_adamw_", "flatten_", "unflatten_", "sum_squares")
+TENSOR_OPS = ("fused_adamw_", "fused_adamw_int8_", "flatten_", "unflatten_", "sum_squares")
 
 
 def test_built_with_cuda_matches_the_registered_kernels():
