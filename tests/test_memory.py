@@ -8,6 +8,7 @@ from distributed import run_on_ranks
 from tiny_transformer import batch, build, loss_fn
 
 from zero_ext import ZeroAdamW, memory
+from zero_ext.blockwise_int8 import BLOCK
 from zero_ext.memory import INT8_BLOCK, estimate, estimate_breakdown, moment_bytes, state_bytes_per_element
 from zero_ext.update_rule import AdamW
 
@@ -38,10 +39,10 @@ def test_estimate_docstring_examples():
 @pytest.mark.parametrize(
     "remainders,moments,k",
     [(False, torch.float32, 12), (True, torch.float32, 10), (False, torch.bfloat16, 8), (True, torch.bfloat16, 6),
-     (False, torch.int8, 4 + 2 * (1 + Fraction(4, 256))), (True, torch.int8, 2 + 2 * (1 + Fraction(4, 256)))],
+     (False, torch.int8, 4 + 2 * (1 + Fraction(4, 64))), (True, torch.int8, 2 + 2 * (1 + Fraction(4, 64)))],
 )  # fmt: skip
 def test_state_bytes_per_element_by_precision(remainders, moments, k):
-    assert INT8_BLOCK == 256  # the literature's choice (torchao AdamW8bit); the int8 kernels confirm it
+    assert INT8_BLOCK == BLOCK  # the int8 kernels' block
     if moments != torch.int8:  # the widths the update rule stores (int8 is not an engine setting yet)
         rule = AdamW(torch.bfloat16, param_remainders=remainders, moment_dtype=moments)
         assert rule.bytes_per_element() == k

@@ -9,7 +9,7 @@ and two moments: K = 12). Per rank, with N ranks and Psi parameters, for K = 12:
 
 The precision settings change K (:func:`state_bytes_per_element`): ``param_remainders`` stores an int16 remainder
 instead of the fp32 master (K - 2), ``moment_dtype=torch.bfloat16`` two bytes per moment (K - 4), ``torch.int8``
-one byte per moment plus an fp32 scale per block of :data:`INT8_BLOCK` elements (K - 5.97). ``engine=True`` counts
+one byte per moment plus an fp32 scale per block of :data:`INT8_BLOCK` elements (K - 5.875). ``engine=True`` counts
 the gradients and the stage-3 parameter shard as ZeroAdamW keeps them (an fp32 gradient shard on every rank; no
 bf16 parameter shard at stage 3 unless it is half of the master, with ``param_remainders``): what
 :func:`report` measures, padding and the bounded staging pool aside.
@@ -33,10 +33,10 @@ __all__ = [
     "report", "human_bytes",
 ]  # fmt: skip
 
-# Elements per fp32 scale of int8 moments: torchao's AdamW8bit default (torchao/optim/README.md: "block size is 256
-# for 8-bit"); Dettmers et al. 2022 use 2048. The int8 kernels (issue 24, q8) may settle on another size: then this
-# constant follows them. At 256 the scale adds 4/256 = 1/64 byte per moment element.
-INT8_BLOCK = 256
+# Elements per fp32 scale of int8 moments: the int8 kernels' block (zero_ext.blockwise_int8.BLOCK), chosen by
+# measurement (bench/investigations/int8_moments.md: median update error 1.13 % at 64 against 1.41 % at torchao's 256
+# and 2.01 % at Dettmers et al.'s 2048; 64 also never straddles a shard slice). The scale adds 4/64 byte per element.
+INT8_BLOCK = 64
 GRAD_SHARD_BYTES = 4  # ZeroAdamW reduces every gradient into an fp32 shard (exact averaging, fp32 accumulation)
 
 
@@ -131,7 +131,7 @@ def estimate(
     >>> round(estimate(7_500_000_000, 64, 2) / 1e9, 1)   # ZeRO paper, Table 1
     16.6
     >>> estimate(1000, 8, 3, param_remainders=True, moment_dtype=torch.int8, engine=True) / 1000  # B/param
-    1.25390625
+    1.265625
     """
     parts = estimate_breakdown(num_params, world_size, stage, param_remainders=param_remainders,
                                moment_dtype=moment_dtype, engine=engine, param_bytes=param_bytes,
