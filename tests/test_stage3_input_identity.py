@@ -1,5 +1,5 @@
 """Stage 3 keeps a tensor passed to a module several times one tensor: ``attn(h, h, h)`` still sees ``query is key
-is value``, and a pure-bf16 model with nn.MultiheadAttention trains bitwise as at stage 2.
+is value`` (positional or keyword arguments), and a pure-bf16 model with nn.MultiheadAttention trains bitwise as at stage 2.
 
 Stage 3 passes a module's inputs through an identity autograd function (its backward says the module's backward is
 done, backward_hooks.py). It used to give each argument its own output, so ``attn(h, h, h)`` received three distinct
@@ -20,8 +20,9 @@ VOCAB, SEQ, DIM = 50, 12, 32
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, keywords: bool):
         super().__init__()
+        self.keywords = keywords
         self.ln = nn.LayerNorm(DIM)
         self.attn = nn.MultiheadAttention(DIM, 4, batch_first=True)
         self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
@@ -29,7 +30,10 @@ class Block(nn.Module):
     def forward(self, x):
         h = self.ln(x)
         mask = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), 1)
-        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        if self.keywords:
+            x = x + self.attn(h, key=h, value=h, attn_mask=mask, need_weights=False)[0]
+        else:
+            x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
         return x + self.mlp(x)
 
 
@@ -37,7 +41,7 @@ class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+        self.blocks = nn.ModuleList([Block(keywords) for keywords in (False, True)])
         self.head = nn.Linear(DIM, VOCAB, bias=False)
 
     def forward(self, tokens):
@@ -47,13 +51,21 @@ class Net(nn.Module):
         return self.head(x)
 
 
+def _record_identity(same: list):
+    def hook(module, args, kwargs):
+        q, k, v = (*args, kwargs.get("key"), kwargs.get("value"))[:3]  # attn(h, h, h) or attn(h, key=h, value=h)
+        same.append(q is k is v)
+
+    return hook
+
+
 def _train(rank, world, stage):
     torch.manual_seed(0)
     model = Net().to(torch.bfloat16)  # pure bf16: no autocast, bf16 gradients
     opt = ZeroAdamW(model.parameters(), lr=3e-3, stage=stage, module=model)
     same = []  # what each MultiheadAttention call received (a hook after the engine's own pre-hooks)
     for block in model.blocks:
-        block.attn.register_forward_pre_hook(lambda m, args: same.append(args[0] is args[1] is args[2]) and None)
+        block.attn.register_forward_pre_hook(_record_identity(same), with_kwargs=True)
     for step in range(3):
         g = torch.Generator().manual_seed(100 * step + rank)
         tokens = torch.randint(0, VOCAB, (6, SEQ + 1), generator=g)
