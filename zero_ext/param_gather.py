@@ -136,7 +136,7 @@ class ParamGather:
             own = {key for p in m.parameters(recurse=False) if id(p) in where for key in where[id(p)]}
             if own or m is module:
                 self.keys[id(m)] = own
-                self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
+                self._hooks.append(m.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
                 self._hooks.append(m.register_forward_hook(self._post_forward))
         self._static_bound = self._bound()
         self._recompute_peak = 0  # the most bytes a recomputed (checkpointed) forward held gathered at once
@@ -299,7 +299,7 @@ class ParamGather:
         return bool(self._manual) and not self._stack
 
     @torch.compiler.disable
-    def _pre_forward(self, module, args):
+    def _pre_forward(self, module, args, kwargs):
         if self._local():
             return None
         if in_backward():
@@ -330,7 +330,8 @@ class ParamGather:
             self._gather(rt, wait=True)
         self._prefetch_after(module)
         if torch.is_grad_enabled() and self.keys[id(module)]:
-            return wrap_inputs(module, args, self._post_backward)
+            # keyword inputs too: attn(h, key=h, value=h) must still see one tensor (backward_hooks.wrap_inputs)
+            return wrap_inputs(module, (args, kwargs), self._post_backward)
         return None
 
     @torch.compiler.disable
