@@ -48,7 +48,7 @@ PEERS = {
     "zero_redundancy": "DDP + torch ZeroRedundancyOptimizer(AdamW fused) (torch ZeRO-1), fp32 params",
     "fsdp2": "FSDP2 fully_shard, MixedPrecisionPolicy(bf16 params, fp32 reduce): fp32 sharded params, grads, moments",
 }
-INT8_SCALE = Fraction(4, memory.INT8_BLOCK)  # fp32 scale bytes per int8 moment element
+TORCHAO_INT8_SCALE = Fraction(4, 256)  # torchao AdamW8bit: one fp32 scale per 256 elements (its default block_size)
 # The anchors' published formulas, bytes/param per rank at N ranks (Psi parameters): (label, formula, source).
 ANCHORS = {
     "apex_remainders": (
@@ -93,7 +93,7 @@ ANCHORS = {
     ),
     "torchao_adamw8bit": (
         "torchao AdamW8bit, bf16 params (no master), one process or DDP (unsharded)",
-        lambda n, big: 2 + 2 + 2 * (1 + INT8_SCALE),
+        lambda n, big: 2 + 2 + 2 * (1 + TORCHAO_INT8_SCALE),
         "bf16 param + bf16 grad + int8 exp_avg and exp_avg_sq with one fp32 scale per block of 256 (the default "
         "block_size): pytorch/ao torchao/optim/README.md ('block size is 256 for 8-bit'); every rank holds all of "
         "it (plus DDP's buckets under DDP, not counted)",
