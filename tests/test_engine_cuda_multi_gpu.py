@@ -99,7 +99,9 @@ _SCRIPT = textwrap.dedent(
             digests.append(params_digest(cpu_copy(models[name]))[:16])
         opts[name].close()
     dist.destroy_process_group()
-    print("ok", ",".join(digests))
+    # one write(2) per rank: the ranks share torchrun's stdout pipe, and print's pieces interleaved there once
+    # ("...,<rank 0's digest><rank 1's digest>,..."); a single write under PIPE_BUF bytes is atomic
+    os.write(1, ("ok " + ",".join(digests) + "\n").encode())
     """
 )
 

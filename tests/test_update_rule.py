@@ -15,9 +15,9 @@ from zero_ext import memory
 from zero_ext.update_rule import MASTER, AdamW, default_bytes_per_element
 
 PACKAGE = Path(__file__).resolve().parent.parent / "zero_ext"
-# The rule, the kernel's own wrapper (its keyword arguments are the kernel's signature) and the plain-torch
+# The rule, the kernels' own wrappers (their keyword arguments are the kernels' signatures) and the plain-torch
 # references of the kernel's arithmetic (they spell out which bits of which moment the kernel uses).
-ALLOWED = {"update_rule.py", "ops.py", "master_split.py", "stochastic_rounding.py"}
+ALLOWED = {"update_rule.py", "ops.py", "ops_int8.py", "master_split.py", "stochastic_rounding.py", "blockwise_int8.py"}
 
 
 def _code_mentions(source: str, word: str) -> list[int]:

@@ -46,7 +46,7 @@ def _where(key: tuple) -> str:
     collectives' C++ calls and waits, or the other C++ calls (the compute kernels)."""
     file, _, name = key
     if ENGINE in file:
-        return "zero_ext/" + file.split(ENGINE, 1)[1]
+        return "zero_ext/" + file.rsplit(ENGINE, 1)[1]  # the last one: a checkout may itself be named zero_ext
     if TORCH in file:
         parts = file.split(TORCH, 1)[1].split(os.sep)
         return "torch Python: torch/" + "/".join(parts[:2] if len(parts) > 2 else parts[:1])
