@@ -101,7 +101,7 @@ _SCRIPT = textwrap.dedent(
     dist.destroy_process_group()
     # one write(2) per rank: the ranks share torchrun's stdout pipe, and print's pieces interleaved there once
     # ("...,<rank 0's digest><rank 1's digest>,..."); a single write under PIPE_BUF bytes is atomic
-    os.write(1, ("ok " + ",".join(digests) + "\n").encode())
+    os.write(1, ("ok " + ",".join(digests) + "\\n").encode())
     """
 )
 
