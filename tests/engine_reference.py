@@ -104,6 +104,12 @@ def check_grad_shard_is_mean(opt, means, rank: int) -> None:
         assert torch.equal(mine, expected), f"grad shard of parameter {ref.name} is not the exact mean"
 
 
+def full_params(model, opt) -> list:
+    """Copies of the model's full parameters (gathered at stage 3; ``gathered_params`` is a no-op at stages 1, 2)."""
+    with opt.gathered_params():
+        return [p.detach().clone() for p in model.parameters()]
+
+
 def state_shards(opt) -> list:
     """Copies of this rank's whole shards of every kind of state (the master and the moments of each group's update
     rule), flat group by flat group, on the host, read through the documented seam (``state_dict()`` would first

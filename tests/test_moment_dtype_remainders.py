@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 from distributed import run_on_ranks
-from engine_reference import offload_kwargs, state_shards
+from engine_reference import full_params, offload_kwargs, state_shards
 from tiny_transformer import batch, build, loss_fn
 
 from zero_ext import ZeroAdamW, checkpoint
@@ -50,8 +50,7 @@ def _step(model, opt, step, rank):
 
 
 def _snapshot(model, opt):
-    with opt.gathered_params():
-        params = [p.detach().clone() for p in model.parameters()]
+    params = full_params(model, opt)
     return params + state_shards(opt)
 
 
@@ -91,8 +90,7 @@ def _save(rank, world, root, path, remainders):
 def _load(rank, world, root, path, remainders, offload):
     model, opt = _build(3, offload, root, rank, f"load-{remainders}-{offload}", remainders)
     checkpoint.load(path, opt)
-    with opt.gathered_params():
-        params = [p.detach().clone() for p in model.parameters()]
+    params = full_params(model, opt)
     full = opt.state_dict()
     opt.close()
     return params, {i: {k: v for k, v in e.items() if torch.is_tensor(v)} for i, e in full["state"].items()}

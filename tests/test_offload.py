@@ -20,6 +20,7 @@ from distributed import run_on_ranks
 from engine_reference import (
     FusedReference,
     check_against_reference,
+    full_params,
     offload_kwargs,
     rank_grads,
     reference,
@@ -71,8 +72,7 @@ def _train_step(model, opt, schedule, step, rank):
 
 def _snapshot(model, opt):
     """Full parameters (gathered at stage 3), and this rank's state by kind, all on the host."""
-    with opt.gathered_params():
-        params = [p.detach().clone() for p in model.parameters()]
+    params = full_params(model, opt)
     state = state_shards(opt)
     counts = opt.sharded_state.step_counts
     return params, state, [s.clone() for s in counts.steps], opt.skipped_steps

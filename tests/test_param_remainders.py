@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_on_ranks
-from engine_reference import live_storage_bytes, offload_kwargs, state_shards
+from engine_reference import full_params, live_storage_bytes, offload_kwargs, state_shards
 from safetensors.torch import load_file
 from tiny_transformer import batch, build, loss_fn
 
@@ -69,16 +69,14 @@ def _train_step(model, opt, schedule, step, rank):
 
 def _snapshot(model, opt):
     """Full parameters (gathered at stage 3) and this rank's saved state (fp32 master, moments), on the host."""
-    with opt.gathered_params():
-        params = [p.detach().clone() for p in model.parameters()]
+    params = full_params(model, opt)
     return params, state_shards(opt), opt.skipped_steps
 
 
 def _stored(model, opt) -> list[torch.Tensor]:
     """Every byte the optimizer keeps for the model: the parameters (with remainders the masters' high halves) and
     this rank's shard of each stored kind as kept (the remainder, the moments with exp_avg_sq's tie bits)."""
-    with opt.gathered_params():
-        params = [p.detach().clone() for p in model.parameters()]
+    params = full_params(model, opt)
     kinds = [g.state.stored(k, Range(0, g.layout.shard_numel)).cpu().clone() for g in opt.sharded_state.groups
              for k in g.rule.kind_names]  # fmt: skip
     return [_bytes(t) for t in params + kinds]

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from distributed import run_on_ranks
 from engine_reference import (
     check_against_reference,
+    full_params,
     params_digest,
     rank_grads,
     reference,
@@ -354,8 +355,7 @@ def _saved_views(rank, world, stage):
         model(x).float().pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-    with opt.gathered_params():
-        return [p.detach().clone() for p in model.parameters()]
+    return full_params(model, opt)
 
 
 @pytest.mark.parametrize("world", [1, 2])

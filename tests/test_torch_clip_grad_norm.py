@@ -7,7 +7,15 @@ gradients. After a synchronised backward ``.grad`` is a placeholder of the shard
 import pytest
 import torch
 from distributed import run_on_ranks
-from engine_reference import check_against_reference, mean_grads, params_digest, rank_grads, reference, state_shards
+from engine_reference import (
+    check_against_reference,
+    full_params,
+    mean_grads,
+    params_digest,
+    rank_grads,
+    reference,
+    state_shards,
+)
 from tiny_transformer import batch, build, loss_fn
 
 from zero_ext import ZeroAdamW
@@ -72,8 +80,7 @@ def test_foreach_and_per_tensor_paths_in_fp32(stage, foreach):
 
 
 def _snapshot(model, opt):
-    with opt.gathered_params():
-        params = [p.detach().clone() for p in model.parameters()]
+    params = full_params(model, opt)
     return params + state_shards(opt) + [opt.sharded_state.step_count.clone()]
 
 

@@ -11,6 +11,7 @@ import torch.nn as nn
 from distributed import run_on_ranks
 from engine_reference import (
     check_against_reference,
+    full_params,
     params_digest,
     rank_grads,
     reference,
@@ -57,8 +58,7 @@ def test_a_model_in_ddp_is_refused(stage):
 
 def _full_params(model, opt) -> list:
     """Copies of the model's full parameters (gathered at stage 3)."""
-    with opt.gathered_params():
-        return [p.detach().clone() for p in model.parameters()]
+    return full_params(model, opt)
 
 
 def _refused(model, opt, call, match: str) -> None:

@@ -10,7 +10,7 @@ False)`` there skipped the parameters torch updates with a zero gradient."""
 import pytest
 import torch
 from distributed import run_on_ranks
-from engine_reference import check_against_reference, mean_grads, params_digest
+from engine_reference import check_against_reference, full_params, mean_grads, params_digest
 from tiny_transformer import batch, build, loss_fn
 
 from zero_ext import ZeroAdamW
@@ -141,8 +141,7 @@ def _replaced_at_stage1(rank, world, stage):
     opt.step()
     opt.zero_grad()
     loss_fn(model, batch(1, rank)).backward()
-    with opt.gathered_params():
-        before = [p.detach().clone() for p in model.parameters()]
+    before = full_params(model, opt)
     if rank == world - 1:
         model.ln_f.weight.grad = torch.ones(tuple(model.ln_f.weight.shape))  # (stage 3: the parameter is sharded)
     match = r"'ln_f\.weight'.*(replaced by another tensor|has a \.grad at step)" if rank == world - 1 else "failed on"
