@@ -15,6 +15,7 @@
 #include "adamw_math.h"  // ZERO_EXT_HD
 #include "dtype.h"
 #include "fused_adamw_int8_maps.h"
+#include "master_split.h"  // param_remainders' encoding (join_master_bits, param_of_master_bits, ...)
 
 namespace zero_ext {
 
@@ -89,31 +90,6 @@ ZERO_EXT_HD float bits_float_hd(uint32_t u) {
 
 ZERO_EXT_HD float finish_absmax(float amax) {
   return amax != amax ? bits_float_hd(kCanonicalNan) : amax;
-}
-
-// SPEC A's split of an fp32 master's bits M into the round-to-nearest-even bf16 param P (NaN ->
-// 0xFFFF), the remainder (low 16 bits of M - (P << 16)) and the tie bit (M - (P << 16) == 0x8000).
-// kern24's csrc/master_split.h owns this encoding; this copy keeps the int8 kernels standalone.
-ZERO_EXT_HD uint16_t rne_bf16_bits(uint32_t m) {
-  if ((m & 0x7FFFFFFFu) > 0x7F800000u) return 0xFFFF;
-  return static_cast<uint16_t>((m + 0x7FFFu + ((m >> 16) & 1u)) >> 16);
-}
-
-ZERO_EXT_HD uint32_t join_rne_bits(uint16_t param, int16_t remainder, uint32_t tie) {
-  return (static_cast<uint32_t>(param) << 16) +
-         static_cast<uint32_t>(static_cast<int32_t>(remainder)) + (tie << 16);
-}
-
-struct SplitMaster {
-  uint16_t param;
-  int16_t remainder;
-  uint32_t tie;  // 0 or 1
-};
-
-ZERO_EXT_HD SplitMaster split_rne_bits(uint32_t m) {
-  const uint16_t p = rne_bf16_bits(m);
-  const uint32_t d = m - (static_cast<uint32_t>(p) << 16);
-  return {p, static_cast<int16_t>(static_cast<uint16_t>(d & 0xFFFFu)), d == 0x8000u ? 1u : 0u};
 }
 
 }  // namespace zero_ext

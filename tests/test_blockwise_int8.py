@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from zero_ext import blockwise_int8 as q8
+from zero_ext import master_split
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 MAPS = [pytest.param(q8.EXP_AVG_MAP, id="exp_avg"), pytest.param(q8.EXP_AVG_SQ_MAP, id="exp_avg_sq")]
@@ -115,7 +116,7 @@ def test_exp_avg_sq_codes_leave_bit_7_free():
     _, scales = q8.quantize(x, 64, q8.EXP_AVG_SQ_MAP)
     assert torch.equal(q8.dequantize(with_tie, scales, 64, q8.EXP_AVG_SQ_MAP),
                        q8.dequantize(codes, scales, 64, q8.EXP_AVG_SQ_MAP))  # fmt: skip
-    assert bool(q8.tie_of(with_tie).all()) and not bool(q8.tie_of(codes).any())
+    assert bool(master_split.tie_of(with_tie).all()) and not bool(master_split.tie_of(codes).any())
 
 
 def test_split_join_rne_is_exact_and_rounds_to_nearest_even():
@@ -129,12 +130,12 @@ def test_split_join_rne_is_exact_and_rounds_to_nearest_even():
     bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
     master = bits.view(torch.float32)
     finite = ~master.isnan()
-    param, rem, tie = q8.split_rne(master)
+    param, rem, tie = master_split.split(master)
     assert torch.equal(_bits(param)[finite], _bits(master.to(torch.bfloat16))[finite])
-    assert torch.equal(_bits(q8.join_rne(param, rem, tie))[finite], bits[finite])
+    assert torch.equal(_bits(master_split.join(param, rem, tie))[finite], bits[finite])
     n = 1 << 18
     assert bool(tie[n : 2 * n][finite[n : 2 * n]].all()) and not bool(tie[2 * n :][finite[2 * n :]].any())
-    assert bool(q8.join_rne(param, rem, tie)[~finite].isnan().all())
+    assert bool(master_split.join(param, rem, tie)[~finite].isnan().all())
 
 
 def _state(n, block, seed=0):
@@ -169,7 +170,7 @@ def test_reference_with_remainders_is_bitwise_the_fp32_master_run():
     n, block = 4096 + 5, 64
     master, mc, ms, vc, vs = _state(n, block, seed=1)
     master = (_bits(master) & ~0xFFFF | 0x8000).view(torch.float32)  # every master a tie to start with
-    param, rem, tie = q8.split_rne(master)
+    param, rem, tie = master_split.split(master)
     vc2 = (vc.view(torch.uint8) | (tie.to(torch.uint8) << 7)).view(torch.int8)
     mc2, ms2, vs2 = mc.clone(), ms.clone(), vs.clone()
     assert bool(tie.any())
@@ -177,7 +178,7 @@ def test_reference_with_remainders_is_bitwise_the_fp32_master_run():
         grad = torch.randn(n, generator=torch.Generator().manual_seed(step))
         q8.fused_adamw_int8_reference(master, grad, mc, ms, vc, vs, step=step, block=block, **HP)
         q8.fused_adamw_int8_reference(param, grad, mc2, ms2, vc2, vs2, step=step, remainder=rem, block=block, **HP)
-        assert torch.equal(_bits(q8.join_rne(param, rem, q8.tie_of(vc2))), _bits(master))
+        assert torch.equal(_bits(master_split.join(param, rem, master_split.tie_of(vc2))), _bits(master))
         assert torch.equal(_bits(param), _bits(master.to(torch.bfloat16)))
         assert torch.equal(vc2.view(torch.uint8) & 0x7F, vc.view(torch.uint8))
         assert torch.equal(mc2, mc) and torch.equal(ms2, ms) and torch.equal(vs2, vs)
@@ -196,10 +197,10 @@ def test_reference_writes_the_tie_bit_of_a_master_that_stays_a_tie():
     n, block = 64 * 3 + 7, 64
     master, mc, ms, vc, vs = _state(n, block, seed=2)
     master = (_bits(master) & ~0x1FFFF | 0x8000).view(torch.float32)
-    param, rem, tie = q8.split_rne(master)
+    param, rem, tie = master_split.split(master)
     assert bool(tie.all())
     vc = (vc.view(torch.uint8) | 0x80).view(torch.int8)
     hp = dict(HP, lr=0.0, weight_decay=0.0)
     q8.fused_adamw_int8_reference(param, torch.randn(n), mc, ms, vc, vs, step=1, remainder=rem, block=block, **hp)
-    assert bool(q8.tie_of(vc).all())
-    assert torch.equal(_bits(q8.join_rne(param, rem, q8.tie_of(vc))), _bits(master))
+    assert bool(master_split.tie_of(vc).all())
+    assert torch.equal(_bits(master_split.join(param, rem, master_split.tie_of(vc))), _bits(master))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from zero_ext import blockwise_int8 as q8
-from zero_ext import ops
+from zero_ext import master_split, ops
 from zero_ext.ops_int8 import fused_adamw_int8_
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
@@ -40,7 +40,7 @@ class State:
         self.v_codes, self.v_scales = q8.quantize(torch.rand(n, generator=g) ** 4 * 1e-4, block, q8.EXP_AVG_SQ_MAP)
         self.param_out, self.remainder = None, None
         if out == "remainder":
-            self.master, self.remainder, tie = q8.split_rne(master)
+            self.master, self.remainder, tie = master_split.split(master)
             self.v_codes = (self.v_codes.view(torch.uint8) | (tie.to(torch.uint8) << 7)).view(torch.int8)
         else:
             self.master = master
@@ -126,14 +126,14 @@ def test_tie_bit_is_set_where_the_master_is_a_tie():
         # plant ties before each step: masters whose low 16 bits are 0x8000 with bit 16 = 0
         tied = (_bits(full.master) & ~0x1FFFF | 0x8000).view(torch.float32)
         full.master.copy_(tied)
-        p, r, t = q8.split_rne(tied)
+        p, r, t = master_split.split(tied)
         split.master.copy_(p)
         split.remainder.copy_(r)
         split.v_codes.copy_(((split.v_codes.view(torch.uint8) & 0x7F) | (t.to(torch.uint8) << 7)).view(torch.int8))
         assert bool(t.all())
         split.step(fused_adamw_int8_, grad, step)
         full.step(fused_adamw_int8_, grad, step)
-        joined = q8.join_rne(split.master, split.remainder, q8.tie_of(split.v_codes))
+        joined = master_split.join(split.master, split.remainder, master_split.tie_of(split.v_codes))
         assert torch.equal(_bits(joined), _bits(full.master))
         assert torch.equal(_bits(split.master), _bits(full.master.to(torch.bfloat16)))
         assert torch.equal(split.v_codes.view(torch.uint8) & 0x7F, full.v_codes.view(torch.uint8))
@@ -147,8 +147,10 @@ def test_tie_bit_is_written_for_a_master_that_stays_a_tie(isa):
     ops.cpu_isa(isa)
     n, block = 64 * 6 + 5, 64
     s = State(n, block, "remainder", seed=4)
-    master = (_bits(q8.join_rne(s.master, s.remainder, q8.tie_of(s.v_codes))) & ~0x1FFFF | 0x8000).view(torch.float32)
-    p, r, t = q8.split_rne(master)
+    master = (_bits(master_split.join(s.master, s.remainder, master_split.tie_of(s.v_codes))) & ~0x1FFFF | 0x8000).view(
+        torch.float32
+    )
+    p, r, t = master_split.split(master)
     s.master.copy_(p)
     s.remainder.copy_(r)
     s.v_codes.copy_((s.v_codes.view(torch.uint8) | 0x80).view(torch.int8))
@@ -156,8 +158,8 @@ def test_tie_bit_is_written_for_a_master_that_stays_a_tie(isa):
     s.step(fused_adamw_int8_, _grad(n, torch.float32, 1), 1, lr=0.0, weight_decay=0.0)
     ref.step(q8.fused_adamw_int8_reference, _grad(n, torch.float32, 1), 1, lr=0.0, weight_decay=0.0)
     assert_same_state(s, ref)
-    assert bool(q8.tie_of(s.v_codes).all())
-    assert torch.equal(_bits(q8.join_rne(s.master, s.remainder, q8.tie_of(s.v_codes))), _bits(master))
+    assert bool(master_split.tie_of(s.v_codes).all())
+    assert torch.equal(_bits(master_split.join(s.master, s.remainder, master_split.tie_of(s.v_codes))), _bits(master))
 
 
 def test_found_inf_changes_no_byte():

@@ -40,7 +40,7 @@ from typing import Optional
 
 import torch
 
-from . import ops
+from . import master_split, ops
 
 BLOCK = 64
 
@@ -92,7 +92,6 @@ def linear_map(signed: bool, total_bits: int = 8) -> torch.Tensor:
 
 EXP_AVG_MAP = dynamic_map(True, 8)
 EXP_AVG_SQ_MAP = dynamic_map(False, 7, 7, zero=False)
-TIE_BIT = 0x80
 
 
 def thresholds(qmap: torch.Tensor) -> torch.Tensor:
@@ -144,33 +143,6 @@ def dequantize(
     return qmap[idx] * scales.repeat_interleave(block)[: idx.numel()]
 
 
-def tie_of(v_codes: torch.Tensor) -> torch.Tensor:
-    """The tie bit (bit 7) of exp_avg_sq's codes, as bool."""
-    return (v_codes.view(torch.uint8) & TIE_BIT) != 0
-
-
-def _bits64(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-
-
-def split_rne(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """SPEC A's split: ``(param = RNE bf16 of master, remainder int16, tie bool)``. kern24's
-    ``zero_ext.master_split.split`` is the owner; this copy keeps the int8 reference self-contained."""
-    param = master.to(torch.bfloat16)
-    high = param.view(torch.int16).to(torch.int64) & 0xFFFF
-    d = (_bits64(master) - (high << 16)) & 0xFFFFFFFF
-    low = d & 0xFFFF
-    remainder = torch.where(low >= 0x8000, low - 0x10000, low).to(torch.int16)
-    return param, remainder, d == 0x8000
-
-
-def join_rne(param: torch.Tensor, remainder: torch.Tensor, tie: torch.Tensor) -> torch.Tensor:
-    """SPEC A's join: the fp32 master of ``(param, remainder, tie)``."""
-    high = param.view(torch.int16).to(torch.int64) & 0xFFFF
-    bits = ((high << 16) + remainder.to(torch.int64) + (tie.to(torch.int64) << 16)) & 0xFFFFFFFF
-    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
-
-
 def fused_adamw_int8_reference(
     master: torch.Tensor,
     grad: torch.Tensor,
@@ -203,17 +175,17 @@ def fused_adamw_int8_reference(
     n = master.numel()
     m = dequantize(m_codes, m_scales, block, EXP_AVG_MAP)
     v = dequantize(v_codes, v_scales, block, EXP_AVG_SQ_MAP)
-    p = join_rne(master, remainder, tie_of(v_codes)) if remainder is not None else master.clone()
+    p = master_split.join(master, remainder, master_split.tie_of(v_codes)) if remainder is not None else master.clone()
     out = param_out.clone() if param_out is not None else None
     ops.fused_adamw_(p, grad, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                      step=step, grad_scale=grad_scale, param_out=out, maximize=maximize)  # fmt: skip
     new_m_codes, new_m_scales = quantize(m, block, EXP_AVG_MAP)
     new_v_codes, new_v_scales = quantize(v, block, EXP_AVG_SQ_MAP)
     if remainder is not None:
-        param, rem, tie = split_rne(p)
+        param, rem, tie = master_split.split(p)
         master.copy_(param)
         remainder.copy_(rem)
-        new_v_codes = (new_v_codes.view(torch.uint8) | (tie.to(torch.uint8) << 7)).view(torch.int8)
+        new_v_codes = master_split.with_tie(new_v_codes, tie)
     else:
         master.copy_(p)
     if out is not None:

@@ -20,7 +20,7 @@ For the engine (not integrated yet; ``ZeroAdamW(moment_dtype=torch.int8)`` is re
   save; loading quantizes the fp32 moments with the target's block grid (``blockwise_int8.quantize``), which is
   deterministic but not lossless for a checkpoint saved from fp32 moments.
 - param_remainders: ``remainder=`` and the tie bit in bit 7 of ``exp_avg_sq_codes``; serialisers read the master
-  with ``blockwise_int8.join_rne(param, remainder, tie_of(codes))`` and must keep bit 7 when writing the codes.
+  with ``master_split.join(param, remainder, master_split.tie_of(codes))`` and must keep bit 7 when writing the codes.
 - No amsgrad (no ``max_exp_avg_sq`` argument): refuse ``amsgrad=True`` with int8 moments, or extend the op with
   an fp32 (or quantized) ``max_exp_avg_sq``.
 """

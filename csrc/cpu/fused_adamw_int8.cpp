@@ -42,14 +42,14 @@ void scalar_block(const Int8AdamWBuffers& b, int64_t blk, const AdamWCoefficient
     const int64_t i = begin + j;
     float m = kExpAvgMap[m_codes[j]] * m_scale;
     float v = kExpAvgSqMap[v_codes[j] & 0x7Fu] * v_scale;
-    float p = kOut == 3 ? bits_float(join_rne_bits(param[i], b.remainder[i], v_codes[j] >> 7))
+    float p = kOut == 3 ? bits_float(join_master_bits(param[i], b.remainder[i], v_codes[j] >> 7))
                         : b.master[i];
     adamw_update(p, load_as_float(b.grad, kGrad, i), m, v, c);
     if constexpr (kOut == 3) {
-      const SplitMaster s = split_rne_bits(float_bits(p));
-      param[i] = s.param;
-      b.remainder[i] = s.remainder;
-      tie[j] = static_cast<uint8_t>(s.tie << 7);
+      const uint32_t bits = float_bits(p);
+      param[i] = param_of_master_bits(bits);
+      b.remainder[i] = remainder_of_master_bits(bits);
+      tie[j] = static_cast<uint8_t>(tie_of_master_bits(bits) << 7);
     } else {
       b.master[i] = p;
       tie[j] = 0;

@@ -152,7 +152,7 @@ void block(const Int8AdamWBuffers& b, int64_t blk, const AdamWCoefficients& c) {
         _mm256_i32gather_ps(kExpAvgSqMap, _mm256_and_si256(v_codes, _mm256_set1_epi32(0x7F)), 4),
         v_scale);
     __m256 master;
-    if constexpr (kOut == 3) {  // join_rne_bits
+    if constexpr (kOut == 3) {  // join_master_bits (master_split.h)
       const __m256i hi = _mm256_slli_epi32(
           _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(param + i))), 16);
       const __m256i rem =
@@ -171,7 +171,7 @@ void block(const Int8AdamWBuffers& b, int64_t blk, const AdamWCoefficients& c) {
     v = _mm256_fmadd_ps(_mm256_mul_ps(one_minus_beta2, g), g, _mm256_mul_ps(v, beta2));
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2_sqrt), eps);
     const __m256 p_new = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(neg_step_size, m), denom));
-    if constexpr (kOut == 3) {  // split_rne_bits
+    if constexpr (kOut == 3) {  // master_split.h: param, remainder, tie of the master
       const __m256i u = _mm256_castps_si256(p_new);
       const __m256i hi = bf16_bits(p_new);
       const __m256i d = _mm256_sub_epi32(u, _mm256_slli_epi32(hi, 16));

@@ -36,8 +36,8 @@ inline __m512 load_grad(const void* grad, int64_t i) {
   }
 }
 
-// Round to nearest even with integer math (NaN -> 0xFFFF), as float_to_bf16 / rne_bf16_bits; the
-// result in the low 16 bits of each lane.
+// Round to nearest even with integer math (NaN -> 0xFFFF), as float_to_bf16 / param_of_master_bits;
+// the result in the low 16 bits of each lane.
 inline __m512i bf16_bits(__m512 x) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -138,7 +138,7 @@ void block(const Int8AdamWBuffers& b, int64_t blk, const AdamWCoefficients& c) {
         _mm512_i32gather_ps(_mm512_and_si512(v_codes, _mm512_set1_epi32(0x7F)), kExpAvgSqMap, 4),
         v_scale);
     __m512 master;
-    if constexpr (kOut == 3) {  // join_rne_bits
+    if constexpr (kOut == 3) {  // join_master_bits (master_split.h)
       const __m512i hi = _mm512_slli_epi32(
           _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(param + i))),
           16);
@@ -158,7 +158,7 @@ void block(const Int8AdamWBuffers& b, int64_t blk, const AdamWCoefficients& c) {
     v = _mm512_fmadd_ps(_mm512_mul_ps(one_minus_beta2, g), g, _mm512_mul_ps(v, beta2));
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2_sqrt), eps);
     const __m512 p_new = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(neg_step_size, m), denom));
-    if constexpr (kOut == 3) {  // split_rne_bits
+    if constexpr (kOut == 3) {  // master_split.h: param, remainder, tie of the master
       const __m512i u = _mm512_castps_si512(p_new);
       const __m512i hi = bf16_bits(p_new);
       const __m512i d = _mm512_sub_epi32(u, _mm512_slli_epi32(hi, 16));

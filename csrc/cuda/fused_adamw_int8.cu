@@ -107,19 +107,19 @@ __global__ void __launch_bounds__(kMaxThreads)
       // would be free to), so the dequantized moments round like the CPU's.
       float m = __fmul_rn(m_map[m_codes_in[i]], m_scale);
       float v = __fmul_rn(v_map[vc & 0x7Fu], v_scale);
-      float p = kOut == 3 ? __uint_as_float(join_rne_bits(param[i], b.remainder[i], vc >> 7))
+      float p = kOut == 3 ? __uint_as_float(join_master_bits(param[i], b.remainder[i], vc >> 7))
                           : b.master[i];
       adamw_update(p, load_grad(b.grad, b.grad_dtype, i), m, v, c);
       if constexpr (kOut == 3) {
-        const SplitMaster s = split_rne_bits(__float_as_uint(p));
-        param[i] = s.param;
-        b.remainder[i] = s.remainder;
-        tie[j] = static_cast<uint8_t>(s.tie << 7);
+        const uint32_t bits = __float_as_uint(p);
+        param[i] = param_of_master_bits(bits);
+        b.remainder[i] = remainder_of_master_bits(bits);
+        tie[j] = static_cast<uint8_t>(tie_of_master_bits(bits) << 7);
       } else {
         b.master[i] = p;
         tie[j] = 0;
       }
-      if constexpr (kOut == 1) param[i] = rne_bf16_bits(__float_as_uint(p));
+      if constexpr (kOut == 1) param[i] = param_of_master_bits(__float_as_uint(p));
       if constexpr (kOut == 2) {
         const __half h = __float2half_rn(p);
         param[i] = *reinterpret_cast<const uint16_t*>(&h);
