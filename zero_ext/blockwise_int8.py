@@ -6,7 +6,8 @@ Quantization*, as bitsandbytes' ``create_dynamic_map`` defines it (torchao's Ada
 values are computed here in float64 and rounded to fp32 once. A block of ``block`` consecutive elements keeps one
 fp32 scale, its absmax; an element is stored as the index of the map value nearest to ``x / absmax``:
 
-- ``exp_avg``: :data:`EXP_AVG_MAP`, 256 values in [-1, 1], 7 decades (bitsandbytes' signed 8-bit map).
+- ``exp_avg``: :data:`EXP_AVG_MAP`, 256 values in [-1, 1], 7 decades (bitsandbytes' signed 8-bit map, with -1 in
+  place of its smallest positive value: :func:`with_minus_one`, so that dequantize -> quantize is the identity).
 - ``exp_avg_sq``: :data:`EXP_AVG_SQ_MAP`, 128 values in (0, 1], 7 decades, no 0 (``dynamic_map(False, 7, 7,
   zero=False)``): codes 0..127, so bit 7 of every code is free for ``param_remainders``' tie bit (SPEC A). Without
   a 0, a small exp_avg_sq is never decoded as 0 (its update would be m/eps: the "zero point" problem of Li et al.
@@ -90,7 +91,19 @@ def linear_map(signed: bool, total_bits: int = 8) -> torch.Tensor:
     return grid.to(torch.float32)
 
 
-EXP_AVG_MAP = dynamic_map(True, 8)
+def with_minus_one(qmap: torch.Tensor) -> torch.Tensor:
+    """A signed map whose smallest positive value gives way to -1. bitsandbytes' signed map has +1 but not -1, so
+    a block whose largest-magnitude element is negative decodes it as -0.993 x absmax, and quantizing the decoded
+    block again finds a smaller absmax and moves every code of the block: a checkpoint (which holds the moments
+    dequantized) would not load back into the same codes. With -1 a block's absmax element decodes to +-scale
+    exactly, so ``quantize(dequantize(codes, scales))`` gives back ``codes, scales`` and a checkpoint resumes
+    bitwise (tests/test_moment_dtype_int8.py). The value given up, 5.5e-7, is the smallest positive one: positive
+    values below 1.9e-6 x absmax round to 0 or 3.25e-6 instead."""
+    smallest = qmap[qmap > 0].min()
+    return torch.cat([qmap[qmap != smallest], torch.tensor([-1.0])]).sort().values
+
+
+EXP_AVG_MAP = with_minus_one(dynamic_map(True, 8))
 EXP_AVG_SQ_MAP = dynamic_map(False, 7, 7, zero=False)
 
 
