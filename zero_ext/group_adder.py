@@ -136,7 +136,8 @@ class GroupAdder:
                 rule = rule_for_group(dtype, self.group, self.options.param_remainders,
                                       moment_dtype=self.options.moment_dtype, group_index=self.index)  # fmt: skip
                 rule.check_group(f"param group {self.index}", self.group)
-                layout = Layout([p.numel() for _, p in members], state.world_size, state.bucket_size)
+                layout = Layout([p.numel() for _, p in members], state.world_size, state.bucket_size,
+                                rule.param_align)  # fmt: skip
                 self.specs.append((self.index, members, layout, rule))
 
     # ---------------------------------------------------------------- 2. agree

@@ -51,7 +51,9 @@ from typing import NamedTuple, Sequence
 BUCKET_ALIGN = 64
 # Parameter views start 16-element aligned (32 bytes in bf16) so kernels that read the params (matmuls,
 # vectorised elementwise ops) see aligned memory; the gaps are zeros that never change. It also means that a
-# 16-element run of a shard never holds elements of two parameters.
+# 16-element run of a shard never holds elements of two parameters. A flat group with int8 moments aligns its
+# parameters to 64 (``Layout(param_align=)``, its rule's ``param_align``): a quantization block of 64 elements then
+# never holds elements of two parameters, and every layout (world size, bucket size) cuts the same blocks.
 PARAM_ALIGN = 16
 
 
@@ -79,6 +81,16 @@ class Range(NamedTuple):
     def intersect(self, other: "Range") -> "Range":
         start = max(self.start, other.start)
         return Range(start, max(start, min(self.end, other.end)))
+
+    def blocks(self, block: int) -> "Range":
+        """The blocks of ``block`` elements this range touches, in block coordinates (a kind stored one item per
+        block: int8 moments' scales)."""
+        return Range(self.start // block, -(-self.end // block))
+
+    def whole_blocks(self, block: int) -> "Range":
+        """This range widened to whole blocks of ``block`` elements, in element coordinates."""
+        b = self.blocks(block)
+        return Range(b.start * block, b.end * block)
 
 
 @dataclass(frozen=True)
@@ -189,13 +201,16 @@ class OwnedPiece:
 class Layout:
     """The placement of a list of parameter sizes into padded buckets for ``world_size`` ranks."""
 
-    def __init__(self, numels: Sequence[int], world_size: int, bucket_size: int):
+    def __init__(self, numels: Sequence[int], world_size: int, bucket_size: int, param_align: int = PARAM_ALIGN):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if bucket_size < 1:
             raise ValueError(f"bucket_size must be >= 1 element, got {bucket_size}")
+        if param_align not in (PARAM_ALIGN, BUCKET_ALIGN):
+            raise ValueError(f"param_align must be {PARAM_ALIGN} or {BUCKET_ALIGN} elements, got {param_align}")
         self.world_size = world_size
         self.bucket_size = bucket_size
+        self.param_align = param_align
         self.numels = tuple(int(n) for n in numels)
         granule = world_size * BUCKET_ALIGN
         # A split parameter's fragments: the most whole granules a bucket of ``bucket_size`` holds (one at least).
@@ -230,7 +245,7 @@ class Layout:
                     close_bucket()
                 slots[index] = Slot(index, offset, numel, first, len(buckets) - 1)
                 continue
-            at = round_up(fill, PARAM_ALIGN)
+            at = round_up(fill, param_align)
             if members and at + numel > bucket_size:
                 close_bucket()
                 at = 0
@@ -257,7 +272,7 @@ class Layout:
             runs.append(Run(len(runs), b.index, last, b.offset, numel, b.slots))
             self.run_of.append(len(runs) - 1)
         self.runs: tuple[Run, ...] = tuple(runs)
-        canonical = canonical_offsets(self.numels)
+        canonical = canonical_offsets(self.numels, param_align)
         # flat offset + shift = canonical index, for every element of a bucket (see the module docstring)
         self.canonical_shift: tuple[int, ...] = tuple(
             canonical[b.slots[0]] - self.slots[b.slots[0]].offset for b in self.buckets
@@ -295,12 +310,12 @@ class Layout:
         return sum(p.numel for p in self.owned_pieces(rank))
 
 
-def canonical_offsets(numels: Sequence[int]) -> tuple[int, ...]:
+def canonical_offsets(numels: Sequence[int], param_align: int = PARAM_ALIGN) -> tuple[int, ...]:
     """Each parameter's offset in the layout of one rank with one unbounded bucket: in placement order (reverse
-    registration), each at the next ``PARAM_ALIGN``-aligned element."""
+    registration), each at the next ``param_align``-aligned element."""
     offsets, fill = [0] * len(numels), 0
     for index in reversed(range(len(numels))):
-        offsets[index] = round_up(fill, PARAM_ALIGN)
+        offsets[index] = round_up(fill, param_align)
         fill = offsets[index] + int(numels[index])
     return tuple(offsets)
 

@@ -335,6 +335,10 @@ def report(state: "ShardedState", window=None) -> MemoryReport:
         out.grad_shard_fp32 += 4 * owned - (0 if stage == 1 else gw * owned)
         out.grad_shard_fp32 += (buffer_width - gw) * psi if buffer_width > gw else 0
         out.widths = {"param_bytes": pw, "grad_bytes": gw, "optimizer_state_bytes": sw}
+    # int8 moments' scales make the per-element width fractional (4/64 byte): the sums are whole bytes again (a shard
+    # is whole blocks), the formula's share of the real parameters need not be
+    out.formula, out.padding = _number(out.formula), _number(out.padding)
+    out.widths = {k: _number(v) for k, v in out.widths.items()}
     out.staging = state.staging.nbytes if state.staging is not None else 0
     if window is not None:  # stage 3: bytes of gathered storages (param_gather.ParamGather.window_bound)
         out.window_bound = window.window_bound
@@ -346,6 +350,11 @@ def report(state: "ShardedState", window=None) -> MemoryReport:
     out.bucket_limit = max((g.layout.bucket_limit for g in state.groups), default=0)
     out.buffers = _buffers(state, alloc, out.bucket_limit)
     return out
+
+
+def _number(x) -> int | float:
+    """A byte count as an int where it is whole, else a float (exact for multiples of 1/64)."""
+    return int(x) if x == int(x) else float(x)
 
 
 def _buffers(state: "ShardedState", alloc: dict[str, int], limit: int) -> dict[str, Buffer]:

@@ -24,11 +24,11 @@ moments whatever is stored.
 
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple, Optional, Sequence
+from typing import Iterator, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 
-from . import master_split
+from . import blockwise_int8, master_split
 from .layout import Bucket, Layout, Range
 from .update_rule import MASTER, REMAINDER, UpdateRule
 
@@ -39,15 +39,17 @@ class BucketState(NamedTuple):
     state: dict[str, torch.Tensor]  # every kind of the rule (the master included), viewed over the run
     grad: torch.Tensor
     param_out: Optional[torch.Tensor]  # the low-precision param slice to write (param_remainders: read too)
+    blocks: Mapping[str, int] = {}  # the kinds stored one item per block (int8 scales; rule.blocks): never written
 
     @property
     def master(self) -> torch.Tensor:
         return self.state[MASTER]
 
     def run(self, r: Range) -> "BucketState":
-        """Elements ``r`` (in this run's coordinates) of every view."""
+        """Elements ``r`` (in this run's coordinates; whole blocks where the rule has blocked kinds) of every
+        view."""
         out = None if self.param_out is None else r.of(self.param_out)
-        return BucketState({k: r.of(v) for k, v in self.state.items()}, r.of(self.grad), out)
+        return BucketState(views_of(self.state, r, self.blocks), r.of(self.grad), out, self.blocks)
 
 
 def widened(values: torch.Tensor) -> torch.Tensor:
@@ -55,8 +57,15 @@ def widened(values: torch.Tensor) -> torch.Tensor:
     return values.float() if values.dtype == torch.bfloat16 else values
 
 
-def views_of(buffers: dict[str, torch.Tensor], r: Range) -> dict[str, torch.Tensor]:
-    return {kind: r.of(t) for kind, t in buffers.items()}
+def items_of(kind: str, r: Range, blocks: Mapping[str, int]) -> Range:
+    """Shard elements ``r`` in ``kind``'s item coordinates: the blocks they touch for a kind stored one item per
+    block (``blocks``: the rule's), else ``r``."""
+    block = blocks.get(kind, 1)
+    return r if block == 1 else r.blocks(block)
+
+
+def views_of(buffers: Mapping[str, torch.Tensor], r: Range, blocks: Mapping[str, int]) -> dict[str, torch.Tensor]:
+    return {kind: items_of(kind, r, blocks).of(t) for kind, t in buffers.items()}
 
 
 class Unit(NamedTuple):
@@ -84,7 +93,7 @@ class DeviceState:
         self.master_copy = not rule.master_is_param and not rule.param_remainders
         # One buffer per kind of the rule (the state starts at zero; the master is set from the parameters below).
         self.buffers = {
-            k.name: torch.zeros(n, dtype=k.dtype, device=device)
+            k.name: torch.zeros(k.items(n), dtype=k.dtype, device=device)
             for k in rule.kinds
             if k.name != MASTER or self.master_copy
         }
@@ -115,12 +124,12 @@ class DeviceState:
     # ---------------------------------------------------------------- the update
     def bucket_state(self, bucket: Bucket) -> BucketState:
         r = bucket.shard_range
-        views = views_of(self.buffers, r)
+        views = views_of(self.buffers, r, self.rule.blocks)
         if self.master_copy or self.rule.param_remainders:  # None: stage 3 casting the master keeps no shard
             param_out = self.params.rank_slice(bucket)
         else:
             views[MASTER], param_out = self.params.rank_slice(bucket), None
-        return BucketState(views, r.of(self.grad), param_out)
+        return BucketState(views, r.of(self.grad), param_out, self.rule.blocks)
 
     def units(self, buckets: Sequence[Bucket]) -> Iterator[Unit]:
         """The step's updates in order: here one per bucket, on the buffers themselves."""
@@ -142,7 +151,8 @@ class DeviceState:
         """``shard_range`` of ``kind`` as (sub-range, tensor view) runs: one run for a shard buffer; for fp32
         params' master, one run per bucket slice of the param buffer the range crosses."""
         if kind != MASTER or self.master_copy:
-            return [(shard_range, shard_range.of(self._buffer(kind)))]
+            items = items_of(kind, shard_range, self.rule.blocks)
+            return [(items, items.of(self._buffer(kind)))]
         return self._param_runs(shard_range)
 
     def _param_runs(self, shard_range: Range) -> list[tuple[Range, torch.Tensor]]:
@@ -192,15 +202,40 @@ class DeviceState:
     # ---------------------------------------------------------------- the bits as kept
     def stored(self, kind: str, shard_range: Range) -> torch.Tensor:
         """``shard_range`` of ``kind`` exactly as kept (one of the rule's ``kind_names``; with ``param_remainders``
-        the tie kind carries the tie bits), in its stored dtype: a view where the range is one run of memory, else
-        a copy. The serialisers' :meth:`read` converts from it; tests compare it to see that no byte changed."""
+        the tie kind carries the tie bits; a kind stored per block: the scales of the blocks the range touches), in
+        its stored dtype: a view where the range is one run of memory, else a copy. The serialisers' :meth:`read`
+        converts from it; tests compare it to see that no byte changed."""
         runs = self._views(kind, shard_range)
         return runs[0][1] if len(runs) == 1 else torch.cat([v for _, v in runs])
 
     def _store(self, kind: str, shard_range: Range, values: torch.Tensor) -> None:
         """Overwrite ``shard_range`` of ``kind`` with ``values`` (cast to the stored dtype), bits as they are."""
+        start = items_of(kind, shard_range, self.rule.blocks).start
         for part, view in self._views(kind, shard_range):
-            view.copy_(part.shifted(-shard_range.start).of(values))
+            view.copy_(part.shifted(-start).of(values))
+
+    # ---------------------------------------------------------------- int8 moments: codes and block scales
+    def _read_dequantized(self, kind: str, shard_range: Range) -> torch.Tensor:
+        """``shard_range`` of the int8 moment ``kind``, dequantized (fp32; the tie bit ignored)."""
+        scale_kind, qmap = self.rule.quantized[kind]
+        wide = shard_range.whole_blocks(self.rule.block)  # a shard is whole blocks
+        codes, scales = self.stored(kind, wide), self.stored(scale_kind, wide)
+        values = blockwise_int8.dequantize(codes, scales, self.rule.block, qmap.to(codes.device))
+        return shard_range.shifted(-wide.start).of(values)
+
+    def _write_quantized(self, kind: str, shard_range: Range, values: torch.Tensor) -> None:
+        """``shard_range`` of the int8 moment ``kind`` := ``values``: the blocks it touches are requantized with
+        their new absmax (elements outside the range, padding in practice, keep their values up to that); the tie
+        bits are kept."""
+        scale_kind, qmap = self.rule.quantized[kind]
+        wide = shard_range.whole_blocks(self.rule.block)
+        full = self._read_dequantized(kind, wide).clone()
+        shard_range.shifted(-wide.start).of(full).copy_(values.detach().reshape(-1))
+        codes, scales = blockwise_int8.quantize(full, self.rule.block, qmap.to(full.device))
+        if kind == self.rule.tie_kind:
+            codes = master_split.with_tie(codes, master_split.tie_of(self.stored(kind, wide)).to(codes.device))
+        self._store(kind, wide, codes)
+        self._store(scale_kind, wide, scales)
 
     # ---------------------------------------------------------------- serialisers
     def read(self, kind: str, shard_range: Range) -> torch.Tensor:
@@ -208,6 +243,8 @@ class DeviceState:
         memory, else a copy (a bf16 kind widened). Do not modify it: :meth:`write` changes the state."""
         if kind == MASTER and self.rule.param_remainders:
             return self._read_joined_master(shard_range)
+        if kind in self.rule.quantized:
+            return self._read_dequantized(kind, shard_range)
         if kind == self.rule.tie_kind:  # param_remainders: the tie bits cleared
             return widened(master_split.without_tie(self.stored(kind, shard_range)))
         return widened(self.stored(kind, shard_range))
@@ -215,8 +252,8 @@ class DeviceState:
     def host_view(self, kind: str, shard_range: Range) -> Optional[torch.Tensor]:
         """A writable view of ``shard_range`` of ``kind`` when it is one run of fp32 host memory (a loader can
         read straight into it), else None."""
-        if (kind == MASTER and self.rule.param_remainders) or kind == self.rule.tie_kind:  # converted by write
-            return None
+        if (kind == MASTER and self.rule.param_remainders) or kind == self.rule.tie_kind or kind in self.rule.quantized:
+            return None  # converted by write
         runs = self._views(kind, shard_range)
         if len(runs) == 1 and runs[0][1].device.type == "cpu" and runs[0][1].dtype == torch.float32:
             return runs[0][1]
@@ -227,6 +264,8 @@ class DeviceState:
         nearest even)."""
         if kind == MASTER and self.rule.param_remainders:
             return self._write_split_master(shard_range, values)
+        if kind in self.rule.quantized:
+            return self._write_quantized(kind, shard_range, values)
         if kind == self.rule.tie_kind:  # param_remainders: the tie bits kept
             old = self.stored(kind, shard_range)
             values = master_split.with_tie(values.detach().to(old.device, old.dtype), master_split.tie_of(old))

@@ -132,8 +132,8 @@ class StateBuilder:
         )
         agree_on_plan(self.comm, self.plan, settings)
         self.layouts = [
-            Layout([p.numel() for _, p in members], self.comm.world_size, self.bucket_size)
-            for _, members in self.plan.groups
+            Layout([p.numel() for _, p in members], self.comm.world_size, self.bucket_size, rule.param_align)
+            for (_, members), rule in zip(self.plan.groups, self.rules)
         ]
         # nvme: the directory and its free space, agreed before anything is built
         self.directory = prepare_offload(self.comm, o.offload, o.offload_dir, list(zip(self.layouts, self.rules)))

@@ -24,6 +24,7 @@ import torch
 
 from . import ops
 from .buffers import ShardedState
+from .layout import Range
 from .param_sync import ParamSync
 from .reducer import GradSync
 from .step_counts import update_runs
@@ -173,7 +174,10 @@ class Stepper:
         state, updated = self.state, []
         # the canonical index of the bucket slice's first element (bf16 moments' rounding: layout.py)
         canonical = group.layout.canonical_start(unit.bucket, group.rank)
+        block = group.rule.block
         for run, cls in update_runs(group, unit.bucket, active, state.step_counts):
+            if block > 1:  # int8 moments: whole blocks (a run starts a parameter, 64-aligned; the rest is padding)
+                run = Range(run.start, min(run.end + -run.end % block, unit.bucket.shard_numel))
             part = run.intersect(unit.rows)
             if not part.numel:
                 continue

@@ -33,16 +33,19 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 
-from . import ops
+from . import blockwise_int8, ops, ops_int8
 from .hyperparams import Scalar, check_hyperparameters
+from .layout import PARAM_ALIGN
 
 MASTER = "master"  # the fp32 master copy of the parameters, the one kind every rule saves
 REMAINDER = "remainder"  # param_remainders: the master's low 16 bits, stored instead of the fp32 master
-MOMENT_DTYPES = (torch.float32, torch.bfloat16)  # what ZeroAdamW(moment_dtype=...) accepts today
+MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # what ZeroAdamW(moment_dtype=...) accepts
+SCALE = "_scale"  # int8 moments: the suffix of a moment's per-block scales kind ("exp_avg" -> "exp_avg_scale")
 
 
 @dataclass(frozen=True)
@@ -52,10 +55,18 @@ class StateKind:
 
     name: str
     dtype: torch.dtype = torch.float32
+    block: int = 1  # shard elements per stored item: 1, or an int8 moment's block (one scale per block)
 
     @property
     def itemsize(self) -> int:
         return self.dtype.itemsize
+
+    def items(self, numel: int) -> int:
+        """Items stored for ``numel`` shard elements (a shard is a whole number of blocks)."""
+        return -(-numel // self.block)
+
+    def nbytes(self, numel: int) -> int:
+        return self.items(numel) * self.itemsize
 
 
 class AdamWScalars(NamedTuple):
@@ -121,6 +132,19 @@ class AdamW:
         self.saved_kinds: tuple[StateKind, ...] = (StateKind(MASTER), *(StateKind(m) for m in names))
         stored = StateKind(REMAINDER, torch.int16) if self.param_remainders else StateKind(MASTER)
         self.kinds: tuple[StateKind, ...] = (stored, *(StateKind(m, moment_dtype) for m in names))
+        # int8 moments: each moment's codes (one int8 per element) and its per-block fp32 scales, a kind of its own
+        # (one item per BLOCK elements); a block is 64 consecutive elements of a parameter, the same in every layout
+        # (param_align below), so the quantization, like bf16's rounding, is the same at every world size and stage.
+        self.block = blockwise_int8.BLOCK if moment_dtype is torch.int8 else 1
+        self.quantized: dict[str, tuple[str, torch.Tensor]] = {}  # moment -> (its scales kind, its map)
+        if self.block > 1:
+            for m in names:
+                qmap = blockwise_int8.EXP_AVG_MAP if m == "exp_avg" else blockwise_int8.EXP_AVG_SQ_MAP
+                self.quantized[m] = (m + SCALE, qmap)
+            self.kinds += tuple(StateKind(m + SCALE, torch.float32, self.block) for m in names)
+        # Every parameter starts at a multiple of this many elements of its flat buffer (layout.Layout): a block of
+        # int8 moments never holds elements of two parameters.
+        self.param_align = max(PARAM_ALIGN, self.block)
         # param_remainders: the kind whose sign bit keeps the master's tie bit (exp_avg_sq is >= +0 or NaN, so the
         # bit is free; the kernel reads |v| and writes it back). Placements hide it from serialisers.
         self.tie_kind: Optional[str] = "exp_avg_sq" if self.param_remainders else None
@@ -150,9 +174,10 @@ class AdamW:
         """The kinds a local state dict holds per parameter: the moments, and the master unless it is the param."""
         return self.moment_names if self.master_is_param else (*self.moment_names, MASTER)
 
-    def bytes_per_element(self, master_copy: bool = True) -> int:
-        """Bytes of state per element of a rank's shard; without ``master_copy`` the master is the parameter."""
-        return sum(k.itemsize for k in self.kinds if master_copy or k.name != MASTER)
+    def bytes_per_element(self, master_copy: bool = True) -> Fraction:
+        """Bytes of state per element of a rank's shard (an int8 moment's scale adds 4/64); without ``master_copy``
+        the master is the parameter."""
+        return sum((Fraction(k.itemsize, k.block) for k in self.kinds if master_copy or k.name != MASTER), Fraction(0))
 
     def describe(self) -> str:
         """What every rank must agree on (part of the layout fingerprint)."""
@@ -163,8 +188,13 @@ class AdamW:
 
     @property
     def rounds_moments(self) -> bool:
-        """The moments are stored below fp32 (stochastic rounding: the kernel needs the element offset)."""
-        return self.moment_dtype != torch.float32
+        """The moments are stored in bf16 (stochastic rounding: the kernel needs the element offset)."""
+        return self.moment_dtype is torch.bfloat16
+
+    @property
+    def blocks(self) -> dict[str, int]:
+        """The kinds stored one item per block of elements (int8 moments' scales), with their block."""
+        return {k.name: k.block for k in self.kinds if k.block > 1}
 
     # ---------------------------------------------------------------- its scalars
     def check_group(self, where: str, group: Mapping[str, Any], device: Optional[torch.device] = None,
@@ -201,6 +231,16 @@ class AdamW:
             master, param_out, remainder = param_out, None, state[REMAINDER]
         else:
             master, remainder = state[MASTER], None
+        if self.block > 1:  # int8 moments: the run is whole blocks (step.py widens it), the scales its blocks'
+            amsgrad = {"max_exp_avg_sq_codes": state["max_exp_avg_sq"],
+                       "max_exp_avg_sq_scales": state["max_exp_avg_sq" + SCALE]} if self.amsgrad else {}  # fmt: skip
+            ops_int8.fused_adamw_int8_(
+                master, grad, state["exp_avg"], state["exp_avg" + SCALE], state["exp_avg_sq"],
+                state["exp_avg_sq" + SCALE], lr=s.lr, beta1=s.beta1, beta2=s.beta2, eps=s.eps,
+                weight_decay=s.weight_decay, step=step, grad_scale=grad_scale, block=self.block, param_out=param_out,
+                found_inf=found_inf, maximize=bool(s.maximize), remainder=remainder, **amsgrad,
+            )  # fmt: skip
+            return
         ops.fused_adamw_(
             master, grad, state["exp_avg"], state["exp_avg_sq"],
             lr=s.lr, beta1=s.beta1, beta2=s.beta2, eps=s.eps, weight_decay=s.weight_decay, step=step,
@@ -224,12 +264,9 @@ def check_moment_dtype(where: str, moment_dtype: Any) -> None:
     """A ValueError naming ``moment_dtype`` unless it is one this version stores."""
     if any(moment_dtype is d for d in MOMENT_DTYPES):
         return
-    if moment_dtype is torch.int8:
-        raise ValueError(
-            f"{where}: `moment_dtype=torch.int8` (block-quantized 8-bit moments) is not available yet in this version "
-            "of zero_ext; use torch.float32 (the default) or torch.bfloat16 (stochastic rounding)"
-        )
-    raise ValueError(f"{where}: `moment_dtype` must be torch.float32 or torch.bfloat16, got {moment_dtype!r}")
+    raise ValueError(
+        f"{where}: `moment_dtype` must be torch.float32, torch.bfloat16 or torch.int8, got {moment_dtype!r}"
+    )
 
 
 def rule_for_group(param_dtype: torch.dtype, group: Mapping[str, Any], param_remainders: bool = False,
@@ -253,13 +290,15 @@ def all_kind_names() -> tuple[str, ...]:
     return AdamW(torch.bfloat16, amsgrad=True).saved_kind_names
 
 
-def default_bytes_per_element(param_remainders: bool = False, moment_dtype: torch.dtype = torch.float32) -> int:
+def default_bytes_per_element(param_remainders: bool = False, moment_dtype: torch.dtype = torch.float32) -> Fraction:
     """Mixed-precision AdamW's state per parameter: fp32 master + two fp32 moments (ZeRO's K = 12); with
-    ``param_remainders`` an int16 remainder instead of the master (K = 10); with bf16 moments 4 bytes less."""
+    ``param_remainders`` an int16 remainder instead of the master (K = 10); with bf16 moments 4 bytes less, with int8
+    ones 5.875 less (a byte and 4/64 of a scale each)."""
     return AdamW(torch.bfloat16, param_remainders=param_remainders, moment_dtype=moment_dtype).bytes_per_element()
 
 
 __all__: Sequence[str] = [
     "MASTER", "REMAINDER", "StateKind", "AdamWScalars", "AdamW", "UpdateRule", "rule_for_group", "rule_for_saved_group",
     "all_kind_names", "default_bytes_per_element", "IMPLEMENTATION_KEYWORDS", "MOMENT_DTYPES", "check_moment_dtype",
+    "SCALE",
 ]  # fmt: skip

@@ -26,9 +26,9 @@ import torch.distributed as dist
 from ..comm import Communicator
 from ..layout import Layout, fingerprint
 from ..placement import DeviceState
-from ..update_rule import REMAINDER, AdamW, UpdateRule
+from ..update_rule import AdamW, UpdateRule
 from . import leftovers
-from .disk import DiskState, min_window_bytes
+from .disk import DiskState, file_kinds, min_window_bytes
 from .files import file_nbytes
 from .host import HostState
 
@@ -91,9 +91,9 @@ def warn_if_one_thread(offload) -> None:
 
 def disk_bytes_needed(groups: Sequence[tuple[Layout, UpdateRule]]) -> int:
     """Bytes the state files of these flat groups take (one file per kind of each group's rule, whole blocks; a
-    remainder stays in host memory)."""
+    remainder and int8 moments' scales stay in host memory)."""
     return sum(
-        sum(file_nbytes(layout.shard_numel, {k.name: k.dtype for k in rule.kinds if k.name != REMAINDER}).values())
+        sum(file_nbytes(layout.shard_numel, {k.name: k.dtype for k in file_kinds(rule)}).values())
         for layout, rule in groups
     )
 
@@ -144,7 +144,7 @@ def prepare_offload(
 
 
 def _bytes_per_element(groups: Sequence[tuple[Layout, UpdateRule]]) -> str:
-    widths = sorted({sum(k.itemsize for k in rule.kinds if k.name != REMAINDER) for _, rule in groups})
+    widths = sorted({sum(k.itemsize for k in file_kinds(rule)) for _, rule in groups})
     return " or ".join(map(str, widths))
 
 

@@ -27,7 +27,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from ..layout import Bucket, Layout, Range
-from ..placement import BucketState, Unit
+from ..placement import BucketState, Unit, items_of, views_of
 from ..update_rule import REMAINDER, UpdateRule
 from .files import ALIGN, StateFiles, aligned_buffer, granule
 from .host import HostGradients, copy_runs_to_device, fetch_params
@@ -37,19 +37,27 @@ SLOTS = 3  # chunks in the window: one updated, one read ahead, one written behi
 
 def _window_bytes_per_element(rule: UpdateRule) -> int:
     """A chunk's bytes per element: every kind in the files and the new parameters (param dtype; none for fp32
-    parameters, copied from the master). A remainder stays in host memory, outside the window."""
-    files = sum(k.itemsize for k in rule.kinds if k.name != REMAINDER)
+    parameters, copied from the master). A remainder and int8 moments' scales stay in host memory, outside the
+    window."""
+    files = sum(k.itemsize for k in file_kinds(rule))
     return files + (rule.param_dtype.itemsize if rule.param_dtype != torch.float32 else 0)
 
 
-def _file_kinds(rule: UpdateRule) -> list:
-    """The kinds in files: every kind but a remainder, each in its own dtype (bf16 moments: bf16 files)."""
-    return [k for k in rule.kinds if k.name != REMAINDER]
+def file_kinds(rule: UpdateRule) -> list:
+    """The kinds in files, each in its own dtype (bf16 moments: bf16 files; int8 moments: their int8 codes). A
+    remainder (2 bytes per element) and int8 moments' block scales (4/64 byte per element each) stay in host memory
+    beside the 4-byte grad shard: the disk moves the per-element bytes only."""
+    return [k for k in rule.kinds if k.name != REMAINDER and k.block == 1]
+
+
+def host_kinds(rule: UpdateRule) -> list:
+    """The kinds kept in host memory (see :func:`file_kinds`)."""
+    return [k for k in rule.kinds if k.name == REMAINDER or k.block > 1]
 
 
 def _granule(rule: UpdateRule) -> int:
     """Elements that are whole 4 KiB blocks of every file (1024 with fp32 files only, 2048 with bf16 ones)."""
-    return granule([k.dtype for k in _file_kinds(rule)])
+    return granule([k.dtype for k in file_kinds(rule)])
 
 
 def chunk_numel(window_bytes: int, rule: UpdateRule, shard_numel: int) -> int:
@@ -69,7 +77,7 @@ class _Slot:
     """One chunk's buffers in the window, with the I/O and the host-to-device copy that use them."""
 
     def __init__(self, numel: int, rule: UpdateRule, cuda: bool):
-        kinds = _file_kinds(rule)
+        kinds = file_kinds(rule)
         self.raw = {k.name: _io_buffer(numel * k.itemsize, cuda) for k in kinds}
         self.typed = {k.name: self.raw[k.name].view(k.dtype) for k in kinds}  # each kind in its dtype
         param_dtype = rule.param_dtype
@@ -120,12 +128,12 @@ class DiskState(HostGradients):
         # master's high half is the parameters. Its tie bit is the sign bit of exp_avg_sq (rule.tie_kind): the step
         # moves the files' bytes as they are, so the bit goes to disk and back with its element; serialisers read and
         # write it through DeviceState.read / write.
-        files = _file_kinds(rule)
+        files = file_kinds(rule)
         self._init_gradients(layout, params, device, rule)
         n = layout.shard_numel
         self.kinds = tuple(k.name for k in files)
         self.itemsize = {k.name: k.itemsize for k in files}
-        self.buffers = {REMAINDER: torch.zeros(n, dtype=torch.int16)} if rule.param_remainders else {}
+        self.buffers = {k.name: torch.zeros(k.items(n), dtype=k.dtype) for k in host_kinds(rule)}
         self.files = StateFiles(directory, stem, self.kinds, n, {k.name: k.dtype for k in files})
         self.window_budget = window  # bytes: SLOTS chunks of every kind fit it (memory_report's bound)
         try:
@@ -183,10 +191,10 @@ class DiskState(HostGradients):
                 local = part.shifted(-chunk.start)  # in the slot's buffers
                 out = None if slot.param_out is None else local.of(slot.param_out)
                 kinds = {k: local.of(t) for k, t in slot.typed.items()}
-                if self.rule.param_remainders:  # the remainder in host memory, the high half from the parameters
-                    kinds[REMAINDER] = part.of(self._remainder())
+                kinds.update(views_of(self.buffers, part, self.rule.blocks))  # a remainder, scales: host memory
+                if self.rule.param_remainders:  # the high half from the parameters
                     fetch_params(self.params, bucket, part.shifted(-bucket.shard_offset), out)
-                views = BucketState(kinds, part.of(self.grad), out)
+                views = BucketState(kinds, part.of(self.grad), out, self.rule.blocks)
                 self._slot = slot
                 yield Unit(bucket, part.shifted(-bucket.shard_offset), views, part.end == bucket.shard_range.end)
             if self._dirty:  # some unit of the chunk updated: write it behind
@@ -228,13 +236,13 @@ class DiskState(HostGradients):
     def stored(self, kind: str, shard_range: Range) -> torch.Tensor:
         if kind == "grad":
             return shard_range.of(self.grad)
-        if kind in self.buffers:  # a remainder, in host memory
-            return shard_range.of(self.buffers[kind])
+        if kind in self.buffers:  # a remainder or int8 moments' scales, in host memory
+            return items_of(kind, shard_range, self.rule.blocks).of(self.buffers[kind])
         return self.files.read_range(kind, shard_range.start, shard_range.numel)  # as kept: DeviceState.read widens
 
     def _store(self, kind: str, shard_range: Range, values: torch.Tensor) -> None:
         if kind == "grad" or kind in self.buffers:
-            shard_range.of(self._buffer(kind)).copy_(values)
+            items_of(kind, shard_range, self.rule.blocks).of(self._buffer(kind)).copy_(values)
             return
         self._drop_read_ahead()
         self._pristine = False

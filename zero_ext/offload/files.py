@@ -1,4 +1,4 @@
-"""Arrays in files (fp32, or bf16 moments), read and written by I/O threads: the NVMe placement's working memory.
+"""Arrays in files (fp32, or bf16 / int8 moments), read and written by I/O threads: the NVMe placement's working memory.
 
 One file per (rank, flat group, kind) under a directory the placement creates, each in its kind's dtype. I/O is plain ``preadv``/``pwritev``
 on a reader and a writer thread (they release the GIL, so reads ahead and writes behind overlap the CPU AdamW
@@ -26,7 +26,7 @@ import torch
 
 ALIGN = 4096  # bytes: a page, and a multiple of every device's logical block size we expect
 ALIGN_ELEMENTS = ALIGN // 4  # fp32 elements per aligned block
-FILE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+FILE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int8: "i8"}
 
 
 def block_elements(dtype: torch.dtype) -> int:

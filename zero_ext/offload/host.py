@@ -26,7 +26,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from ..layout import Bucket, Layout, Range
-from ..placement import BucketState, DeviceState, Unit, views_of
+from ..placement import BucketState, DeviceState, Unit, items_of, views_of
 from ..update_rule import MASTER, UpdateRule
 
 # Bucket shards in flight between their reduce-scatter and the host grad shard: on CUDA, the fifth launch waits for
@@ -189,7 +189,7 @@ class HostState(HostGradients):
     def __init__(self, layout: Layout, params, device: torch.device, rule: UpdateRule):
         self._init_gradients(layout, params, device, rule)
         n = layout.shard_numel
-        self.buffers = {k.name: torch.zeros(n, dtype=k.dtype, pin_memory=self.cuda) for k in rule.kinds}
+        self.buffers = {k.name: torch.zeros(k.items(n), dtype=k.dtype, pin_memory=self.cuda) for k in rule.kinds}
         largest = max((b.shard_numel for b in layout.buckets), default=0)
         self.out = ParamOutRing(largest, params.dtype, self.device) if params.dtype != torch.float32 else None
         # fp32 parameters are copied to the device from the pinned master itself (asynchronously): the event of the
@@ -211,7 +211,7 @@ class HostState(HostGradients):
             slot, out = self.out.take(bucket.shard_numel) if self.out is not None else (None, None)
             if self.rule.param_remainders:  # the kernel reads the master's high half from the parameters
                 fetch_params(self.params, bucket, Range(0, bucket.shard_numel), out)
-            views = BucketState(views_of(self.buffers, r), r.of(self.grad), out)
+            views = BucketState(views_of(self.buffers, r, self.rule.blocks), r.of(self.grad), out, self.rule.blocks)
             self._out_slot = slot
             yield Unit(bucket, Range(0, bucket.shard_numel), views, True)
 
@@ -240,7 +240,8 @@ class HostState(HostGradients):
 
     # ---------------------------------------------------------------- serialisers and the ledger
     def _views(self, kind: str, shard_range: Range) -> list[tuple[Range, torch.Tensor]]:
-        return [(shard_range, shard_range.of(self._buffer(kind)))]
+        items = items_of(kind, shard_range, self.rule.blocks)
+        return [(items, items.of(self._buffer(kind)))]
 
     def tensors(self) -> dict[str, object]:
         return {
