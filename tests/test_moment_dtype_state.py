@@ -32,6 +32,22 @@ def test_refused_unless_fp32_bf16_or_int8(bad):
 
 
 @pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
+def test_rule_stores_int8_moments_with_block_scales_and_saves_fp32(param_dtype):
+    rule = AdamW(param_dtype, amsgrad=True, moment_dtype=torch.int8)
+    codes = [k for k in rule.kinds if k.dtype == torch.int8]
+    scales = [k for k in rule.kinds if k.block > 1]
+    assert [k.name for k in codes] == list(MOMENTS) and [k.name for k in scales] == [m + "_scale" for m in MOMENTS]
+    assert all(k.dtype == torch.float32 and k.block == 64 for k in scales)
+    assert all(k.dtype == torch.float32 for k in rule.saved_kinds)  # state dicts, checkpoints: fp32 moments
+    assert rule.saved_kind_names == ("master", *MOMENTS)
+    assert rule.bytes_per_element() == 4 + 3 * 1.0625 and rule.bytes_per_element(master_copy=False) == 3 * 1.0625
+    assert rule.param_align == 64 and AdamW(param_dtype, moment_dtype=torch.bfloat16).param_align == PARAM_ALIGN
+    assert "moment_dtype=torch.int8" in rule.describe()
+    remainders = AdamW(torch.bfloat16, param_remainders=True, moment_dtype=torch.int8)
+    assert remainders.tie_kind == "exp_avg_sq" and remainders.bytes_per_element() == 2 + 2 * 1.0625
+
+
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
 def test_rule_stores_bf16_moments_and_saves_fp32(param_dtype):
     rule = AdamW(param_dtype, amsgrad=True, moment_dtype=torch.bfloat16)
     assert [k.dtype for k in rule.kinds] == [torch.float32] + [torch.bfloat16] * 3

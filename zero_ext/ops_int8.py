@@ -2,7 +2,7 @@
 ``torch.ops.zero_ext.fused_adamw_int8_`` and its fake (meta) impl. The maps, the block layout and the plain-torch
 reference of the same arithmetic are in :mod:`zero_ext.blockwise_int8`.
 
-For the engine (not integrated yet; ``ZeroAdamW(moment_dtype=torch.int8)`` is refused):
+How the engine uses it (``ZeroAdamW(moment_dtype=torch.int8)``; zero_ext/update_rule.py):
 
 - State per flat group shard of ``n`` elements: ``exp_avg_codes`` / ``exp_avg_sq_codes`` int8 ``[n]``, and
   ``exp_avg_scales`` / ``exp_avg_sq_scales`` fp32 ``[ceil(n / 64)]``; zero-initialised (codes 0, scales 0) is the
@@ -12,10 +12,12 @@ For the engine (not integrated yet; ``ZeroAdamW(moment_dtype=torch.int8)`` is re
   shard's end may end mid-block (its short last block). Bucket shard slices are multiples of 64 elements, so
   per-bucket calls qualify; offload windows and fragments must be cut at multiples of 64 too. A range that must
   start or end inside a block would need the kernel widened to the whole blocks, with the elements outside the
-  update range dequantized and re-encoded with the block's new scale but not updated (not implemented).
-- Bitwise across world sizes and stages only if a block holds the same elements everywhere: the block grid must be
-  64-aligned in the canonical layout (SPEC B: every bucket's canonical start a multiple of 64). Padding elements
-  (zero grad, zero master) keep zero moments.
+  update range dequantized and re-encoded with the block's new scale but not updated (not implemented: the engine
+  never needs it, below).
+- Bitwise across world sizes and stages only if a block holds the same elements everywhere: an int8 flat group
+  places every parameter at a multiple of 64 elements, so a block is 64 elements of one parameter in every layout,
+  every update run starts on a block and the step widens its end to the block's (the rest is padding: zero grad,
+  zero master, exp_avg 0, exp_avg_sq decoding below any real element's, so no scale changes).
 - Checkpoints: ``blockwise_int8.dequantize`` (bit 7 of exp_avg_sq's codes ignored) gives the fp32 moments to
   save; loading quantizes the fp32 moments with the target's block grid (``blockwise_int8.quantize``), which is
   deterministic but not lossless for a checkpoint saved from fp32 moments.

@@ -125,7 +125,12 @@ class ZeroAdamW(torch.optim.Optimizer):
             element rounds alike at every stage, world size, bucket size and offload: those runs stay bitwise equal
             to each other, not to fp32 moments). State dicts and checkpoints hold fp32 moments (bf16 widens exactly;
             loading fp32 ones into bf16 rounds to nearest even), so either setting loads into the other.
-            ``torch.int8`` is not available yet in this version.
+            ``torch.int8``: block-quantized 8-bit moments (the dynamic quantization of 8-bit Adam): one byte per
+            element and one fp32 scale (the block's absmax) per 64 elements of a parameter, 1.0625 bytes each
+            instead of 4; each step dequantizes, updates in fp32 and requantizes in one fused kernel. The blocks are
+            the parameter's own 64-element blocks (int8 groups align parameters to 64 elements), so training is
+            bitwise the same at every stage, world size, bucket size and offload. State dicts and checkpoints hold
+            the dequantized fp32 moments; loading quantizes them (int8 -> int8 gives back the same codes).
         offload_window: ``offload="nvme"``: bytes of host memory per rank the state streams through (default
             ``zero_ext.offload.DEFAULT_WINDOW``, 128 MiB), split evenly between the flat groups; each share is at least
             one 4 KiB block per kind per slot, and a shard smaller than its share allocates only what it needs.

@@ -19,7 +19,10 @@ as kept (the tie bit included).
 
 A kind may be stored below fp32 (``moment_dtype=torch.bfloat16``: the moments): :meth:`read` widens it to fp32
 (exact) and :meth:`write` rounds fp32 values to it (``copy_``: round to nearest even), so serialisers see fp32
-moments whatever is stored.
+moments whatever is stored. With ``moment_dtype=torch.int8`` a moment is int8 codes plus a kind of fp32 scales
+stored one item per 64-element block (``StateKind.block``; every view and range of it is in block coordinates:
+:func:`items_of`): :meth:`read` dequantizes, :meth:`write` requantizes the whole blocks the range touches with their
+new absmax (the elements outside it, padding in practice, keep their values up to that).
 """
 
 from __future__ import annotations

@@ -23,6 +23,16 @@ index: ``element_offset`` of :meth:`AdamW.apply`, :meth:`.layout.Layout.canonica
 same way at every world size, stage and bucket size. :attr:`AdamW.saved_kinds` stay fp32: bf16 -> fp32 is exact on
 save, fp32 -> bf16 rounds to nearest even on load (deterministic), so either setting loads into the other.
 
+``moment_dtype=torch.int8`` stores each moment as int8 codes (kind ``exp_avg`` etc., one per element) and fp32 block
+scales (kind ``exp_avg_scale`` etc., :attr:`StateKind.block` = 64: one item per 64 elements): the maps of
+:mod:`.blockwise_int8`, the fused kernel of :mod:`.ops_int8`. A flat group with int8 moments places every parameter
+at a multiple of 64 elements (:attr:`AdamW.param_align`, ``layout.Layout(param_align=)``), so a block is 64 elements
+of one parameter (its last block padded with zeros) in every layout: the quantization, like bf16's rounding, is the
+same at every world size, stage, bucket size and offload. The step widens every run to whole blocks
+(``step.Stepper._update``: the elements added are padding). :attr:`AdamW.saved_kinds` stay fp32: placements
+dequantize on read and requantize the blocks a write touches. amsgrad's ``max_exp_avg_sq`` is int8 too; the tie
+bit of ``param_remainders`` is bit 7 of exp_avg_sq's codes (its map has 128 values).
+
 Two questions about the master have two names on purpose. :attr:`UpdateRule.master_is_param`: the parameters' own
 values are the master (fp32 parameters), so a state dict holds no separate copy and the model's state dict carries
 it. A placement's ``master_copy``: that placement stores a separate fp32 master buffer (bf16/fp16 parameters
