@@ -29,6 +29,9 @@ constexpr uint32_t kCanonicalNan = 0x7FC00000u;
 //    `remainder` it is required, bf16, and is the parameter half of the master (read and written).
 //  - remainder: int16 (param_remainders), the master's low half; the tie bit is bit 7 of
 //    exp_avg_sq's codes (SPEC A).
+//  - max_exp_avg_sq_codes / _scales: amsgrad's max_exp_avg_sq, quantized as exp_avg_sq is (its
+//    map, its own block absmax); both null without amsgrad. Bit 7 of its codes is ignored when read
+//    and written 0 (the tie bit is only exp_avg_sq's).
 struct Int8AdamWBuffers {
   float* master;
   const void* grad;
@@ -40,6 +43,8 @@ struct Int8AdamWBuffers {
   void* param_out;
   DType param_out_dtype;
   int16_t* remainder;
+  int8_t* max_exp_avg_sq_codes;
+  float* max_exp_avg_sq_scales;
   int64_t n;
   int64_t block;  // a multiple of 16 in [16, 4096]
 };

@@ -176,22 +176,33 @@ def fused_adamw_int8_reference(
     maximize: bool = False,
     remainder: Optional[torch.Tensor] = None,
     block: int = BLOCK,
+    max_codes: Optional[torch.Tensor] = None,
+    max_scales: Optional[torch.Tensor] = None,
 ) -> None:
     """What ``zero_ext.ops_int8.fused_adamw_int8_`` does, in place, one tensor at a time: dequantize exp_avg
     (``m_codes``, ``m_scales``, :data:`EXP_AVG_MAP`) and exp_avg_sq (``v_codes``, ``v_scales``,
     :data:`EXP_AVG_SQ_MAP`), one fp32 AdamW update (the fp32 op ``zero_ext.ops.fused_adamw_`` on the dequantized
     copies: csrc/adamw_math.h's formula, so the arithmetic is the kernel's by construction), requantize both with the
     new block absmax, write the master (fp32, or with ``remainder`` the bf16 ``master`` + int16 remainder + the tie
-    bit in bit 7 of ``v_codes``, SPEC A) and ``param_out`` (bf16/fp16, round to nearest even)."""
+    bit in bit 7 of ``v_codes``, SPEC A) and ``param_out`` (bf16/fp16, round to nearest even).
+
+    amsgrad: ``max_codes`` (int8) and ``max_scales`` (fp32, one per block) hold max_exp_avg_sq with
+    :data:`EXP_AVG_SQ_MAP`; its dequantized copy goes to the fp32 op as ``max_exp_avg_sq`` (so it becomes
+    ``maximum(old max, new exp_avg_sq)``, NaN-propagating, and divides), then is requantized with its own new block
+    absmax. Bit 7 of ``max_codes`` is ignored when read and written 0 (the tie bit lives in ``v_codes`` only)."""
+    if (max_codes is None) != (max_scales is None):
+        raise ValueError("fused_adamw_int8_reference: `max_codes` and `max_scales` must be given together (amsgrad)")
     if found_inf is not None and float(found_inf) != 0.0:
         return
     n = master.numel()
     m = dequantize(m_codes, m_scales, block, EXP_AVG_MAP)
     v = dequantize(v_codes, v_scales, block, EXP_AVG_SQ_MAP)
+    v_max = dequantize(max_codes, max_scales, block, EXP_AVG_SQ_MAP) if max_codes is not None else None
     p = master_split.join(master, remainder, master_split.tie_of(v_codes)) if remainder is not None else master.clone()
     out = param_out.clone() if param_out is not None else None
     ops.fused_adamw_(p, grad, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                     step=step, grad_scale=grad_scale, param_out=out, maximize=maximize)  # fmt: skip
+                     step=step, grad_scale=grad_scale, param_out=out, maximize=maximize,
+                     max_exp_avg_sq=v_max)  # fmt: skip
     new_m_codes, new_m_scales = quantize(m, block, EXP_AVG_MAP)
     new_v_codes, new_v_scales = quantize(v, block, EXP_AVG_SQ_MAP)
     if remainder is not None:
@@ -207,6 +218,10 @@ def fused_adamw_int8_reference(
     m_scales.copy_(new_m_scales)
     v_codes.view(-1).copy_(new_v_codes[:n])
     v_scales.copy_(new_v_scales)
+    if v_max is not None:
+        new_max_codes, new_max_scales = quantize(v_max, block, EXP_AVG_SQ_MAP)
+        max_codes.view(-1).copy_(new_max_codes[:n])
+        max_scales.copy_(new_max_scales)
 
 
 def _c_array(name: str, values: torch.Tensor) -> str:

@@ -23,8 +23,9 @@ How the engine uses it (``ZeroAdamW(moment_dtype=torch.int8)``; zero_ext/update_
   deterministic but not lossless for a checkpoint saved from fp32 moments.
 - param_remainders: ``remainder=`` and the tie bit in bit 7 of ``exp_avg_sq_codes``; serialisers read the master
   with ``master_split.join(param, remainder, master_split.tie_of(codes))`` and must keep bit 7 when writing the codes.
-- No amsgrad (no ``max_exp_avg_sq`` argument): refuse ``amsgrad=True`` with int8 moments, or extend the op with
-  an fp32 (or quantized) ``max_exp_avg_sq``.
+- amsgrad: ``max_exp_avg_sq_codes`` int8 ``[n]`` and ``max_exp_avg_sq_scales`` fp32 ``[ceil(n / 64)]``, quantized
+  as exp_avg_sq is (its map, its own block absmax), zero-initialised, sliced per call like the moments; bit 7 of its
+  codes is always 0 (the tie bit is exp_avg_sq's only). Checkpoints dequantize it with ``EXP_AVG_SQ_MAP``.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ def fused_adamw_int8_(
     found_inf: Optional[torch.Tensor] = None,
     maximize: bool = False,
     remainder: Optional[torch.Tensor] = None,
+    max_exp_avg_sq_codes: Optional[torch.Tensor] = None,
+    max_exp_avg_sq_scales: Optional[torch.Tensor] = None,
 ) -> None:
     """One fused AdamW update of a contiguous shard whose moments are int8 codes with one fp32 scale per ``block``
     elements (:mod:`zero_ext.blockwise_int8`), in place.
@@ -75,8 +78,14 @@ def fused_adamw_int8_(
     scalars and their checks are as in :func:`zero_ext.ops.fused_adamw_`. With ``remainder`` (int16), ``master`` is
     the bf16 parameter and the fp32 master is (param, remainder, tie) with the tie bit in bit 7 of
     ``exp_avg_sq_codes`` (SPEC A: the param is the master rounded to nearest even). ``block`` is a multiple of 16
-    in [16, 4096]. No amsgrad. On the CPU the result is bitwise
-    :func:`zero_ext.blockwise_int8.fused_adamw_int8_reference`'s.
+    in [16, 4096].
+
+    amsgrad: ``max_exp_avg_sq_codes`` (int8, ``master``'s numel) and ``max_exp_avg_sq_scales`` (fp32, one per
+    block), both or neither, hold max_exp_avg_sq quantized as exp_avg_sq is. Per block it is dequantized, becomes
+    ``maximum(max_exp_avg_sq, new exp_avg_sq)`` (NaN-propagating; torch.optim.AdamW's amsgrad, as
+    :func:`zero_ext.ops.fused_adamw_`'s ``max_exp_avg_sq``), divides instead of exp_avg_sq, and is requantized with
+    its own new block absmax; bit 7 of its codes is ignored when read and written 0. On the CPU the result is
+    bitwise :func:`zero_ext.blockwise_int8.fused_adamw_int8_reference`'s.
     """
     values = (lr, beta1, beta2, eps, weight_decay, step, grad_scale)
     floats, tensors = zip(*(split_scalar(f"zero_ext.{_OP}", n, v) for n, v in zip(_ADAMW_SCALARS, values)))
@@ -94,6 +103,8 @@ def fused_adamw_int8_(
         found_inf=found_inf,
         maximize=bool(maximize),
         remainder=remainder,
+        max_exp_avg_sq_codes=max_exp_avg_sq_codes,
+        max_exp_avg_sq_scales=max_exp_avg_sq_scales,
     )
 
 
@@ -118,6 +129,17 @@ def _fused_adamw_int8_fake(master, grad, exp_avg_codes, exp_avg_scales, exp_avg_
         expected.append(("remainder", remainder, (torch.int16,), n))
     if kw.get("param_out") is not None:
         expected.append(("param_out", kw["param_out"], (torch.bfloat16, torch.float16), n))
+    max_codes, max_scales = kw.get("max_exp_avg_sq_codes"), kw.get("max_exp_avg_sq_scales")
+    torch._check(
+        (max_codes is None) == (max_scales is None),
+        lambda: (
+            f"zero_ext.{_OP}: `max_exp_avg_sq_codes` and `max_exp_avg_sq_scales` must be given together (amsgrad)"
+            " or both be None"
+        ),
+    )
+    if max_codes is not None:
+        expected += [("max_exp_avg_sq_codes", max_codes, (torch.int8,), n),
+                     ("max_exp_avg_sq_scales", max_scales, (torch.float32,), blocks)]  # fmt: skip
     for name, t, dtypes, numel in expected:
         _check_dense(_OP, name, t, "master", master, dtypes)
         torch._check(t.numel() == numel, lambda: f"zero_ext.{_OP}: `{name}` must have {numel} elements")

@@ -24,27 +24,35 @@ constexpr float kExpAvgSqThresholds[] = ZERO_EXT_INT8_EXP_AVG_SQ_THRESHOLDS;
 constexpr int64_t kChunkElements = int64_t{1} << 16;
 
 // kOut: 0 = no param_out, 1 = bf16, 2 = fp16, 3 = the master is bf16 param_out + remainder + tie.
-template <DType kGrad, int kOut>
+// kAmsgrad: max_exp_avg_sq is dequantized, updated by adamw_update<true> and requantized like
+// exp_avg_sq (a template flag, so the plain path is the code it was).
+template <DType kGrad, int kOut, bool kAmsgrad>
 void scalar_block(const Int8AdamWBuffers& b, int64_t blk, const AdamWCoefficients& c) {
   const int64_t begin = blk * b.block;
   const int64_t len = std::min(b.n - begin, b.block);
   float m_new[kInt8MaxBlock];
   float v_new[kInt8MaxBlock];
+  float vmax_new[kAmsgrad ? kInt8MaxBlock : 1];
   uint8_t tie[kInt8MaxBlock];
   uint16_t* const param = static_cast<uint16_t*>(b.param_out);
   const uint8_t* const m_codes = reinterpret_cast<const uint8_t*>(b.exp_avg_codes) + begin;
   const uint8_t* const v_codes = reinterpret_cast<const uint8_t*>(b.exp_avg_sq_codes) + begin;
   const float m_scale = b.exp_avg_scales[blk];
   const float v_scale = b.exp_avg_sq_scales[blk];
+  const uint8_t* const vmax_codes =
+      kAmsgrad ? reinterpret_cast<const uint8_t*>(b.max_exp_avg_sq_codes) + begin : nullptr;
+  const float vmax_scale = kAmsgrad ? b.max_exp_avg_sq_scales[blk] : 0.0f;
   float m_amax = 0.0f;
   float v_amax = 0.0f;
+  float vmax_amax = 0.0f;
   for (int64_t j = 0; j < len; ++j) {
     const int64_t i = begin + j;
     float m = kExpAvgMap[m_codes[j]] * m_scale;
     float v = kExpAvgSqMap[v_codes[j] & 0x7Fu] * v_scale;
+    float v_max = kAmsgrad ? kExpAvgSqMap[vmax_codes[j] & 0x7Fu] * vmax_scale : 0.0f;
     float p = kOut == 3 ? bits_float(join_master_bits(param[i], b.remainder[i], v_codes[j] >> 7))
                         : b.master[i];
-    adamw_update(p, load_as_float(b.grad, kGrad, i), m, v, c);
+    adamw_update<kAmsgrad>(p, load_as_float(b.grad, kGrad, i), m, v, v_max, c);
     if constexpr (kOut == 3) {
       const uint32_t bits = float_bits(p);
       param[i] = param_of_master_bits(bits);
@@ -60,6 +68,10 @@ void scalar_block(const Int8AdamWBuffers& b, int64_t blk, const AdamWCoefficient
     v_new[j] = v;
     m_amax = absmax_step(m_amax, m);
     v_amax = absmax_step(v_amax, v);
+    if constexpr (kAmsgrad) {
+      vmax_new[j] = v_max;
+      vmax_amax = absmax_step(vmax_amax, v_max);
+    }
   }
   m_amax = finish_absmax(m_amax);
   v_amax = finish_absmax(v_amax);
@@ -75,21 +87,41 @@ void scalar_block(const Int8AdamWBuffers& b, int64_t blk, const AdamWCoefficient
   }
   b.exp_avg_scales[blk] = m_amax;
   b.exp_avg_sq_scales[blk] = v_amax;
+  if constexpr (kAmsgrad) {
+    vmax_amax = finish_absmax(vmax_amax);
+    const float vmax_div = encode_divisor(vmax_amax);
+    uint8_t* const vmax_out = reinterpret_cast<uint8_t*>(b.max_exp_avg_sq_codes) + begin;
+    for (int64_t j = 0; j < len; ++j) {
+      vmax_out[j] = static_cast<uint8_t>(
+          encode_code<kInt8ExpAvgSqCodes>(kExpAvgSqThresholds, vmax_new[j] / vmax_div));
+    }
+    b.max_exp_avg_sq_scales[blk] = vmax_amax;
+  }
+}
+
+template <DType kGrad, bool kAmsgrad>
+void scalar_blocks_out(const Int8AdamWBuffers& b, int64_t first, int64_t last,
+                       const AdamWCoefficients& c) {
+  for (int64_t blk = first; blk < last; ++blk) {
+    if (b.remainder != nullptr) {
+      scalar_block<kGrad, 3, kAmsgrad>(b, blk, c);
+    } else if (b.param_out == nullptr) {
+      scalar_block<kGrad, 0, kAmsgrad>(b, blk, c);
+    } else if (b.param_out_dtype == DType::kBFloat16) {
+      scalar_block<kGrad, 1, kAmsgrad>(b, blk, c);
+    } else {
+      scalar_block<kGrad, 2, kAmsgrad>(b, blk, c);
+    }
+  }
 }
 
 template <DType kGrad>
 void scalar_blocks(const Int8AdamWBuffers& b, int64_t first, int64_t last,
                    const AdamWCoefficients& c) {
-  for (int64_t blk = first; blk < last; ++blk) {
-    if (b.remainder != nullptr) {
-      scalar_block<kGrad, 3>(b, blk, c);
-    } else if (b.param_out == nullptr) {
-      scalar_block<kGrad, 0>(b, blk, c);
-    } else if (b.param_out_dtype == DType::kBFloat16) {
-      scalar_block<kGrad, 1>(b, blk, c);
-    } else {
-      scalar_block<kGrad, 2>(b, blk, c);
-    }
+  if (b.max_exp_avg_sq_codes != nullptr) {
+    scalar_blocks_out<kGrad, true>(b, first, last, c);
+  } else {
+    scalar_blocks_out<kGrad, false>(b, first, last, c);
   }
 }
 

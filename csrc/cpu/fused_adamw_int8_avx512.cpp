@@ -109,10 +109,11 @@ inline __m512i encode(const float* thresholds, __m512 lo, __m512 hi, __m512 y) {
   return pos;
 }
 
-template <DType kGrad, int kOut, bool kSmallWeight>
+template <DType kGrad, int kOut, bool kSmallWeight, bool kAmsgrad>
 void block(const Int8AdamWBuffers& b, int64_t blk, const AdamWCoefficients& c) {
   alignas(64) float m_new[kInt8MaxBlock];
   alignas(64) float v_new[kInt8MaxBlock];
+  alignas(64) float vmax_new[kAmsgrad ? kInt8MaxBlock : kWidth];
   alignas(64) uint8_t tie[kInt8MaxBlock];
   const int64_t begin = blk * b.block;
   const __m512 grad_scale = _mm512_set1_ps(c.grad_scale);
@@ -126,9 +127,11 @@ void block(const Int8AdamWBuffers& b, int64_t blk, const AdamWCoefficients& c) {
   const __m512 neg_step_size = _mm512_set1_ps(c.neg_step_size);
   const __m512 m_scale = _mm512_set1_ps(b.exp_avg_scales[blk]);
   const __m512 v_scale = _mm512_set1_ps(b.exp_avg_sq_scales[blk]);
+  const __m512 vmax_scale = _mm512_set1_ps(kAmsgrad ? b.max_exp_avg_sq_scales[blk] : 0.0f);
   uint16_t* const param = static_cast<uint16_t*>(b.param_out);
   __m512 m_amax = _mm512_setzero_ps();
   __m512 v_amax = _mm512_setzero_ps();
+  __m512 vmax_amax = _mm512_setzero_ps();
   for (int64_t j = 0; j < b.block; j += kWidth) {
     const int64_t i = begin + j;
     const __m512i v_codes = load_codes(b.exp_avg_sq_codes, i);
@@ -156,7 +159,17 @@ void block(const Int8AdamWBuffers& b, int64_t blk, const AdamWCoefficients& c) {
     m = kSmallWeight ? _mm512_fmadd_ps(weight, diff, m)
                      : _mm512_fnmadd_ps(diff, one_minus_weight, g);
     v = _mm512_fmadd_ps(_mm512_mul_ps(one_minus_beta2, g), g, _mm512_mul_ps(v, beta2));
-    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2_sqrt), eps);
+    __m512 v_hat = v;  // the denominator's moment: v, or with amsgrad max_exp_avg_sq's new value
+    if constexpr (kAmsgrad) {
+      const __m512i codes =
+          _mm512_and_si512(load_codes(b.max_exp_avg_sq_codes, i), _mm512_set1_epi32(0x7F));
+      const __m512 old = _mm512_mul_ps(_mm512_i32gather_ps(codes, kExpAvgSqMap, 4), vmax_scale);
+      // nan_propagating_max(old, v) (adamw_math.h): old where old > v or old is NaN.
+      const __mmask16 keep =
+          _mm512_cmp_ps_mask(old, v, _CMP_GT_OQ) | _mm512_cmp_ps_mask(old, old, _CMP_UNORD_Q);
+      v_hat = _mm512_mask_blend_ps(keep, v, old);
+    }
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v_hat), bc2_sqrt), eps);
     const __m512 p_new = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(neg_step_size, m), denom));
     if constexpr (kOut == 3) {  // master_split.h: param, remainder, tie of the master
       const __m512i u = _mm512_castps_si512(p_new);
@@ -183,11 +196,17 @@ void block(const Int8AdamWBuffers& b, int64_t blk, const AdamWCoefficients& c) {
     _mm512_store_ps(v_new + j, v);
     m_amax = absmax_step(m_amax, m);
     v_amax = absmax_step(v_amax, v);
+    if constexpr (kAmsgrad) {
+      _mm512_store_ps(vmax_new + j, v_hat);
+      vmax_amax = absmax_step(vmax_amax, v_hat);
+    }
   }
   const float m_max = reduce_absmax(m_amax);
   const float v_max = reduce_absmax(v_amax);
+  const float vmax_absmax = kAmsgrad ? reduce_absmax(vmax_amax) : 0.0f;
   const __m512 m_div = _mm512_set1_ps(encode_divisor(m_max));
   const __m512 v_div = _mm512_set1_ps(encode_divisor(v_max));
+  const __m512 vmax_div = _mm512_set1_ps(encode_divisor(vmax_absmax));
   const CoarseThresholds& m_coarse = coarse_thresholds<kInt8ExpAvgCodes>(kExpAvgThresholds);
   const CoarseThresholds& v_coarse = coarse_thresholds<kInt8ExpAvgSqCodes>(kExpAvgSqThresholds);
   const __m512 m_lo = _mm512_load_ps(m_coarse.values);
@@ -206,34 +225,52 @@ void block(const Int8AdamWBuffers& b, int64_t blk, const AdamWCoefficients& c) {
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(b.exp_avg_codes + i), _mm512_cvtepi32_epi8(mc));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(b.exp_avg_sq_codes + i), _mm512_cvtepi32_epi8(vc));
+    if constexpr (kAmsgrad) {
+      const __m512i xc = encode<kInt8ExpAvgSqCodes>(
+          kExpAvgSqThresholds, v_lo, v_hi, _mm512_div_ps(_mm512_load_ps(vmax_new + j), vmax_div));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(b.max_exp_avg_sq_codes + i),
+                       _mm512_cvtepi32_epi8(xc));
+    }
   }
   b.exp_avg_scales[blk] = m_max;
   b.exp_avg_sq_scales[blk] = v_max;
+  if constexpr (kAmsgrad) b.max_exp_avg_sq_scales[blk] = vmax_absmax;
 }
 
-template <DType kGrad, int kOut, bool kSmallWeight>
+template <DType kGrad, int kOut, bool kSmallWeight, bool kAmsgrad>
 int64_t blocks(const Int8AdamWBuffers& b, int64_t first, int64_t last, const AdamWCoefficients& c) {
   int64_t blk = first;
   for (; blk < last && (blk + 1) * b.block <= b.n; ++blk)
-    block<kGrad, kOut, kSmallWeight>(b, blk, c);
+    block<kGrad, kOut, kSmallWeight, kAmsgrad>(b, blk, c);
   return blk;
 }
 
-template <DType kGrad, int kOut>
+template <DType kGrad, int kOut, bool kAmsgrad>
 int64_t blocks_lerp(const Int8AdamWBuffers& b, int64_t first, int64_t last,
                     const AdamWCoefficients& c) {
   // The branch of torch's lerp (adamw_math.h) depends only on the weight: pick it once per call.
-  return __builtin_fabsf(c.lerp_weight) < 0.5f ? blocks<kGrad, kOut, true>(b, first, last, c)
-                                               : blocks<kGrad, kOut, false>(b, first, last, c);
+  return __builtin_fabsf(c.lerp_weight) < 0.5f
+             ? blocks<kGrad, kOut, true, kAmsgrad>(b, first, last, c)
+             : blocks<kGrad, kOut, false, kAmsgrad>(b, first, last, c);
 }
 
-template <DType kGrad>
+template <DType kGrad, bool kAmsgrad>
 int64_t blocks_out(const Int8AdamWBuffers& b, int64_t first, int64_t last,
                    const AdamWCoefficients& c) {
-  if (b.remainder != nullptr) return blocks_lerp<kGrad, 3>(b, first, last, c);
-  if (b.param_out == nullptr) return blocks_lerp<kGrad, 0>(b, first, last, c);
-  if (b.param_out_dtype == DType::kBFloat16) return blocks_lerp<kGrad, 1>(b, first, last, c);
-  return blocks_lerp<kGrad, 2>(b, first, last, c);
+  if (b.remainder != nullptr) return blocks_lerp<kGrad, 3, kAmsgrad>(b, first, last, c);
+  if (b.param_out == nullptr) return blocks_lerp<kGrad, 0, kAmsgrad>(b, first, last, c);
+  if (b.param_out_dtype == DType::kBFloat16) {
+    return blocks_lerp<kGrad, 1, kAmsgrad>(b, first, last, c);
+  }
+  return blocks_lerp<kGrad, 2, kAmsgrad>(b, first, last, c);
+}
+
+// amsgrad is a template flag, as in fused_adamw_avx512.cpp: the plain path is the code it was.
+template <DType kGrad>
+int64_t blocks_amsgrad(const Int8AdamWBuffers& b, int64_t first, int64_t last,
+                       const AdamWCoefficients& c) {
+  if (b.max_exp_avg_sq_codes != nullptr) return blocks_out<kGrad, true>(b, first, last, c);
+  return blocks_out<kGrad, false>(b, first, last, c);
 }
 
 }  // namespace
@@ -243,11 +280,11 @@ int64_t fused_adamw_int8_avx512(const Int8AdamWBuffers& b, int64_t block_begin, 
   if (b.block % kWidth != 0) return block_begin;
   switch (b.grad_dtype) {
     case DType::kBFloat16:
-      return blocks_out<DType::kBFloat16>(b, block_begin, block_end, c);
+      return blocks_amsgrad<DType::kBFloat16>(b, block_begin, block_end, c);
     case DType::kFloat16:
-      return blocks_out<DType::kFloat16>(b, block_begin, block_end, c);
+      return blocks_amsgrad<DType::kFloat16>(b, block_begin, block_end, c);
     default:
-      return blocks_out<DType::kFloat32>(b, block_begin, block_end, c);
+      return blocks_amsgrad<DType::kFloat32>(b, block_begin, block_end, c);
   }
 }
 

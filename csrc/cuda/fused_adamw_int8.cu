@@ -65,7 +65,9 @@ __device__ __forceinline__ float block_absmax(float x, float* scratch) {
 }
 
 // kOut: 0 = no param_out, 1 = bf16, 2 = fp16, 3 = the master is bf16 param_out + remainder + tie.
-template <int kOut>
+// kAmsgrad: max_exp_avg_sq is dequantized, updated by adamw_update<true> and requantized with its
+// own block absmax, as exp_avg_sq (a template flag: the plain kernel is the code it was).
+template <int kOut, bool kAmsgrad>
 __global__ void __launch_bounds__(kMaxThreads)
     fused_adamw_int8_kernel(Int8AdamWBuffers b, AdamWArgs args) {
   if (args.found_inf != nullptr && *args.found_inf != 0.0f) return;
@@ -77,11 +79,13 @@ __global__ void __launch_bounds__(kMaxThreads)
   __shared__ float m_thresholds[kInt8ExpAvgCodes];
   __shared__ float v_map[kInt8ExpAvgSqCodes];
   __shared__ float v_thresholds[kInt8ExpAvgSqCodes];
-  __shared__ float scratch[2][kWarps + 1];
-  extern __shared__ float dynamic[];  // m_new[block], v_new[block], tie[block] (bytes)
+  __shared__ float scratch[kAmsgrad ? 3 : 2][kWarps + 1];
+  // m_new[block], v_new[block], (amsgrad) vmax_new[block], tie[block] (bytes): launch()'s smem.
+  extern __shared__ float dynamic[];
   float* const m_new = dynamic;
   float* const v_new = dynamic + b.block;
-  uint8_t* const tie = reinterpret_cast<uint8_t*>(dynamic + 2 * b.block);
+  float* const vmax_new = dynamic + 2 * b.block;  // unused without amsgrad
+  uint8_t* const tie = reinterpret_cast<uint8_t*>(dynamic + (kAmsgrad ? 3 : 2) * b.block);
   for (int k = threadIdx.x; k < kInt8ExpAvgCodes; k += blockDim.x) {
     m_map[k] = kExpAvgMap[k];
     if (k < kInt8ExpAvgCodes - 1) m_thresholds[k] = kExpAvgThresholds[k];
@@ -92,14 +96,17 @@ __global__ void __launch_bounds__(kMaxThreads)
   uint16_t* const param = static_cast<uint16_t*>(b.param_out);
   const uint8_t* const m_codes_in = reinterpret_cast<const uint8_t*>(b.exp_avg_codes);
   const uint8_t* const v_codes_in = reinterpret_cast<const uint8_t*>(b.exp_avg_sq_codes);
+  const uint8_t* const vmax_codes_in = reinterpret_cast<const uint8_t*>(b.max_exp_avg_sq_codes);
   const int64_t blocks = (b.n + b.block - 1) / b.block;
   for (int64_t blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
     const int64_t begin = blk * b.block;
     const int64_t len = b.n - begin < b.block ? b.n - begin : b.block;
     const float m_scale = b.exp_avg_scales[blk];
     const float v_scale = b.exp_avg_sq_scales[blk];
+    const float vmax_scale = kAmsgrad ? b.max_exp_avg_sq_scales[blk] : 0.0f;
     float m_amax = 0.0f;
     float v_amax = 0.0f;
+    float vmax_amax = 0.0f;
     for (int64_t j = threadIdx.x; j < len; j += blockDim.x) {
       const int64_t i = begin + j;
       const uint32_t vc = v_codes_in[i];
@@ -107,9 +114,10 @@ __global__ void __launch_bounds__(kMaxThreads)
       // would be free to), so the dequantized moments round like the CPU's.
       float m = __fmul_rn(m_map[m_codes_in[i]], m_scale);
       float v = __fmul_rn(v_map[vc & 0x7Fu], v_scale);
+      float v_max = kAmsgrad ? __fmul_rn(v_map[vmax_codes_in[i] & 0x7Fu], vmax_scale) : 0.0f;
       float p = kOut == 3 ? __uint_as_float(join_master_bits(param[i], b.remainder[i], vc >> 7))
                           : b.master[i];
-      adamw_update(p, load_grad(b.grad, b.grad_dtype, i), m, v, c);
+      adamw_update<kAmsgrad>(p, load_grad(b.grad, b.grad_dtype, i), m, v, v_max, c);
       if constexpr (kOut == 3) {
         const uint32_t bits = __float_as_uint(p);
         param[i] = param_of_master_bits(bits);
@@ -128,29 +136,40 @@ __global__ void __launch_bounds__(kMaxThreads)
       v_new[j] = v;
       m_amax = absmax_step(m_amax, m);
       v_amax = absmax_step(v_amax, v);
+      if constexpr (kAmsgrad) {
+        vmax_new[j] = v_max;
+        vmax_amax = absmax_step(vmax_amax, v_max);
+      }
     }
     // block_absmax's barriers also order every thread's read of the old scales before thread 0
     // writes the new ones, and the shared-memory moments before the encode below.
     m_amax = block_absmax(m_amax, scratch[0]);
     v_amax = block_absmax(v_amax, scratch[1]);
+    if constexpr (kAmsgrad) vmax_amax = block_absmax(vmax_amax, scratch[2]);
     const float m_div = encode_divisor(m_amax);
     const float v_div = encode_divisor(v_amax);
+    const float vmax_div = encode_divisor(vmax_amax);
     for (int64_t j = threadIdx.x; j < len; j += blockDim.x) {
       const int64_t i = begin + j;
       b.exp_avg_codes[i] = static_cast<int8_t>(
           static_cast<uint8_t>(encode_code<kInt8ExpAvgCodes>(m_thresholds, m_new[j] / m_div)));
       b.exp_avg_sq_codes[i] = static_cast<int8_t>(static_cast<uint8_t>(
           encode_code<kInt8ExpAvgSqCodes>(v_thresholds, v_new[j] / v_div) | tie[j]));
+      if constexpr (kAmsgrad) {
+        b.max_exp_avg_sq_codes[i] = static_cast<int8_t>(static_cast<uint8_t>(
+            encode_code<kInt8ExpAvgSqCodes>(v_thresholds, vmax_new[j] / vmax_div)));
+      }
     }
     if (threadIdx.x == 0) {
       b.exp_avg_scales[blk] = m_amax;
       b.exp_avg_sq_scales[blk] = v_amax;
+      if constexpr (kAmsgrad) b.max_exp_avg_sq_scales[blk] = vmax_amax;
     }
     __syncthreads();  // the next block reuses the shared buffers and the scratch
   }
 }
 
-template <int kOut>
+template <int kOut, bool kAmsgrad>
 cudaError_t launch(const Int8AdamWBuffers& b, const AdamWArgs& args, cudaStream_t stream) {
   cudaError_t err = cudaSuccess;
   const int sms = sm_count(&err);
@@ -163,9 +182,24 @@ cudaError_t launch(const Int8AdamWBuffers& b, const AdamWArgs& args, cudaStream_
   // Whole warps (block_absmax shuffles with a full mask); threads past the block's end idle.
   const int64_t warps = (b.block + 31) / 32;
   const int threads = static_cast<int>(warps * 32 < kMaxThreads ? warps * 32 : kMaxThreads);
-  const size_t smem = static_cast<size_t>(b.block) * (2 * sizeof(float) + 1);
-  fused_adamw_int8_kernel<kOut><<<grid, threads, smem, stream>>>(b, args);
+  const size_t smem = static_cast<size_t>(b.block) * ((kAmsgrad ? 3 : 2) * sizeof(float) + 1);
+  // Above 48 KiB of dynamic shared memory a kernel must opt in: amsgrad at blocks > 3780 elements
+  // (4096: 52 KiB, + 3.1 KiB static; sm_80 and sm_90 allow up to 163 and 227 KiB).
+  if (smem > 48 * 1024) {
+    err = cudaFuncSetAttribute(fused_adamw_int8_kernel<kOut, kAmsgrad>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+  }
+  fused_adamw_int8_kernel<kOut, kAmsgrad><<<grid, threads, smem, stream>>>(b, args);
   return cudaGetLastError();
+}
+
+template <bool kAmsgrad>
+cudaError_t launch_out(const Int8AdamWBuffers& b, const AdamWArgs& args, cudaStream_t stream) {
+  if (b.remainder != nullptr) return launch<3, kAmsgrad>(b, args, stream);
+  if (b.param_out == nullptr) return launch<0, kAmsgrad>(b, args, stream);
+  if (b.param_out_dtype == DType::kBFloat16) return launch<1, kAmsgrad>(b, args, stream);
+  return launch<2, kAmsgrad>(b, args, stream);
 }
 
 }  // namespace
@@ -173,10 +207,8 @@ cudaError_t launch(const Int8AdamWBuffers& b, const AdamWArgs& args, cudaStream_
 cudaError_t launch_fused_adamw_int8(const Int8AdamWBuffers& b, const AdamWArgs& args,
                                     cudaStream_t stream) {
   if (b.n <= 0) return cudaSuccess;
-  if (b.remainder != nullptr) return launch<3>(b, args, stream);
-  if (b.param_out == nullptr) return launch<0>(b, args, stream);
-  if (b.param_out_dtype == DType::kBFloat16) return launch<1>(b, args, stream);
-  return launch<2>(b, args, stream);
+  if (b.max_exp_avg_sq_codes != nullptr) return launch_out<true>(b, args, stream);
+  return launch_out<false>(b, args, stream);
 }
 
 }  // namespace zero_ext::cuda

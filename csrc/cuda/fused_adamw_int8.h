@@ -10,7 +10,8 @@ namespace zero_ext::cuda {
 
 // One CUDA thread block per quantization block (grid-stride over the blocks): dequantize, update
 // (adamw_update), block absmax by warp shuffles, encode, write the new scales. found_inf is read by
-// the kernel (nonzero: no byte written). b.block a multiple of 16 in [16, 4096].
+// the kernel (nonzero: no byte written). b.block a multiple of 16 in [16, 4096]. amsgrad when
+// b.max_exp_avg_sq_codes is set (then b.max_exp_avg_sq_scales too).
 cudaError_t launch_fused_adamw_int8(const Int8AdamWBuffers& b, const AdamWArgs& args,
                                     cudaStream_t stream);
 

@@ -36,11 +36,14 @@ void fused_adamw_int8_cuda(
     const std::optional<at::Tensor>& step_tensor,
     const std::optional<at::Tensor>& grad_scale_tensor, const std::optional<at::Tensor>& param_out,
     const std::optional<at::Tensor>& found_inf, bool maximize,
-    const std::optional<at::Tensor>& remainder) {
+    const std::optional<at::Tensor>& remainder,
+    const std::optional<at::Tensor>& max_exp_avg_sq_codes,
+    const std::optional<at::Tensor>& max_exp_avg_sq_scales) {
   TORCH_CHECK(master.is_cuda(), "zero_ext.fused_adamw_int8_: `master` must be a CUDA tensor, got ",
               master.device());
   check_fused_adamw_int8_args(master, grad, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes,
-                              exp_avg_sq_scales, block, param_out, found_inf, remainder);
+                              exp_avg_sq_scales, block, param_out, found_inf, remainder,
+                              max_exp_avg_sq_codes, max_exp_avg_sq_scales);
   const AdamWScalars s = resolve_adamw_scalars({{lr, lr_tensor},
                                                 {beta1, beta1_tensor},
                                                 {beta2, beta2_tensor},
@@ -84,6 +87,10 @@ void fused_adamw_int8_cuda(
                           ? to_kernel_dtype(*param_out, "fused_adamw_int8_", "param_out")
                           : DType::kBFloat16;
   b.remainder = split ? remainder->data_ptr<int16_t>() : nullptr;
+  if (max_exp_avg_sq_codes.has_value()) {  // amsgrad (the checks made sure both are given)
+    b.max_exp_avg_sq_codes = max_exp_avg_sq_codes->data_ptr<int8_t>();
+    b.max_exp_avg_sq_scales = max_exp_avg_sq_scales->data_ptr<float>();
+  }
   b.n = n;
   b.block = block;
   C10_CUDA_CHECK(cuda::launch_fused_adamw_int8(b, args, stream));

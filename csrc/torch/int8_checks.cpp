@@ -31,7 +31,9 @@ void check_fused_adamw_int8_args(const at::Tensor& master, const at::Tensor& gra
                                  const at::Tensor& exp_avg_sq_scales, int64_t block,
                                  const std::optional<at::Tensor>& param_out,
                                  const std::optional<at::Tensor>& found_inf,
-                                 const std::optional<at::Tensor>& remainder) {
+                                 const std::optional<at::Tensor>& remainder,
+                                 const std::optional<at::Tensor>& max_exp_avg_sq_codes,
+                                 const std::optional<at::Tensor>& max_exp_avg_sq_scales) {
   TORCH_CHECK(block >= 16 && block <= kInt8OpMaxBlock && block % 16 == 0, kOp,
               ": `block` must be a multiple of 16 in [16, ", kInt8OpMaxBlock, "], got ", block);
   const int64_t n = master.numel();
@@ -61,6 +63,15 @@ void check_fused_adamw_int8_args(const at::Tensor& master, const at::Tensor& gra
                 kOp, ": `param_out` must be bfloat16 or float16, got ", param_out->scalar_type());
     check_tensor(*param_out, master, "param_out", n, param_out->scalar_type());
   }
+  TORCH_CHECK(max_exp_avg_sq_codes.has_value() == max_exp_avg_sq_scales.has_value(), kOp,
+              ": `max_exp_avg_sq_codes` and `max_exp_avg_sq_scales` must be given together "
+              "(amsgrad) or both be None, got only `",
+              max_exp_avg_sq_codes.has_value() ? "max_exp_avg_sq_codes" : "max_exp_avg_sq_scales",
+              "`");
+  if (max_exp_avg_sq_codes.has_value()) {
+    check_tensor(*max_exp_avg_sq_codes, master, "max_exp_avg_sq_codes", n, at::kChar);
+    check_tensor(*max_exp_avg_sq_scales, master, "max_exp_avg_sq_scales", blocks, at::kFloat);
+  }
   if (found_inf.has_value()) check_scalar_tensor(*found_inf, master.device(), "found_inf");
   std::vector<ByteRange> writes{byte_range(master, "`master`"),
                                 byte_range(exp_avg_codes, "`exp_avg_codes`"),
@@ -69,6 +80,10 @@ void check_fused_adamw_int8_args(const at::Tensor& master, const at::Tensor& gra
                                 byte_range(exp_avg_sq_scales, "`exp_avg_sq_scales`")};
   if (param_out.has_value()) writes.push_back(byte_range(*param_out, "`param_out`"));
   if (remainder.has_value()) writes.push_back(byte_range(*remainder, "`remainder`"));
+  if (max_exp_avg_sq_codes.has_value()) {
+    writes.push_back(byte_range(*max_exp_avg_sq_codes, "`max_exp_avg_sq_codes`"));
+    writes.push_back(byte_range(*max_exp_avg_sq_scales, "`max_exp_avg_sq_scales`"));
+  }
   check_no_overlap("fused_adamw_int8_", writes, {byte_range(grad, "`grad`")});
 }
 

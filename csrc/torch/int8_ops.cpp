@@ -26,9 +26,12 @@ void fused_adamw_int8_cpu(
     const std::optional<at::Tensor>& step_tensor,
     const std::optional<at::Tensor>& grad_scale_tensor, const std::optional<at::Tensor>& param_out,
     const std::optional<at::Tensor>& found_inf, bool maximize,
-    const std::optional<at::Tensor>& remainder) {
+    const std::optional<at::Tensor>& remainder,
+    const std::optional<at::Tensor>& max_exp_avg_sq_codes,
+    const std::optional<at::Tensor>& max_exp_avg_sq_scales) {
   check_fused_adamw_int8_args(master, grad, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes,
-                              exp_avg_sq_scales, block, param_out, found_inf, remainder);
+                              exp_avg_sq_scales, block, param_out, found_inf, remainder,
+                              max_exp_avg_sq_codes, max_exp_avg_sq_scales);
   // A skipped step changes no byte of the compressed state, before its scalars are read.
   if (found_inf.has_value() && found_inf->item<double>() != 0.0) return;
   const AdamWScalars s = resolve_adamw_scalars({{lr, lr_tensor},
@@ -59,6 +62,10 @@ void fused_adamw_int8_cpu(
                           ? to_kernel_dtype(*param_out, "fused_adamw_int8_", "param_out")
                           : DType::kBFloat16;
   b.remainder = split ? remainder->data_ptr<int16_t>() : nullptr;
+  if (max_exp_avg_sq_codes.has_value()) {  // amsgrad (the checks made sure both are given)
+    b.max_exp_avg_sq_codes = max_exp_avg_sq_codes->data_ptr<int8_t>();
+    b.max_exp_avg_sq_scales = max_exp_avg_sq_scales->data_ptr<float>();
+  }
   b.n = n;
   b.block = block;
   cpu::fused_adamw_int8(b, coeffs, at::get_num_threads());
@@ -75,7 +82,8 @@ TORCH_LIBRARY_FRAGMENT(zero_ext, m) {
       "float grad_scale=1.0, Tensor? lr_tensor=None, Tensor? beta1_tensor=None, "
       "Tensor? beta2_tensor=None, Tensor? eps_tensor=None, Tensor? weight_decay_tensor=None, "
       "Tensor? step_tensor=None, Tensor? grad_scale_tensor=None, Tensor(f!)? param_out=None, "
-      "Tensor? found_inf=None, bool maximize=False, Tensor(g!)? remainder=None) -> ()");
+      "Tensor? found_inf=None, bool maximize=False, Tensor(g!)? remainder=None, "
+      "Tensor(h!)? max_exp_avg_sq_codes=None, Tensor(i!)? max_exp_avg_sq_scales=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(zero_ext, CPU, m) {
