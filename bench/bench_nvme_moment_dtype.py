@@ -1,8 +1,10 @@
-"""offload="nvme" with fp32 moments against bf16 moments (``moment_dtype=torch.bfloat16``): the state files and the
-step's cost, the four contenders (in memory and on disk, each moment dtype) round robin in one process.
+"""offload="nvme" with fp32 moments against bf16 and int8 moments (``moment_dtype=``, and int8 with
+``param_remainders=True``): the state files and the step's cost, the contenders (in memory and on disk, each
+setting) round robin in one process.
 
 Per step the nvme placement reads and writes every state file once: fp32 moments move 12 B/param each way (master
-and two moments), bf16 moments 8 (the master stays fp32). What a step costs the iteration is, as in
+and two moments), bf16 moments 8 (the master stays fp32), int8 moments 6 (the codes: 1 byte each; their fp32 block
+scales stay in host memory), int8 with param_remainders 2 (the remainder stays in host memory too). What a step costs the iteration is, as in
 bench_offload.py, the nvme iteration minus the in-memory one of the same moment dtype plus that in-memory step()
 (the same kernel work; reads of the next step's first chunks run during forward and backward, outside step()).
 
@@ -27,7 +29,13 @@ from harness import MIB, OUT, RESULTS, cores, markdown_table, meta, round_robin,
 from zero_ext import ZeroAdamW
 from zero_ext.offload import DEFAULT_WINDOW
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# setting -> (moment dtype, param_remainders)
+DTYPES = {
+    "fp32": (torch.float32, False),
+    "bf16": (torch.bfloat16, False),
+    "int8": (torch.int8, False),
+    "int8_remainders": (torch.int8, True),
+}
 
 
 class Contender:
@@ -39,7 +47,9 @@ class Contender:
         self.x = torch.randn(8, dim, generator=torch.Generator().manual_seed(1))
         kw = {} if placement == "memory" else dict(offload="nvme", offload_window=window,
                                                    offload_dir=os.path.join(directory, moments))  # fmt: skip
-        self.opt = ZeroAdamW(self.model.parameters(), lr=1e-4, stage=2, moment_dtype=DTYPES[moments], **kw)
+        moment_dtype, remainders = DTYPES[moments]
+        self.opt = ZeroAdamW(self.model.parameters(), lr=1e-4, stage=2, moment_dtype=moment_dtype,
+                             param_remainders=remainders, **kw)  # fmt: skip
 
     def iteration(self) -> tuple[float, float]:
         t0 = time.perf_counter()
@@ -89,12 +99,16 @@ def run_size(params_m: float, directory: str, window: int, warmup: int, reps: in
         costs = [n - mi + ms for (n, _), (mi, ms) in zip(raw[f"nvme-{m}"], raw[f"memory-{m}"])]
         out[m]["nvme_step_cost"] = summary(costs)
         out[m]["step_io_bytes"] = 2 * out[m]["state_files_bytes"]  # every file read and written once per step
-    out["cost_ratio_per_round"] = statistics.median(
-        (nb - mb + mbs) / (nf - mf + mfs)
-        for (nb, _), (mb, mbs), (nf, _), (mf, mfs) in zip(
-            raw["nvme-bf16"], raw["memory-bf16"], raw["nvme-fp32"], raw["memory-fp32"]
+    out["cost_ratio_per_round"] = {
+        m: statistics.median(
+            (nb - mb + mbs) / (nf - mf + mfs)
+            for (nb, _), (mb, mbs), (nf, _), (mf, mfs) in zip(
+                raw[f"nvme-{m}"], raw[f"memory-{m}"], raw["nvme-fp32"], raw["memory-fp32"]
+            )
         )
-    )
+        for m in DTYPES
+        if m != "fp32"
+    }
     for c in contenders.values():
         c.opt.close()
     return out
@@ -121,7 +135,8 @@ def main() -> None:
         print(f"{r['params'] / 1e6:.1f}M: " + "; ".join(
             f"{m}: files {r[m]['state_files_bytes'] / MIB:.0f} MiB, nvme step cost "
             f"{r[m]['nvme_step_cost']['median_s'] * 1e3:.0f} ms" for m in DTYPES
-        ) + f"; bf16/fp32 cost per round {r['cost_ratio_per_round']:.3f}", flush=True)  # fmt: skip
+        ) + "; cost / fp32's per round " + ", ".join(f"{m} {v:.3f}" for m, v in r["cost_ratio_per_round"].items()),
+              flush=True)  # fmt: skip
     shutil.rmtree(args.dir, ignore_errors=True)
     rows = []
     for r in results:
@@ -134,18 +149,19 @@ def main() -> None:
                          f"{s['nvme']['step']['median_s'] * 1e3:.0f}",
                          f"{s['nvme_step_cost']['median_s'] * 1e3:.0f} "
                          f"[{s['nvme_step_cost']['min_s'] * 1e3:.0f}-{s['nvme_step_cost']['max_s'] * 1e3:.0f}]",
-                         f"{r['cost_ratio_per_round']:.3f}" if m == "bf16" else ""])  # fmt: skip
+                         f"{r['cost_ratio_per_round'][m]:.3f}" if m != "fp32" else ""])  # fmt: skip
     body = markdown_table(
         ["params", "moments", "state files (B/param)", "state files (MiB)", "memory iteration (ms)",
-         "nvme iteration (ms)", "nvme step() (ms)", "nvme step cost (ms) [min-max]", "bf16 / fp32 cost (per round)"],
+         "nvme iteration (ms)", "nvme step() (ms)", "nvme step cost (ms) [min-max]", "cost / fp32's (per round)"],
         rows,
     )  # fmt: skip
     body += (
         f"\n\nOne rank, stage 2, bf16 parameters ({cores()} threads), bench_offload.py's model (square bf16 linear "
-        f"layers, fp32 matmuls, batch 8); the four contenders round robin, median of {args.reps} rounds after "
+        f"layers, fp32 matmuls, batch 8); the contenders round robin, median of {args.reps} rounds after "
         f"{args.warmup} warm-up round(s), each timed iteration after an untimed one. nvme window "
         f"{args.window // MIB} MiB, directory {info['disk']}. 'state files' are the files' sizes on disk (fp32 "
-        "master + moments: 12 B/param; with bf16 moments 4 + 2 + 2 = 8), each read and written once per step. "
+        "master + moments: 12 B/param; with bf16 moments 4 + 2 + 2 = 8; int8 4 + 1 + 1 = 6; int8 with param_remainders "
+        "1 + 1 = 2, the remainder and the int8 block scales in host memory), each read and written once per step. "
         "'nvme step cost' = nvme iteration - in-memory iteration + in-memory step() of the same moment dtype, per "
         "round, median [range]; the last column is the per-round ratio of the two costs.\n"
     )
