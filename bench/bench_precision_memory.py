@@ -277,8 +277,14 @@ def main() -> None:
         "counted on the live storages (CPU tensors alive after the step, not before the model): at most "
         f"{live_gap:.3f} B/param from the ledger, staging included, DDP's gradient buckets left out of both (its C++ "
         "reducer holds them, out of the garbage collector's sight; in the JSON: live_bytes). **formula**: "
-        "ZeroAdamW settings this build does not run yet (`estimate(..., engine=True)`: int8 moments are 1 B + an fp32 "
-        f"scale per {memory.INT8_BLOCK} elements each) and the anchors' published formulas. ZeroAdamW keeps an fp32 "
+        + (
+            "ZeroAdamW settings this build does not run yet (`estimate(..., engine=True)`: int8 moments are 1 B + an "
+            f"fp32 scale per {memory.INT8_BLOCK} elements each) and "
+            if len(measured) < len(SETTINGS)
+            else f"(every ZeroAdamW setting is measured; int8 moments are 1 B + an fp32 scale per {memory.INT8_BLOCK} "
+            "elements each) "
+        )
+        + "the anchors' published formulas. ZeroAdamW keeps an fp32 "
         "gradient shard (4 B/N) where the ZeRO paper counts 2-byte gradients; at stage 3 it keeps no bf16 parameter "
         "shard unless param_remainders (whose bf16 shard is half the master).\n\nSources of the formula rows:\n\n"
         + "\n".join(f"- {label}: {source}" for label, _, source in ANCHORS.values())

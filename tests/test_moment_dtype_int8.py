@@ -4,7 +4,7 @@ parameters, this rank's master and its moments (state dict: dequantized to fp32)
 stages 1, 2 and 3, on 1, 2 and 3 gloo ranks, with offload None, "cpu" and "nvme", with buckets that split parameters
 into fragments and buckets that hold them whole, with and without ``param_remainders`` (the tie bit in bit 7 of
 exp_avg_sq's codes); so all those runs are bitwise equal to each other. The runs go through two param groups (one
-maximize, with its own lr and no decay), a step skipped for an inf gradient (no byte of the stored state changes:
+amsgrad, its max_exp_avg_sq int8 too, and maximize, with its own lr and no decay), a step skipped for an inf gradient (no byte of the stored state changes:
 codes, scales, remainders) and add_param_group. max_grad_norm is checked against the reference fed the engine's own
 norm; a run saved at 2 ranks resumes at 3 bitwise (a checkpoint holds the moments dequantized; quantizing them again
 gives back the same codes and scales). The distance to torch.optim.AdamW with fp32 moments on the same gradients is
@@ -36,12 +36,18 @@ FP32_TOLERANCE = STEPS * 1.0
 
 
 def _groups(model) -> list[dict]:
-    """Matrices (decayed), vectors (maximize, their own lr, no decay); block 0 frozen (added later)."""
+    """Matrices (decayed), vectors (amsgrad and maximize, their own lr, no decay); block 0 frozen (added later)."""
     model.blocks[0].requires_grad_(False)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return [
         {"params": [n for n, p in named if p.dim() > 1]},
-        {"params": [n for n, p in named if p.dim() <= 1], "weight_decay": 0.0, "lr": 1e-2, "maximize": True},
+        {
+            "params": [n for n, p in named if p.dim() <= 1],
+            "weight_decay": 0.0,
+            "lr": 1e-2,
+            "maximize": True,
+            "amsgrad": True,
+        },
     ]
 
 

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import torch
 
 from .buffers import ShardedState
-from .layout import Range
+from .layout import PARAM_ALIGN, Range
 from .update_rule import MASTER
 
 # Restored from a saved state dict: the scalars of the step (``amsgrad`` must match, it decides the kinds kept; the
@@ -41,6 +41,8 @@ def _layout_record(state: ShardedState) -> dict[str, Any]:
         "stage": state.stage,
         "bucket_size": state.bucket_size,
         "numels": [list(g.layout.numels) for g in state.groups],
+        # 64 for a group with int8 moments (whole quantization blocks per parameter), else 16: part of the layout
+        "param_align": [g.layout.param_align for g in state.groups],
     }
 
 
@@ -108,6 +110,16 @@ def _validate(state: ShardedState, param_groups: Sequence[dict], sd: Any) -> lis
             "added with opt.add_param_group is added again (on every rank, in the same order) before loading"
         )
     for key, value in mine.items():
+        if key == "param_align" and theirs.get(key, [PARAM_ALIGN] * len(value)) != value:  # older dicts: 16
+            raise ValueError(
+                f"{_WHERE}: saved with parameters aligned to {theirs.get(key, [PARAM_ALIGN] * len(value))} elements "
+                f"per flat group, this optimizer aligns them to {value}: moment_dtype=torch.int8 places parameters "
+                "at multiples of 64 elements (whole quantization blocks), the other settings at multiples of 16, so "
+                "the shards differ and a local state dict cannot cross to or from int8 moments. Save and load with "
+                "zero_ext.checkpoint instead: it converts between every precision setting and world size"
+            )
+        if key == "param_align":
+            continue
         if key == "rank" and theirs.get(key) != value and theirs.get("world_size") == state.world_size:
             raise ValueError(
                 f"{_WHERE}: saved by rank {theirs.get(key)!r}, loaded on rank {value}: a state dict from "
