@@ -42,6 +42,10 @@ KINDS = {
     "remainder": "#ffbe7d",  # param_remainders: the int16 low half of the master (the bf16 param is the rest)
     "exp_avg": "#59a14f",
     "exp_avg_sq": "#8cd17d",
+    "max_exp_avg_sq": "#c7e9c0",  # amsgrad
+    "exp_avg_scale": "#2f6b2a",  # int8 moments: one fp32 scale per 64 elements of each
+    "exp_avg_sq_scale": "#4f8f46",
+    "max_exp_avg_sq_scale": "#6fb36a",
     "grad_shard": "#b6992d",
     "staging": "#bab0ac",
     "ddp_buckets": "#e15759",
