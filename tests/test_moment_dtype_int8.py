@@ -197,3 +197,37 @@ def test_resume_at_another_world_size(tmp_path):
     path = str(tmp_path / "ckpt")
     assert all(run_on_ranks(2, _resume, path, 2, str(tmp_path)))
     assert all(run_on_ranks(3, _resume, path, 2, str(tmp_path)))
+
+
+def _fp32_params(rank, world, root):
+    """fp32 parameters are their own master: the int8 moments beside them, every stage and offload, the parameters
+    bitwise the reference's after every step."""
+    ref_model = build(torch.float32)
+    ref = Int8Reference(ref_model, _groups(ref_model), loss_fn, HYPER)
+    runs = []
+    for stage, offload in ((1, None), (2, "cpu"), (3, None), (3, "nvme")):
+        model = build(torch.float32)
+        by_name = dict(model.named_parameters())
+        groups = [{**g, "params": [(n, by_name[n]) for n in g["params"]]} for g in _groups(model)]
+        opt = ZeroAdamW(groups, **HYPER, stage=stage, bucket_size=SMALL, module=model, moment_dtype=torch.int8,
+                        **offload_kwargs(offload, root, rank, f"fp32-{stage}-{offload}", WINDOW))  # fmt: skip
+        runs.append((model, opt))
+    for step in range(3):
+        means = ref.mean_grads([batch(step, r) for r in range(world)])
+        for model, opt in runs:
+            loss_fn(model, batch(step, rank)).backward()
+            opt.step()
+            opt.zero_grad()
+        assert ref.step(means)
+        for model, opt in runs:
+            with opt.gathered_params():
+                for n, p in model.named_parameters():
+                    if n in ref.params:
+                        assert torch.equal(p.detach(), ref.params[n].master.view(p.shape)), (n, step)
+    for _, opt in runs:
+        opt.close()
+    return True
+
+
+def test_fp32_params(tmp_path):
+    assert all(run_on_ranks(2, _fp32_params, str(tmp_path)))
