@@ -134,8 +134,11 @@ def test_precision_memory_tiny(tmp_path):
         if key.startswith("zero_ext/"):
             assert r["how"] == ("measured" if key.split("/")[1] in res["measured_settings"] else "formula")
         if r["how"] == "measured" and key.startswith("zero_ext/"):
-            for n in ("1", "2"):  # padding only: a few bytes per rank on this model
-                assert 0 <= r["bytes_per_param"][n] - r["formula_bytes_per_param"][n] < 0.1, (key, r)
+            # padding only: a few bytes per rank on this model; int8 moments place parameters at multiples of 64
+            # elements (16 otherwise), up to 63 padding elements each: 0.27 B/param on this tiny model
+            bound = 0.5 if "int8" in key else 0.1
+            for n in ("1", "2"):
+                assert 0 <= r["bytes_per_param"][n] - r["formula_bytes_per_param"][n] < bound, (key, r)
         if "live_bytes" in r:
             for n in ("1", "2"):
                 ledger = r["total_bytes"][n] if "total_bytes" in r else r["bytes_per_param"][n] * res["params"]
@@ -294,22 +297,20 @@ def test_engine_step_fp32_comparison_has_its_fsdp2(tmp_path):
 
 
 def test_precision_quality_tiny(tmp_path):
-    """bench_precision_quality.py: every run trains or is reported skipped with the engine's reason (int8 moments while
-    the engine refuses them), the others go on; final losses, gaps to fp32 and the remainders check are written."""
+    """bench_precision_quality.py: every ZeroAdamW setting (fp32, remainders, bf16 and int8 moments) and DDP train;
+    final losses, gaps to fp32, the 1 % bars and the remainders check are written."""
     # 12 steps: the ties-away remainders of before issue 24 first differed from fp32 at step 8 in this run
     run("bench_precision_quality.py", *TINY_GPT, "--steps", "12", "--last", "4", "--batch", "4", "--matmul", "fp32",
         "--runs", "fp32,remainders,bf16_moments,int8_moments,ddp", "--out-dir", str(tmp_path))  # fmt: skip
     res = result(tmp_path / "precision_quality.json")
     runs, checks = res["runs"], res["checks"]
     assert list(runs) == ["fp32", "remainders", "bf16_moments", "int8_moments", "ddp"]
-    for name in ("fp32", "remainders", "bf16_moments", "ddp"):
+    for name in ("fp32", "remainders", "bf16_moments", "int8_moments", "ddp"):
         r = runs[name]
         assert len(r["losses"]) == 12 and r["final_loss"] == sum(r["losses"][-4:]) / 4 and r["wall_s"] > 0, name
     assert runs["fp32"]["gap_to_fp32_pct"] == 0 and abs(runs["ddp"]["gap_to_fp32_pct"]) < 1
-    assert checks["bf16_moments_within_bar"] == {"ok": True, "gap_pct": runs["bf16_moments"]["gap_to_fp32_pct"]}
-    int8 = runs["int8_moments"]
-    if "losses" not in int8:  # refused at construction: the engine's message, and the bar not judged
-        assert int8["skipped"].startswith("refused by the engine: ") and checks["int8_moments_within_bar"]["ok"] is None
+    for name in ("bf16_moments", "int8_moments"):
+        assert checks[f"{name}_within_bar"] == {"ok": True, "gap_pct": runs[name]["gap_to_fp32_pct"]}, name
     rem = checks["remainders_bitwise_fp32"]  # the contract: param_remainders trains bitwise as the fp32 master
     assert rem["ok"] and rem["max_abs_loss_diff"] == rem["max_abs_param_diff"] == 0
     assert (tmp_path / "precision_quality.png").stat().st_size > 0
