@@ -43,9 +43,8 @@ def test_estimate_docstring_examples():
 )  # fmt: skip
 def test_state_bytes_per_element_by_precision(remainders, moments, k):
     assert INT8_BLOCK == BLOCK  # the int8 kernels' block
-    if moments != torch.int8:  # the widths the update rule stores (int8 is not an engine setting yet)
-        rule = AdamW(torch.bfloat16, param_remainders=remainders, moment_dtype=moments)
-        assert rule.bytes_per_element() == k
+    rule = AdamW(torch.bfloat16, param_remainders=remainders, moment_dtype=moments)  # the widths the rule stores
+    assert rule.bytes_per_element() == k
     assert state_bytes_per_element(param_remainders=remainders, moment_dtype=moments) == k
     assert state_bytes_per_element(param_remainders=remainders, moment_dtype=moments, amsgrad=True) == (
         k + moment_bytes(moments)

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
-from .update_rule import AdamW
+from . import blockwise_int8
+from .update_rule import MOMENT_DTYPES, AdamW
 
 if TYPE_CHECKING:  # a type only: buffers.py never imports this module back
     from .buffers import ShardedState
@@ -33,33 +34,34 @@ __all__ = [
     "report", "human_bytes",
 ]  # fmt: skip
 
-# Elements per fp32 scale of int8 moments: the int8 kernels' block (zero_ext.blockwise_int8.BLOCK), chosen by
-# measurement (bench/investigations/int8_moments.md: median update error 1.13 % at 64 against 1.41 % at torchao's 256
-# and 2.01 % at Dettmers et al.'s 2048; 64 also never straddles a shard slice). The scale adds 4/64 byte per element.
-INT8_BLOCK = 64
+# Elements per fp32 scale of int8 moments: the int8 kernels' block, chosen by measurement
+# (bench/investigations/int8_moments.md: median update error 1.13 % at 64 against 1.41 % at torchao's 256 and 2.01 %
+# at Dettmers et al.'s 2048; 64 also never straddles a shard slice). The scale adds 4/64 byte per element.
+INT8_BLOCK = blockwise_int8.BLOCK
 GRAD_SHARD_BYTES = 4  # ZeroAdamW reduces every gradient into an fp32 shard (exact averaging, fp32 accumulation)
+
+
+def _rule(moment_dtype: torch.dtype, **kw) -> AdamW:
+    """The AdamW rule of bf16 parameters with ``moment_dtype`` moments: the widths below are its kinds'."""
+    if not any(moment_dtype is d for d in MOMENT_DTYPES):
+        raise ValueError(f"moment_dtype must be torch.float32, torch.bfloat16 or torch.int8, got {moment_dtype!r}")
+    return AdamW(torch.bfloat16, moment_dtype=moment_dtype, **kw)
 
 
 def moment_bytes(moment_dtype: torch.dtype = torch.float32) -> Fraction:
     """Bytes per element of one moment (exp_avg or exp_avg_sq) stored as ``moment_dtype``: 4 (fp32), 2 (bf16), or
     1 + 4 / :data:`INT8_BLOCK` (int8 codes and their fp32 block scales)."""
-    if moment_dtype in (torch.float32, torch.bfloat16):
-        return Fraction(moment_dtype.itemsize)
-    if moment_dtype == torch.int8:
-        return 1 + Fraction(4, INT8_BLOCK)
-    raise ValueError(f"moment_dtype must be torch.float32, torch.bfloat16 or torch.int8, got {moment_dtype!r}")
+    rule = _rule(moment_dtype)
+    return rule.bytes_per_element(master_copy=False) / len(rule.moment_names)
 
 
 def state_bytes_per_element(
     *, param_remainders: bool = False, moment_dtype: torch.dtype = torch.float32, amsgrad: bool = False
 ) -> Fraction:
-    """Optimizer-state bytes per element of a rank's shard for bf16 parameters (ZeRO's K), from the AdamW rule's
-    kinds: the stored master (fp32, or the int16 remainder with ``param_remainders``) and each moment
-    (exp_avg, exp_avg_sq, and max_exp_avg_sq with ``amsgrad``) at :func:`moment_bytes` of ``moment_dtype``."""
-    width = moment_bytes(moment_dtype)
-    rule = AdamW(torch.bfloat16, amsgrad=amsgrad, param_remainders=param_remainders)
-    master, *moments = rule.kinds
-    return master.itemsize + width * len(moments)
+    """Optimizer-state bytes per element of a rank's shard for bf16 parameters (ZeRO's K): the AdamW rule's
+    kinds, the stored master (fp32, or the int16 remainder with ``param_remainders``) and each moment (exp_avg,
+    exp_avg_sq, and max_exp_avg_sq with ``amsgrad``) at :func:`moment_bytes` of ``moment_dtype``."""
+    return _rule(moment_dtype, amsgrad=amsgrad, param_remainders=param_remainders).bytes_per_element()
 
 
 def estimate_breakdown(
