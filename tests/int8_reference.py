@@ -61,15 +61,5 @@ class Int8Param:
 class Int8Reference(SRReference):
     """:class:`moment_reference.SRReference`'s driver and checks with int8 moments per parameter."""
 
-    def add_group(self, group: dict) -> None:
-        group = {**self.hyper, "amsgrad": False, "maximize": False, **group}
-        names = list(group["params"])
-        for n in names:
-            self.params[n] = Int8Param(n, self.by_name[n], group["amsgrad"])
-        self.groups.append(group)
-        torch_group = {k: v for k, v in group.items() if k != "params"}
-        torch_group["params"] = [self.params[n].torch_param for n in names]
-        if self.torch is None:
-            self.torch = torch.optim.AdamW([torch_group])
-        else:
-            self.torch.add_param_group(torch_group)
+    def make_params(self, names: list[str], group: dict, gi: int) -> dict[str, Int8Param]:
+        return {n: Int8Param(n, self.by_name[n], group["amsgrad"]) for n in names}

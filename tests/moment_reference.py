@@ -103,13 +103,9 @@ class SRReference:
 
     def add_group(self, group: dict) -> None:
         """A param group (names) as the engine's add_param_group adds one: a new flat group, steps from 0."""
-        gi = len(self.groups)
         group = {**self.hyper, "amsgrad": False, "maximize": False, **group}
         names = list(group["params"])
-        dtype = self.by_name[names[0]].dtype
-        offsets = canonical_offsets([self.by_name[n].numel() for n in names])
-        for n, c in zip(names, offsets):
-            self.params[n] = Param(n, self.by_name[n], group["amsgrad"], rounding_seed(gi, dtype), c)
+        self.params.update(self.make_params(names, group, len(self.groups)))
         self.groups.append(group)
         torch_group = {k: v for k, v in group.items() if k != "params"}
         torch_group["params"] = [self.params[n].torch_param for n in names]
@@ -117,6 +113,14 @@ class SRReference:
             self.torch = torch.optim.AdamW([torch_group])
         else:
             self.torch.add_param_group(torch_group)
+
+    def make_params(self, names: list[str], group: dict, gi: int) -> dict[str, Param]:
+        """The per-parameter state of param group ``gi`` (bf16 moments: seeded by the group, at canonical offsets)."""
+        dtype = self.by_name[names[0]].dtype
+        offsets = canonical_offsets([self.by_name[n].numel() for n in names])
+        return {
+            n: Param(n, self.by_name[n], group["amsgrad"], rounding_seed(gi, dtype), c) for n, c in zip(names, offsets)
+        }
 
     def mean_grads(self, batches, **kw) -> dict[str, Optional[torch.Tensor]]:
         """The mean over ranks of the gradients of ``loss`` on ``batches`` (one per rank) at the current params."""
