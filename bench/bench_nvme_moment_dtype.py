@@ -15,7 +15,6 @@ Writes nvme_moment_dtype.json / .md.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
@@ -23,11 +22,10 @@ import time
 from pathlib import Path
 
 import torch
-from bench_offload import _filesystem, build_model
-from harness import MIB, OUT, RESULTS, cores, markdown_table, meta, round_robin, summary, write_results
+from bench_offload import build_model, parse_and_start
+from harness import MIB, cores, markdown_table, round_robin, summary, write_results
 
 from zero_ext import ZeroAdamW
-from zero_ext.offload import DEFAULT_WINDOW
 
 # setting -> (moment dtype, param_remainders)
 DTYPES = {
@@ -115,19 +113,7 @@ def run_size(params_m: float, directory: str, window: int, warmup: int, reps: in
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="16,64", help="model sizes, millions of parameters")
-    ap.add_argument("--dir", default=str(OUT / "nvme_moments"), help="where the nvme state goes")
-    ap.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="offload_window (bytes; the engine's default)")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--reps", type=int, default=8)
-    ap.add_argument("--out-dir", default=str(RESULTS))
-    ap.add_argument("--name", default="nvme_moment_dtype")
-    args = ap.parse_args()
-    torch.set_num_threads(cores())
-    os.makedirs(args.dir, exist_ok=True)
-    info = meta(torch.device("cpu"))
-    info["disk"] = _filesystem(args.dir)
+    args, info = parse_and_start(__doc__, "16,64", "nvme_moments", "where the nvme state goes", "nvme_moment_dtype")
     results = []
     for size in [float(s) for s in args.sizes.split(",")]:
         results.append(run_size(size, args.dir, args.window, args.warmup, args.reps))

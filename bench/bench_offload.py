@@ -211,20 +211,28 @@ def chart(results: list[dict], path: Path, info: dict) -> Path:
     return path
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="4,16,64,128", help="model sizes, millions of parameters")
-    ap.add_argument("--dir", default=str(OUT / "offload"), help="where the nvme state and the disk probe go")
+def parse_and_start(doc: str, sizes: str, directory: str, dir_help: str, name: str) -> tuple[argparse.Namespace, dict]:
+    """The offload benchmarks' shared command line (model sizes, the state directory, the window, rounds, where the
+    results go) and start: every core's thread, the directory made, the run's record with its filesystem."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--sizes", default=sizes, help="model sizes, millions of parameters")
+    ap.add_argument("--dir", default=str(OUT / directory), help=dir_help)
     ap.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="offload_window (bytes; the engine's default)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--out-dir", default=str(RESULTS))
-    ap.add_argument("--name", default="offload_cpu")
+    ap.add_argument("--name", default=name)
     args = ap.parse_args()
     torch.set_num_threads(cores())
     os.makedirs(args.dir, exist_ok=True)
     info = meta(torch.device("cpu"))
     info["disk"] = _filesystem(args.dir)
+    return args, info
+
+
+def main() -> None:
+    args, info = parse_and_start(__doc__, "4,16,64,128", "offload", "where the nvme state and the disk probe go",
+                                 "offload_cpu")  # fmt: skip
     sizes = [float(s) for s in args.sizes.split(",")]
     results = []
     for size in sizes:
