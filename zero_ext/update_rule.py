@@ -152,6 +152,9 @@ class AdamW:
                 qmap = blockwise_int8.EXP_AVG_MAP if m == "exp_avg" else blockwise_int8.EXP_AVG_SQ_MAP
                 self.quantized[m] = (m + SCALE, qmap)
             self.kinds += tuple(StateKind(m + SCALE, torch.float32, self.block) for m in names)
+        # The kinds stored one item per block of elements (int8 moments' scales), with their block: every view of a
+        # unit of the step looks them up (placement.items_of), so they are listed once here.
+        self.blocks: dict[str, int] = {k.name: k.block for k in self.kinds if k.block > 1}
         # Every parameter starts at a multiple of this many elements of its flat buffer (layout.Layout): a block of
         # int8 moments never holds elements of two parameters.
         self.param_align = max(PARAM_ALIGN, self.block)
@@ -200,11 +203,6 @@ class AdamW:
     def rounds_moments(self) -> bool:
         """The moments are stored in bf16 (stochastic rounding: the kernel needs the element offset)."""
         return self.moment_dtype is torch.bfloat16
-
-    @property
-    def blocks(self) -> dict[str, int]:
-        """The kinds stored one item per block of elements (int8 moments' scales), with their block."""
-        return {k.name: k.block for k in self.kinds if k.block > 1}
 
     # ---------------------------------------------------------------- its scalars
     def check_group(self, where: str, group: Mapping[str, Any], device: Optional[torch.device] = None,
