@@ -1,4 +1,4 @@
-"""Builds zero_ext._C: CUDAExtension when torch has CUDA and CUDA_HOME is set, else CPU-only CppExtension.
+"""Builds zero_ext.ops._C: CUDAExtension when torch has CUDA and CUDA_HOME is set, else CPU-only CppExtension.
 
 Options (environment): ZERO_EXT_FORCE_CPU=1 builds the CPU-only extension even with CUDA available;
 TORCH_CUDA_ARCH_LIST is respected and defaults to "8.0;9.0" only when unset; MAX_JOBS caps parallel
@@ -50,7 +50,7 @@ def _extensions():
         # Read by csrc/torch/registration.cpp: torch.ops.zero_ext._built_with_cuda() (zero_ext.ops.built_with_cuda).
         define_macros.append(("ZERO_EXT_WITH_CUDA", "1"))
         ext = cpp_extension.CUDAExtension(
-            "zero_ext._C",
+            "zero_ext.ops._C",
             sources,
             define_macros=define_macros,
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-lineinfo"]},
@@ -58,7 +58,7 @@ def _extensions():
         )
     else:
         ext = cpp_extension.CppExtension(
-            "zero_ext._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"]
+            "zero_ext.ops._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"]
         )
     if "MAX_JOBS" not in os.environ:
         os.environ["MAX_JOBS"] = str(max(1, min(os.cpu_count() or 1, int(_free_memory_gib() // 2))))
@@ -89,7 +89,7 @@ setup(
     # installs .[dev], tests/test_bench_smoke.py runs the benchmarks and tests/test_integration_transformers.py the
     # Trainer (about 20 s of installing and 20 s of tests).
     extras_require={
-        "dev": ["pytest>=7", "hypothesis>=6", "triton>=3.0", "ruff>=0.5", "clang-format>=18"]
+        "dev": ["pytest>=7", "hypothesis>=6", "triton>=3.0", "ruff>=0.5", "clang-format>=18", "import-linter>=2.16"]
         + BENCH_REQUIRES
         + HF_REQUIRES,
         "bench": BENCH_REQUIRES,

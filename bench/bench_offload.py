@@ -36,10 +36,10 @@ from disk_probe import DiskStream
 from harness import MIB, OUT, RESULTS, cores, markdown_table, meta, round_robin, summary, write_results
 
 from zero_ext import ZeroAdamW
-from zero_ext.offload import DEFAULT_WINDOW
-from zero_ext.offload.disk import chunk_numel
-from zero_ext.offload.files import ALIGN
-from zero_ext.update_rule import AdamW
+from zero_ext.placement.disk import chunk_numel
+from zero_ext.placement.files import ALIGN
+from zero_ext.placement.offload import DEFAULT_WINDOW
+from zero_ext.update.rule import AdamW
 
 assert disk_probe.ALIGN == ALIGN, "the probe's transfers must be aligned as the optimizer's are"
 
@@ -106,7 +106,7 @@ class AddedCopies:
     runs one rank, so only with ``HostGradients.IN_PLACE_WITHOUT_GPU`` off)."""
 
     def __init__(self, numel: int):
-        from zero_ext.offload.host import HostGradients
+        from zero_ext.placement.host import HostGradients
 
         self.lands = not HostGradients.IN_PLACE_WITHOUT_GPU
         self.src32, self.dst32 = torch.ones(numel), torch.zeros(numel)

@@ -8,14 +8,14 @@ import mmap
 import os
 import time
 
-ALIGN = 4096  # O_DIRECT alignment: zero_ext.offload.files.ALIGN (not imported: that module imports torch)
-HUGE_PAGE = 2 << 20  # zero_ext.offload.files.HUGE_PAGE
+ALIGN = 4096  # O_DIRECT alignment: zero_ext.placement.files.ALIGN (not imported: that module imports torch)
+HUGE_PAGE = 2 << 20  # zero_ext.placement.files.HUGE_PAGE
 
 
 def io_buffer(nbytes: int, pages: str = "huge") -> memoryview:
     """``nbytes`` of private anonymous memory, filled with random bytes, for O_DIRECT transfers. ``pages="huge"``:
     starting on a 2 MiB boundary and advised to use transparent huge pages, as the optimizer's window buffers are
-    (zero_ext.offload.files.aligned_buffer); ``"4k"``: advised not to, so every 4 KiB page is its own piece of
+    (zero_ext.placement.files.aligned_buffer); ``"4k"``: advised not to, so every 4 KiB page is its own piece of
     physical memory for the device."""
     huge = pages == "huge"
     region = mmap.mmap(-1, nbytes + (HUGE_PAGE if huge else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the real CUDA extension (zero_ext._C with csrc/torch/cuda_*.cpp and csrc/cuda/*.cu) against a
+# Builds the real CUDA extension (zero_ext.ops._C with csrc/torch/cuda_*.cpp and csrc/cuda/*.cu) against a
 # CUDA build of torch on a machine with NO GPU, and proves it links and imports:
 #   1. .venv-cuda (gitignored) gets a CUDA torch from PyPI whose CUDA major matches local nvcc;
 #   2. the tracked + untracked-not-ignored working tree is copied to a temp dir (the in-tree build/
@@ -65,8 +65,8 @@ fi
 CUDA_WARNINGS=$(grep -E '(csrc/cuda/|cuda_ops\.cpp).*warning' "${BUILD_LOG}" || true)
 [[ -z "${CUDA_WARNINGS}" ]] || { echo "cuda-link: warnings in CUDA sources:"; echo "${CUDA_WARNINGS}"; }
 log "build log: ${BUILD_LOG} ($(grep -c warning "${BUILD_LOG}" || true) warning lines in all)"
-SO=$(ls build/lib/zero_ext/_C*.so 2>/dev/null | head -1)
-[[ -n "${SO}" ]] || { echo "cuda-link: build produced no build/lib/zero_ext/_C*.so" >&2; exit 1; }
+SO=$(ls build/lib/zero_ext/ops/_C*.so 2>/dev/null | head -1)
+[[ -n "${SO}" ]] || { echo "cuda-link: build produced no build/lib/zero_ext/ops/_C*.so" >&2; exit 1; }
 log "built ${SO} ($(du -h "${SO}" | cut -f1))"
 
 # --- 4. checks -----------------------------------------------------------------------------------
@@ -95,7 +95,7 @@ cd build/lib
 CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 "${VENV}/bin/python" - <<'EOF'
 import torch
 
-import zero_ext  # loads zero_ext._C: must not need a GPU
+import zero_ext  # loads zero_ext.ops._C: must not need a GPU
 import zero_ext.kernels.dispatch  # noqa: F401  (the kernels folder was built into the package)
 
 assert not torch.cuda.is_available()

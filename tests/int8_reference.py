@@ -1,6 +1,6 @@
 """The plain-torch reference of ``ZeroAdamW(moment_dtype=torch.int8)``: one process, no sharding, no zero_ext
 kernel. Per parameter an fp32 master and its int8 moments (codes and one fp32 scale per 64 elements of the
-parameter, the last block short), stepped by ``zero_ext.blockwise_int8.fused_adamw_int8_reference`` (dequantize,
+parameter, the last block short), stepped by ``zero_ext.update.blockwise_int8.fused_adamw_int8_reference`` (dequantize,
 the fp32 AdamW arithmetic, requantize with the new block absmax) on the mean of the ranks' gradients.
 
 Why the engine can be bitwise this: its flat buffers start every parameter at a multiple of 64 elements, so its
@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from moment_reference import SRReference
 
-from zero_ext import blockwise_int8 as q8
+from zero_ext.update import blockwise_int8 as q8
 
 
 class Int8Param:

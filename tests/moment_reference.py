@@ -1,7 +1,7 @@
 """The plain-torch reference of ``ZeroAdamW(moment_dtype=torch.bfloat16)``: one process, no sharding, no zero_ext
 kernel. Per parameter an fp32 master and bf16 moments; each step is the kernel's fp32 arithmetic (adamw_math.h,
 written out in torch ops) on the mean of the ranks' gradients, then the moments are stored with
-``zero_ext.stochastic_rounding`` keyed on (the flat group's seed, the parameter's step, the element's canonical
+``zero_ext.update.stochastic_rounding`` keyed on (the flat group's seed, the parameter's step, the element's canonical
 index), the canonical index computed here from its definition (one rank, one unbounded bucket: parameters in
 reverse order, 16-aligned), not by zero_ext.
 
@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from engine_reference import mean_grads, rank_grads
 
-from zero_ext.stochastic_rounding import random_bits, sr_bf16
+from zero_ext.update.stochastic_rounding import random_bits, sr_bf16
 
 PARAM_ALIGN = 16  # the layout's parameter alignment (zero_ext.layout.PARAM_ALIGN), part of the canonical index
 
@@ -39,7 +39,7 @@ def canonical_offsets(numels) -> list[int]:
 
 
 def rounding_seed(group_index: int, dtype: torch.dtype) -> int:
-    """The engine's documented seed of a flat group (zero_ext.update_rule: crc32 of 'param group/param dtype')."""
+    """The engine's documented seed of a flat group (zero_ext.update.rule: crc32 of 'param group/param dtype')."""
     return zlib.crc32(f"{group_index}/{dtype}".encode())
 
 

@@ -193,7 +193,7 @@ def test_the_added_group_launches_in_the_models_order():
     other reduction until the end of backward."""
     model, opt = frozen_start(torch.bfloat16, 2, 0, 1)
     unfreeze(model, opt)
-    order = sorted(opt.sharded_state.runtime.values(), key=lambda rt: rt.order)
+    order = opt.bucket_runtimes.in_launch_order()
     added = [k for k, rt in enumerate(order) if rt.group.group_index == 1]
     later = [k for k, rt in enumerate(order) if all(rt.group.names[i] not in ("embed.weight", "pos") for i in
              rt.bucket.slots) and rt.group.group_index == 0]  # fmt: skip
@@ -321,14 +321,14 @@ def _memory_after_adding(rank, world, stage):
     kref = KernelReference(torch.bfloat16)
     kref.add_group([n for n, p in model.named_parameters() if p.requires_grad], HYPER["lr"])
     train(model, opt, kref, 0, rank, world)
-    old = [weakref.ref(opt.sharded_state), weakref.ref(opt.sharded_state.staging)]
+    old = [weakref.ref(opt.sharded_state), weakref.ref(opt.bucket_runtimes.staging)]
     unfreeze(model, opt)
     kref.add_group(block0(model), HYPER["lr"] / 10)
     train(model, opt, kref, 1, rank, world)
     gc.collect()
     assert [r() for r in old] == [None, None]
     state, report = opt.sharded_state, opt.memory_report()
-    alive = [t for g in state.groups for t in g.tensors().values()] + state.staging.tensors()
+    alive = [t for g in state.groups for t in g.tensors().values()] + opt.bucket_runtimes.staging.tensors()
     assert report.total == sum(t.untyped_storage().nbytes() for t in alive)
     assert report.total == (
         report.formula + report.padding + report.staging + report.grad_shard_fp32 - report.param_shard_not_kept

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from zero_ext import blockwise_int8 as q8
-from zero_ext import master_split
+from zero_ext.update import blockwise_int8 as q8
+from zero_ext.update import master_split
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 MAPS = [pytest.param(q8.EXP_AVG_MAP, id="exp_avg"), pytest.param(q8.EXP_AVG_SQ_MAP, id="exp_avg_sq")]

@@ -1,4 +1,4 @@
-"""Each bucket is one BucketRuntime (opt.sharded_state.runtime) whose gradient and parameter phases move only
+"""Each bucket is one BucketRuntime (opt.bucket_runtimes) whose gradient and parameter phases move only
 through their paired verbs; a move the tables do not allow raises IllegalTransition and changes nothing."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 from zero_ext import ZeroAdamW
-from zero_ext.bucket_runtime import GradState, IllegalTransition, ParamState
+from zero_ext.engine.bucket_runtime import GradState, IllegalTransition, ParamState
 
 
 def _opt(stage):
@@ -24,31 +24,31 @@ def _refused(rt, verb, *args):
 
 def test_stage3_parameters_move_only_sharded_gathering_gathered_sharded():
     model, opt = _opt(3)
-    state = opt.sharded_state
-    assert len(state.runtime) == 2 and all(rt.params is ParamState.SHARDED for rt in state.runtime.values())
-    rt = state.runtime[(0, 0)]
+    runtimes = opt.bucket_runtimes
+    assert len(runtimes) == 2 and all(rt.params is ParamState.SHARDED for rt in runtimes.values())
+    rt = runtimes[(0, 0)]
     _refused(rt, rt.finish_param_sync)  # nothing in flight
     _refused(rt, rt.reshard)  # nothing gathered
-    rt.start_param_sync(state.comm)
+    rt.start_param_sync(opt.sharded_state.comm)
     storage = rt.group.flat_params.storage[rt.bucket.index].untyped_storage()  # made at the first gather
     assert rt.params is ParamState.GATHERING and storage.nbytes() == rt.nbytes
-    _refused(rt, rt.start_param_sync, state.comm)  # a second gather of a bucket in flight
+    _refused(rt, rt.start_param_sync, opt.sharded_state.comm)  # a second gather of a bucket in flight
     _refused(rt, rt.reshard)  # freed under its own all-gather
     rt.finish_param_sync()
     assert rt.params is ParamState.GATHERED
-    _refused(rt, rt.start_param_sync, state.comm)  # a second gather of a bucket present
+    _refused(rt, rt.start_param_sync, opt.sharded_state.comm)  # a second gather of a bucket present
     rt.reshard()
     assert rt.params is ParamState.SHARDED and storage.nbytes() == 0
     # Training moves every bucket through the same verbs and leaves each released, its reduction waited for.
     model(torch.randn(3, 16)).sum().backward()
     opt.step()
-    assert all(rt.params is ParamState.SHARDED and rt.grad is GradState.SYNCED for rt in state.runtime.values())
+    assert all(rt.params is ParamState.SHARDED and rt.grad is GradState.SYNCED for rt in runtimes.values())
     assert opt.memory_report().window_peak > 0
 
 
 def test_gradients_move_only_empty_filling_ready_syncing_synced():
     _, opt = _opt(2)
-    rt = opt.sharded_state.runtime[(0, 0)]
+    rt = opt.bucket_runtimes[(0, 0)]
     assert rt.grad is GradState.EMPTY and rt.params is ParamState.GATHERED
     _refused(rt, rt.start_grad_sync, None)  # launched before its gradients are in
     _refused(rt, rt.finish_grad_sync)  # nothing in flight

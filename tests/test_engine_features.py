@@ -9,7 +9,7 @@ from engine_reference import check_against_reference, mean_grads, params_digest,
 from tiny_transformer import batch, build, loss_fn
 
 from zero_ext import ZeroAdamW
-from zero_ext.grad_placeholders import GradPlaceholder
+from zero_ext.engine.grad_placeholders import GradPlaceholder
 from zero_ext.layout import Range
 
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

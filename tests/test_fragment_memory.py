@@ -48,7 +48,7 @@ def _buffers_of_a_split_embedding(rank, world, stage, offload):
     bucket_bytes = report.bucket_limit * 4  # fp32 parameters: the wire dtype and the reduced shards are fp32
     embedding = VOCAB * DIM
     buckets = [b for g in state.groups for b in g.layout.buckets]
-    alive = {"staging": sum(_alive(t) for t in state.staging.tensors())}
+    alive = {"staging": sum(_alive(t) for t in opt.bucket_runtimes.staging.tensors())}
     for group in state.groups:
         for key, t in group.tensors().items():
             kind = key.split(".")[0]

@@ -1,5 +1,5 @@
-"""zero_ext.ops_int8.fused_adamw_int8_ (int8 block-quantized moments) against its plain-torch reference
-(zero_ext.blockwise_int8.fused_adamw_int8_reference): bitwise on every CPU path (scalar, AVX2, AVX-512), odd sizes
+"""zero_ext.ops.int8.fused_adamw_int8_ (int8 block-quantized moments) against its plain-torch reference
+(zero_ext.update.blockwise_int8.fused_adamw_int8_reference): bitwise on every CPU path (scalar, AVX2, AVX-512), odd sizes
 and block tails, every grad dtype and param output, param_remainders' tie bit; found_inf, bad input, opcheck.
 
 Why bitwise: the kernel performs the reference's IEEE fp32 operations one for one (map value * scale; adamw_math.h's
@@ -9,9 +9,10 @@ thresholds, csrc/fused_adamw_int8_maps.h, generated from the reference's maps)."
 import pytest
 import torch
 
-from zero_ext import blockwise_int8 as q8
-from zero_ext import master_split, ops
-from zero_ext.ops_int8 import fused_adamw_int8_
+from zero_ext import ops
+from zero_ext.ops.int8 import fused_adamw_int8_
+from zero_ext.update import blockwise_int8 as q8
+from zero_ext.update import master_split
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 ISAS = ["scalar", "avx2", "avx512"]

@@ -1,4 +1,4 @@
-"""amsgrad in zero_ext.ops_int8.fused_adamw_int8_ (``max_exp_avg_sq_codes`` / ``max_exp_avg_sq_scales``: max_exp_avg_sq
+"""amsgrad in zero_ext.ops.int8.fused_adamw_int8_ (``max_exp_avg_sq_codes`` / ``max_exp_avg_sq_scales``: max_exp_avg_sq
 quantized as exp_avg_sq is) against its plain-torch reference (blockwise_int8.fused_adamw_int8_reference with
 ``max_codes`` / ``max_scales``): bitwise on every CPU path, odd sizes and block tails, every param output and
 param_remainders, maximize, NaN/inf; against torch.optim.AdamW(amsgrad=True) on the dequantized moments; found_inf,
@@ -12,9 +12,10 @@ import pytest
 import torch
 from test_fused_adamw_int8 import HP, ISAS, OP, State, _bits, _grad, _to, assert_same_state
 
-from zero_ext import blockwise_int8 as q8
-from zero_ext import master_split, ops
-from zero_ext.ops_int8 import fused_adamw_int8_
+from zero_ext import ops
+from zero_ext.ops.int8 import fused_adamw_int8_
+from zero_ext.update import blockwise_int8 as q8
+from zero_ext.update import master_split
 
 
 @pytest.fixture(autouse=True)

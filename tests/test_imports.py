@@ -86,8 +86,10 @@ def test_the_import_graph_has_no_cycle():
     for name in sorted(graph):
         if name not in state:
             visit(name, [name])
-    assert "zero_ext.buffers" in graph and graph["zero_ext.state_dict"], "the graph was not built"
-    assert "zero_ext.kernels.dispatch" in graph["zero_ext.grads"], "zero_ext.kernels is missing from the graph"
+    assert "zero_ext.state.sharded_state" in graph and graph["zero_ext.checkpoint.local_state_dict"], (
+        "the graph was not built"
+    )
+    assert "zero_ext.kernels.dispatch" in graph["zero_ext.engine.grads"], "zero_ext.kernels is missing from the graph"
 
 
 @pytest.mark.slow

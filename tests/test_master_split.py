@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from zero_ext import master_split, ops
+from zero_ext import ops
+from zero_ext.update import master_split
 
 ISAS = ["scalar", "avx2", "avx512"]
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
@@ -86,7 +87,7 @@ def test_kernel_splits_and_joins_as_the_reference(isa):
 
 
 def test_master_split_module_matches_the_reference():
-    """zero_ext.master_split (the serialisers' conversion) against the reference."""
+    """zero_ext.update.master_split (the serialisers' conversion) against the reference."""
     m = _sample()
     param, remainder, tie, nan = _reference_split(m)
     p, r, t = master_split.split(torch.from_numpy(m.view(np.float32).copy()))

@@ -8,9 +8,9 @@ from distributed import run_on_ranks
 from tiny_transformer import batch, build, loss_fn
 
 from zero_ext import ZeroAdamW, memory
-from zero_ext.blockwise_int8 import BLOCK
 from zero_ext.memory import INT8_BLOCK, estimate, estimate_breakdown, moment_bytes, state_bytes_per_element
-from zero_ext.update_rule import AdamW
+from zero_ext.update.blockwise_int8 import BLOCK
+from zero_ext.update.rule import AdamW
 
 
 @pytest.mark.parametrize("stage,expected_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
@@ -108,9 +108,9 @@ def _report(rank, world, stage, dtype_name, fp32_accumulation=False, remainders=
         tensors += full + shards
     # The pool: reduce-scatter send buffers and the communicator's workspace (on gloo with more than one rank: the
     # all-to-all receive buffers). One rank communicates nothing and stages nothing.
-    staging = state.staging.tensors()
+    staging = opt.bucket_runtimes.staging.tensors()
     if state.world_size > 1:
-        assert staging and state.staging.workspace_bytes > 0
+        assert staging and opt.bucket_runtimes.staging.workspace_bytes > 0
     else:
         assert staging == []
     allocated = sum(t.untyped_storage().nbytes() for t in tensors + staging)

@@ -1,5 +1,5 @@
 """``ZeroAdamW(moment_dtype=torch.int8)`` training, against the plain-torch reference of tests/int8_reference.py (one
-process, the moments quantized per parameter in 64-element blocks by zero_ext.blockwise_int8): after every step the
+process, the moments quantized per parameter in 64-element blocks by zero_ext.update.blockwise_int8): after every step the
 parameters, this rank's master and its moments (state dict: dequantized to fp32) are bitwise the reference's, at
 stages 1, 2 and 3, on 1, 2 and 3 gloo ranks, with offload None, "cpu" and "nvme", with buckets that split parameters
 into fragments and buckets that hold them whole, with and without ``param_remainders`` (the tie bit in bit 7 of

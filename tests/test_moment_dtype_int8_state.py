@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 from tiny_transformer import build
 
 from zero_ext import ZeroAdamW, checkpoint
-from zero_ext import blockwise_int8 as q8
-from zero_ext.update_rule import MASTER
+from zero_ext.update import blockwise_int8 as q8
+from zero_ext.update.rule import MASTER
 
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 WINDOW = 3 * 8 * 4096

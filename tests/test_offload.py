@@ -409,7 +409,7 @@ def test_state_files_of_a_killed_process_are_reported_by_the_next_optimizer(tmp_
 
 
 def _full_disk(rank, world, root, failing_rank):
-    from zero_ext import offload as offload_module
+    from zero_ext.placement import offload as offload_module
 
     model = build(torch.bfloat16)
     before = [p.data_ptr() for p in model.parameters()]

@@ -7,8 +7,8 @@ import mmap
 import pytest
 import torch
 
-from zero_ext.offload import files
-from zero_ext.offload.files import ALIGN, HUGE_PAGE, aligned_buffer
+from zero_ext.placement import files
+from zero_ext.placement.files import ALIGN, HUGE_PAGE, aligned_buffer
 
 
 @pytest.mark.parametrize("nbytes", [1, ALIGN - 1, ALIGN, 3 * ALIGN + 5, HUGE_PAGE - ALIGN, HUGE_PAGE, 12_779_520])

@@ -17,7 +17,7 @@ from tiny_transformer import batch, build, loss_fn
 from zero_ext import ZeroAdamW
 from zero_ext.comm import DONE, Pending
 from zero_ext.layout import Range
-from zero_ext.offload.host import HostGradients
+from zero_ext.placement.host import HostGradients
 
 
 class Timeline:

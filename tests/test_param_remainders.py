@@ -1,5 +1,5 @@
 """``ZeroAdamW(param_remainders=True)``: the fp32 master kept as the bf16 parameter (rounded to nearest even), an
-int16 remainder and a tie bit in the sign bit of exp_avg_sq (zero_ext.master_split).
+int16 remainder and a tie bit in the sign bit of exp_avg_sq (zero_ext.update.master_split).
 
 Against the default fp32 master, run side by side on the same data at stages 1, 2 and 3, on 1, 2 and 3 gloo ranks,
 with offload None, "cpu" and "nvme", through accumulation, two param groups (one amsgrad) with a schedule,
@@ -25,9 +25,10 @@ from engine_reference import full_params, live_storage_bytes, offload_kwargs, st
 from safetensors.torch import load_file
 from tiny_transformer import batch, build, loss_fn
 
-from zero_ext import ZeroAdamW, checkpoint, master_split
+from zero_ext import ZeroAdamW, checkpoint
 from zero_ext.layout import Range
-from zero_ext.update_rule import AdamW
+from zero_ext.update import master_split
+from zero_ext.update.rule import AdamW
 
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 BUCKET = 1500
@@ -445,7 +446,7 @@ def test_memory_nvme(tmp_path):
 # ---------------------------------------------------------------- the rule and the formulas
 def test_rule_stores_a_remainder_and_saves_the_master():
     from zero_ext.memory import estimate
-    from zero_ext.update_rule import MASTER, REMAINDER, AdamW
+    from zero_ext.update.rule import MASTER, REMAINDER, AdamW
 
     rule = AdamW(torch.bfloat16, amsgrad=True, param_remainders=True)
     assert rule.kind_names == (REMAINDER, "exp_avg", "exp_avg_sq", "max_exp_avg_sq")

@@ -13,7 +13,7 @@ from engine_reference import params_digest
 from tiny_transformer import SEQ, batch, build, loss_fn
 
 from zero_ext import ZeroAdamW
-from zero_ext.divergence import RanksDiverged
+from zero_ext.comm.divergence import RanksDiverged
 
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 BUCKET = 1500  # several buckets

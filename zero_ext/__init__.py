@@ -2,12 +2,12 @@
 
 ``zero_ext.ZeroAdamW`` replaces ``DDP(model)`` + ``torch.optim.AdamW``; ``zero_ext.ops`` holds the fused
 kernels; ``zero_ext.checkpoint`` saves and reshards; ``zero_ext.memory`` estimates and accounts memory;
-``zero_ext.offload`` keeps the optimizer state in host memory or on NVMe.
+``zero_ext.placement.offload`` keeps the optimizer state in host memory or on NVMe.
 """
 
 from . import ops  # noqa: I001  (first: registers torch.ops.zero_ext.*)
 from . import checkpoint, memory
-from .divergence import RanksDiverged
+from .comm.divergence import RanksDiverged
 from .optimizer import ZeroAdamW
 
 __all__ = ["RanksDiverged", "ZeroAdamW", "checkpoint", "memory", "ops"]

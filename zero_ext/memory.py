@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
-from . import blockwise_int8
-from .update_rule import MOMENT_DTYPES, AdamW
+from .update import blockwise_int8
+from .update.rule import MOMENT_DTYPES, AdamW
 
 if TYPE_CHECKING:  # a type only: buffers.py never imports this module back
-    from .buffers import ShardedState
+    from .state.sharded_state import ShardedState
 
 __all__ = [
     "estimate", "estimate_breakdown", "state_bytes_per_element", "moment_bytes", "INT8_BLOCK", "MemoryReport",
@@ -296,9 +296,11 @@ def human_bytes(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
-def report(state: "ShardedState", window=None) -> MemoryReport:
-    """Every persistent byte ``state`` holds on this rank, by kind, and how it relates to the formula. ``window``:
-    stage 3's gather scheduler (``param_gather.ParamGather``), whose gathered buckets are bounded, not persistent."""
+def report(state: "ShardedState", staging=None, window=None) -> MemoryReport:
+    """Every persistent byte ``state`` holds on this rank, by kind, and how it relates to the formula. ``staging``:
+    the engine's gradient staging pool (``engine.staging.StagingPool``), bounded, not per parameter; ``window``:
+    stage 3's gather scheduler (``engine.param_gather.ParamGather``), whose gathered buckets are bounded, not
+    persistent."""
     stage, world, rank = state.stage, state.world_size, state.rank
     out = MemoryReport(stage, world, 0, 0, rank=rank)
     state_kinds = list(dict.fromkeys(k for g in state.groups for k in g.rule.kind_names))  # each once, master first
@@ -341,7 +343,7 @@ def report(state: "ShardedState", window=None) -> MemoryReport:
     # is whole blocks), the formula's share of the real parameters need not be
     out.formula, out.padding = _number(out.formula), _number(out.padding)
     out.widths = {k: _number(v) for k, v in out.widths.items()}
-    out.staging = state.staging.nbytes if state.staging is not None else 0
+    out.staging = staging.nbytes if staging is not None else 0
     if window is not None:  # stage 3: bytes of gathered storages (param_gather.ParamGather.window_bound)
         out.window_bound = window.window_bound
         out.window_peak = window.peak_bytes
@@ -350,7 +352,7 @@ def report(state: "ShardedState", window=None) -> MemoryReport:
     out.where = {k: where.get(k, "device") for k in list(out.allocated) + list(out.on_disk)}
     out.offload_buffers = sum(alloc.get(k, 0) for k in OFFLOAD_BUFFER_KINDS)
     out.bucket_limit = max((g.layout.bucket_limit for g in state.groups), default=0)
-    out.buffers = _buffers(state, alloc, out.bucket_limit)
+    out.buffers = _buffers(state, staging, alloc, out.bucket_limit)
     return out
 
 
@@ -359,10 +361,10 @@ def _number(x) -> int | float:
     return int(x) if x == int(x) else float(x)
 
 
-def _buffers(state: "ShardedState", alloc: dict[str, int], limit: int) -> dict[str, Buffer]:
+def _buffers(state: "ShardedState", pool, alloc: dict[str, int], limit: int) -> dict[str, Buffer]:
     """Each transient buffer with its bound: entries or slots times the largest bucket (of at most ``limit``
     elements) in the buffer's bytes per element, or the nvme window's byte budget."""
-    pool, out = state.staging, {}
+    out = {}
     if pool is not None and pool.entries:
         largest = max((b.numel for _, b in state.buckets()), default=0)
         per_send = -(-pool.send_bytes // max(largest, 1))  # bytes per element of a bucket, as it was sized

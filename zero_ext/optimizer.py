@@ -12,22 +12,23 @@ import torch
 import torch.distributed as dist
 
 from . import memory
-from .bucket_runtime import ParamState
-from .buffers import ShardedState
+from .build.group_adder import GroupAdder
+from .build.meta_init import initialise_shards
+from .build.options import check_collective_timeout, check_options, check_process_group, check_stage3_options
+from .build.state_builder import BuildOptions, StateBuilder
+from .checkpoint.local_state_dict import load_local_state_dict, local_state_dict
 from .comm import Communicator
-from .divergence import DivergenceWatch
-from .grads import grads_for
-from .group_adder import GroupAdder
-from .meta_init import initialise_shards
-from .offload import check_offload_options, warn_if_one_thread
-from .options import check_collective_timeout, check_options, check_process_group, check_stage3_options
-from .param_gather import ParamGather
-from .param_sync import ParamSync, write_back
-from .reducer import GradSync
-from .state_builder import BuildOptions, StateBuilder
-from .state_dict import load_local_state_dict, local_state_dict
-from .step import Stepper
-from .update_rule import MASTER, check_flag, check_moment_dtype, rule_for_group
+from .comm.divergence import DivergenceWatch
+from .engine.bucket_runtime import ParamState
+from .engine.grads import grads_for
+from .engine.param_gather import ParamGather
+from .engine.param_sync import ParamSync, write_back
+from .engine.reducer import GradSync
+from .engine.runtime import BucketRuntimes
+from .engine.step import Stepper
+from .placement.offload import check_offload_options, warn_if_one_thread
+from .state.sharded_state import ShardedState
+from .update.rule import MASTER, check_flag, check_moment_dtype, rule_for_group
 
 
 def _cuda_graph_capturing() -> bool:
@@ -49,7 +50,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             ``requires_grad=False`` are left alone; one made trainable later makes ``step()`` raise (it has no
             shard). To unfreeze gradually, leave frozen parameters out and add them with :meth:`add_param_group`.
         lr, betas, eps, weight_decay, amsgrad, maximize: ``torch.optim.AdamW``'s, with its meaning (the update
-            rule, :mod:`zero_ext.update_rule`: torch's operation order, its moments to the bit). ``amsgrad`` keeps a
+            rule, :mod:`zero_ext.update.rule`: torch's operation order, its moments to the bit). ``amsgrad`` keeps a
             fourth fp32 kind of state (torch's running maximum of the second moment) and is fixed per param group at
             construction; ``maximize`` may change between steps.
         foreach, capturable, differentiable, fused: ``torch.optim.AdamW``'s implementation selectors, accepted so
@@ -58,7 +59,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         stage: 1 (shard optimizer state; a persistent flat grad buffer), 2 (also shard gradients; ``step()``
             consumes them: the next backward starts from zero) or 3 (also shard the parameters: each rank keeps
             1/N of them; a bucket is gathered just before a module that uses it runs and freed after; needs
-            ``module=``). See :mod:`zero_ext.param_gather`.
+            ``module=``). See :mod:`zero_ext.engine.param_gather`.
         process_group: the data-parallel group (default: the world; a single process when torch.distributed
             is not initialised).
         bucket_size: elements per bucket. Default: the model in 8 buckets on NCCL, 4 on gloo (so that even a small
@@ -91,7 +92,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         prefetch: stage 3: buckets gathered ahead of use, in the execution order of the previous step.
         param_init: stage 3, for a model built on the ``meta`` device (larger than one rank's memory): a function
             ``init(module)`` that initialises one module's own parameters and buffers in place (like
-            ``reset_parameters``); only this rank's shard is ever materialised (see :mod:`zero_ext.meta_init`).
+            ``reset_parameters``); only this rank's shard is ever materialised (see :mod:`zero_ext.build.meta_init`).
             Seed torch identically on every rank first.
         param_device: where a meta model's shards live (default: the current CUDA device, else the CPU).
         defer_all_gather_to: the model, to let ``step()`` return without waiting for the parameter all-gather:
@@ -103,14 +104,14 @@ class ZeroAdamW(torch.optim.Optimizer):
         offload: where the optimizer state (the fp32 master and the moments) lives: None (default: on the params' device),
             ``"cpu"`` (host memory, pinned on CUDA, with the reduced-gradient shard; updated by the CPU kernel) or
             ``"nvme"`` (files in ``offload_dir``, streamed through ``offload_window`` bytes of host memory). Same
-            results bit for bit as without; checkpoints cross freely. See :mod:`zero_ext.offload`. The CPU update
+            results bit for bit as without; checkpoints cross freely. See :mod:`zero_ext.placement.offload`. The CPU update
             uses torch's intra-op threads: under torchrun set ``OMP_NUM_THREADS`` to the cores per rank.
         offload_dir: ``offload="nvme"``: a directory on a fast local disk, created with its parents when missing
             (each rank makes its own subdirectory, deleted by :meth:`close` or at exit; the files are working memory,
             not a checkpoint).
         param_remainders: bf16 parameters only: keep the fp32 master as the bf16 parameter itself (its high half)
             plus an int16 remainder (apex's ``store_param_remainders``), 2 bytes per owned element instead of 4.
-            The master is exact and the parameter is its round to nearest even (:mod:`zero_ext.master_split`; the
+            The master is exact and the parameter is its round to nearest even (:mod:`zero_ext.update.master_split`; the
             one bit a 16-bit remainder cannot hold, whether a tie was rounded down, is the sign bit of exp_avg_sq):
             training is bitwise the fp32 master's. State dicts and checkpoints hold the fp32 master and plain
             moments, so they load across the setting. At stage 3 without offload it saves nothing
@@ -132,21 +133,21 @@ class ZeroAdamW(torch.optim.Optimizer):
             bitwise the same at every stage, world size, bucket size and offload. State dicts and checkpoints hold
             the dequantized fp32 moments; loading quantizes them (int8 -> int8 gives back the same codes).
         offload_window: ``offload="nvme"``: bytes of host memory per rank the state streams through (default
-            ``zero_ext.offload.DEFAULT_WINDOW``, 128 MiB), split evenly between the flat groups; each share is at least
+            ``zero_ext.placement.offload.DEFAULT_WINDOW``, 128 MiB), split evenly between the flat groups; each share is at least
             one 4 KiB block per kind per slot, and a shard smaller than its share allocates only what it needs.
         collective_timeout: seconds a collective of the engine may wait before the ranks compare, out of band (the
             process group's store), how far each got (default 300; None: never check). Ranks that stopped running
             the same modules (an evaluation or generation on one rank outside :meth:`gathered_params`, loops of
             different lengths, a rank skipping ``backward()`` or ``step()``) then raise
-            :class:`zero_ext.divergence.RanksDiverged` on every waiting rank, naming each rank's phase, module,
+            :class:`zero_ext.comm.divergence.RanksDiverged` on every waiting rank, naming each rank's phase, module,
             bucket and step, instead of hanging; ranks that are merely slow keep waiting. A rank issuing no
             collective for twice this long while another waits is reported as diverged: 300 s (10 minutes in all,
             NCCL's own default timeout) leaves room for a long evaluation or checkpoint on one rank, and a hung job
             is explained within 5 minutes. Nothing is sent while collectives finish in time. See
-            :mod:`zero_ext.divergence`.
+            :mod:`zero_ext.comm.divergence`.
 
     The sharded state (flat groups, shards, counters) is :attr:`sharded_state`, the seam that
-    :mod:`zero_ext.checkpoint`, :mod:`zero_ext.state_dict` and :mod:`zero_ext.memory` read.
+    :mod:`zero_ext.checkpoint`, :mod:`zero_ext.checkpoint.local_state_dict` and :mod:`zero_ext.memory` read.
     """
 
     # torch.amp.GradScaler then hands itself to step() instead of unscaling .grad and skipping step() on the ranks
@@ -243,14 +244,16 @@ class ZeroAdamW(torch.optim.Optimizer):
         """Gradient reduction, parameter gathers (stage 3: the gather scheduler on the model's hooks) and the step,
         around ``self._state``."""
         module, reshard_after_forward, prefetch, grad_accum_dtype, _ = self._engine_options
-        self._grad_sync = GradSync(self._state, grads_for(self._state, self.reduce_dtype, grad_accum_dtype))
+        self._runtimes = runtimes = BucketRuntimes(self._state, self._options.staging_buffers)
+        strategy = grads_for(self._state, runtimes.staging, self.reduce_dtype, grad_accum_dtype)
+        self._grad_sync = GradSync(self._state, runtimes, strategy)
         if self.stage == 3:
-            gather = ParamGather(self._state, module, reshard_after_forward, prefetch)
+            gather = ParamGather(self._state, runtimes, module, reshard_after_forward, prefetch)
             self._grad_sync.on_ready = gather.bucket_ready
             self._grad_sync.on_round_end = gather.backward_done
             self._param_sync = gather
         else:
-            self._param_sync = ParamSync(self._state)
+            self._param_sync = ParamSync(self._state, runtimes)
         self._stepper = Stepper(self._state, self._grad_sync, self._param_sync, self.max_grad_norm)
 
     def close(self) -> None:
@@ -280,7 +283,7 @@ class ZeroAdamW(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group, as torch does (its missing hyperparameters are the optimizer's defaults): a new flat
         group of its parameters, sharded and stepped like the others from the next ``step()`` (their step counts
-        start at 0), and in checkpoints from then on (:mod:`zero_ext.group_adder`). Collective: every rank adds the
+        start at 0), and in checkpoints from then on (:mod:`zero_ext.build.group_adder`). Collective: every rank adds the
         same group, between steps (not inside forward, backward or ``gathered_params()``); a group that is invalid
         on some rank or differs between ranks raises on every rank, nothing changed. The way to unfreeze: build the
         optimizer from the trainable parameters only, then ``p.requires_grad_(True)`` for a block and
@@ -294,7 +297,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._check_open()
         self.finish_sync()
         busy = None
-        if self.stage == 3 and any(rt.params is not ParamState.SHARDED for rt in self._state.runtime.values()):
+        if self.stage == 3 and any(rt.params is not ParamState.SHARDED for rt in self._runtimes.values()):
             busy = (
                 "called while parameters are gathered (inside forward, backward or gathered_params()); call it "
                 "between steps"
@@ -323,8 +326,15 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.param_groups.append(adder.group)
 
     @property
+    def bucket_runtimes(self) -> BucketRuntimes:
+        """The engine's in-flight state (:mod:`zero_ext.engine.runtime`): every bucket's runtime (its gradient and
+        parameter phases) and the gradient staging pool. Made anew by :meth:`add_param_group`; read, never assign."""
+        return self._runtimes
+
+    @property
     def sharded_state(self) -> ShardedState:
-        """This rank's sharded state: flat groups, shards, counters and the communicator (see ``buffers.py``).
+        """This rank's sharded state: flat groups, shards, counters and the communicator (data only:
+        :mod:`zero_ext.state.sharded_state`).
         Call :meth:`finish_sync` before reading its buffers."""
         return self._state
 
@@ -348,7 +358,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         """Finish every gradient reduction and parameter gather in flight (the current stream waits for them; no
         host synchronisation on CUDA). Needed before reading parameters outside forward when
         ``defer_all_gather_to`` is set, or the shards of :attr:`sharded_state`. At stages 1 and 2 this rank's fp32
-        master then follows parameters changed in place since the last step (:mod:`zero_ext.param_edits`)."""
+        master then follows parameters changed in place since the last step (:mod:`zero_ext.state.param_edits`)."""
         self._param_sync.settle()
         self._grad_sync.finish_grad_sync()
         if self._state.param_edits is not None:  # the shards follow parameters changed in place (stages 1, 2)
@@ -420,7 +430,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         themselves (sharded, not in ``.grad``) are not rewritten. Collective: call it on every rank, after
         backward, before ``step()``. ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` works too, at
         every stage (also collective): after a synchronised backward each ``.grad`` is a placeholder of the sharded
-        mean gradient whose norm and in-place scaling the engine implements (:mod:`zero_ext.grad_placeholders`)."""
+        mean gradient whose norm and in-place scaling the engine implements (:mod:`zero_ext.engine.grad_placeholders`)."""
         self._check_open()
         if norm_type != 2.0:
             raise ValueError(
@@ -469,11 +479,13 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     def memory_report(self) -> memory.MemoryReport:
         """Every persistent byte on this rank by kind; see :class:`zero_ext.memory.MemoryReport`."""
-        return memory.report(self._state, window=self._param_sync if self.stage == 3 else None)
+        return memory.report(
+            self._state, staging=self._runtimes.staging, window=self._param_sync if self.stage == 3 else None
+        )
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard in torch.optim's format: see :mod:`zero_ext.state_dict`."""
+        """This rank's shard in torch.optim's format: see :mod:`zero_ext.checkpoint.local_state_dict`."""
         self.finish_sync()
         return local_state_dict(self._state, self.param_groups)
 

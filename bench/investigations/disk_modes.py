@@ -3,7 +3,7 @@ O_DIRECT write and read rate (disk_probe.DiskStream, the probe bench_offload use
 I/O order (StepReplay, below: three files, read chunk i + 1 then write chunk i - 1, one transfer at a time,
 no threads, no CPU work), in child processes that differ in one of two ways, cycling through the four mixes:
 torch imported first or not at all, and transfer buffers in 4 KiB pages or in transparent huge pages (what
-zero_ext.offload.files.aligned_buffer gives the optimizer's window).
+zero_ext.placement.files.aligned_buffer gives the optimizer's window).
 
     python bench/investigations/disk_modes.py [--gb 1.5] [--children 8] [--rounds 3] [--dir bench/out/disk_modes]
 
@@ -107,9 +107,9 @@ def main() -> None:
     import torch
     from harness import markdown_table, meta, write_results
 
-    from zero_ext.offload import DEFAULT_WINDOW
-    from zero_ext.offload.disk import chunk_numel
-    from zero_ext.update_rule import AdamW
+    from zero_ext.placement.disk import chunk_numel
+    from zero_ext.placement.offload import DEFAULT_WINDOW
+    from zero_ext.update.rule import AdamW
 
     info = meta(torch.device("cpu"))
     rule = AdamW(torch.bfloat16)

@@ -41,7 +41,7 @@ def child(numel: int, reps: int, modes: bool) -> dict:
     def make(moment_dtype=torch.float32, remainders=False):
         m, v = torch.zeros(numel, dtype=moment_dtype), torch.zeros(numel, dtype=moment_dtype)
         if remainders:
-            from zero_ext import master_split
+            from zero_ext.update import master_split
 
             param, remainder, _ = master_split.split(init)
             first, kw = param, dict(remainder=remainder)

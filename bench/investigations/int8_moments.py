@@ -31,8 +31,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from gpt_model import GPT, GPTConfig, MarkovData  # noqa: E402
 
-from zero_ext import blockwise_int8 as q8  # noqa: E402
 from zero_ext import ops  # noqa: E402
+from zero_ext.update import blockwise_int8 as q8  # noqa: E402
 
 # v maps: bitsandbytes' 8-bit unsigned dynamic map, the 7-bit nonnegative one (bit 7 free for the tie bit), linear.
 V_MAPS = {

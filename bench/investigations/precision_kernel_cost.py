@@ -19,7 +19,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import RESULTS, cores, markdown_table, meta, round_robin, summary, write_results  # noqa: E402
 
-from zero_ext import blockwise_int8, ops, ops_int8  # noqa: E402
+from zero_ext import ops
+from zero_ext.ops import int8 as ops_int8  # noqa: E402
+from zero_ext.update import blockwise_int8
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 

@@ -65,7 +65,7 @@ TORCH_LIBRARY(zero_ext, m) {
   m.def("_built_with_cuda() -> bool", &zero_ext::built_with_cuda);
 }
 
-// `import zero_ext._C` needs a module init function; importing it runs the static registrations
+// `import zero_ext.ops._C` needs a module init function; importing it runs the static registrations
 // above and in the backend files. The module itself is empty (extension-cpp's pattern).
 extern "C" PyObject* PyInit__C(void) {
   static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};

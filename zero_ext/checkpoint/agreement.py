@@ -3,8 +3,8 @@ published or written, and a call that some ranks never make fails on the others 
 
 from __future__ import annotations
 
-from ..buffers import ShardedState
 from ..comm import CollectiveTimeout, Communicator
+from ..state.sharded_state import ShardedState
 from .format import CheckpointError
 
 

@@ -12,7 +12,7 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
-from ..update_rule import MASTER, UpdateRule, rule_for_saved_group
+from ..update.rule import MASTER, UpdateRule, rule_for_saved_group
 from .format import FORMAT_NAME, FORMAT_VERSION, as_bytes, decode_value, dtype_of
 from .reader import Checkpoint
 from .side_files import CONFIG, read_model_extra

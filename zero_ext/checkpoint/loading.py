@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..buffers import ShardedState
+from ..state.sharded_state import ShardedState
 from .agreement import agree, arrive, sharded_state_of
 from .format import CheckpointError, as_bytes, decode_value, dtype_name
 from .reader import Checkpoint

@@ -19,7 +19,7 @@ import secrets
 import shutil
 from typing import Any
 
-from ..buffers import FlatGroup, ShardedState
+from ..state.sharded_state import FlatGroup, ShardedState
 from .agreement import agree, arrive, sharded_state_of
 from .format import (
     FORMAT_NAME,

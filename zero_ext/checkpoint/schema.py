@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..update_rule import all_kind_names
+from ..update.rule import all_kind_names
 from .format import FORMAT_NAME, READABLE_VERSIONS, CheckpointError, dtype_of
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}

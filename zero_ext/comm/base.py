@@ -26,13 +26,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..divergence import DivergenceWatch, Position
-
-# torch 2.13 renamed the flat-tensor collectives (*_into_tensor / *_tensor -> *_single); older releases
-# (the GPU machines' torch 2.11) only have the old names. Same arguments, same semantics.
-all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
+from .collectives import all_gather_flat
+from .divergence import DivergenceWatch, Position
 
 # The profiler range each collective is launched in (bench/profile_overlap.py finds the device work by them).
 PROFILER_LABELS = {kind: f"zero_ext::{kind}" for kind in ("reduce_scatter", "all_gather", "all_reduce")}

@@ -1,0 +1,1 @@
+"""From torch param groups to a built sharded state: options, plan, agreement, build, add_param_group."""

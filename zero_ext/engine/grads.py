@@ -1,0 +1,556 @@
+"""How a gradient gets from autograd to the wire: the gradient half of a stage's strategy.
+
+- :class:`BufferedGrads` (stage 1): a persistent flat grad buffer per group; ``param.grad`` is a view into it,
+  so autograd accumulates in place. At launch a bucket's slice is sent as it is (when the communicator's wire
+  dtype is the gradient's and nothing is pre-scaled: gloo with an fp32 mean) or cast and pre-scaled into a
+  staging buffer; the mean overwrites the bucket's grad shard. Inside ``no_sync()`` nothing is reduced; the
+  next synchronised backward (or ``step()``) reduces the accumulated sum.
+- :class:`StagedGrads` (stages 2 and 3): no full-size buffer. A bucket's gradients are cast and pre-scaled into
+  its staging buffer, all in one call when the bucket launches (``grad_hold.py``: at most one bucket's gradients
+  wait, in ``param.grad``), then freed (``param.grad = None``); the mean is added to the grad shard in fp32, so
+  several backward passes before ``step()`` accumulate. There is no buffer to accumulate a full gradient in, so
+  ``no_sync()`` still reduces every backward pass (as DeepSpeed's ZeRO-2).
+- :class:`ShardGrads` (stages 2 and 3 on one process): nothing to communicate, so a bucket's gradients are added
+  straight into their places in the grad shard, in one call when it launches.
+
+A strategy answers three things for :class:`zero_ext.engine.reducer.GradSync`: what to do when a gradient arrives
+(:meth:`on_grad`), what to send when a bucket launches (:meth:`send`), and whether the result overwrites or is
+added to the grad shard (``accumulate``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+
+from ..kernels.dispatch import accumulate_into, add_flattened, cast_scale_into, flatten_into
+from ..layout import Slot
+from ..state.sharded_state import FlatGroup, ShardedState
+from .bucket_runtime import BucketRuntime
+from .grad_hold import Arrival, GradHold, take_grads
+from .staging import StagingPool
+
+
+class GradStrategy:
+    accumulate = False  # the reduced bucket is added to the grad shard (True) or overwrites it
+
+    def __init__(self, state: ShardedState, pool: StagingPool, reduce_dtype: torch.dtype):
+        self.state, self.comm, self.reduce_dtype = state, state.comm, reduce_dtype
+        self.pool = pool  # sized from send_bytes() by GradSync
+
+    def wire_dtype(self, group: FlatGroup) -> torch.dtype:
+        return self.comm.wire_dtype(group.dtype, self.reduce_dtype)
+
+    def prescale(self, group: FlatGroup) -> float:
+        return self.comm.prescale(group.dtype, self.reduce_dtype)
+
+    def send_bytes(self, group: FlatGroup) -> int:
+        """Staging bytes per element of a bucket of ``group`` (0: sent without staging)."""
+        return self.wire_dtype(group).itemsize
+
+    def on_grad(self, gb: BucketRuntime, slot: Slot, param: torch.Tensor, syncing: bool) -> bool:
+        """A gradient arrived in ``param.grad``; returns whether it counts towards launching its bucket now."""
+        raise NotImplementedError
+
+    def on_split_grad(self, gbs: tuple[BucketRuntime, ...], slot: Slot, param: torch.Tensor, syncing: bool) -> bool:
+        """The gradient of a parameter split across the buckets ``gbs`` arrived; returns whether its fragments count
+        towards launching them. Stage 1 keeps the whole gradient in its flat buffer (the parameter is contiguous
+        there): as any gradient, held with the first bucket, which launches before the others."""
+        return self.on_grad(gbs[0], slot, param, syncing)
+
+    def send(self, gb: BucketRuntime) -> Optional[torch.Tensor]:
+        """The bucket's gradients as they go on the wire (``gb.staging`` holds the pool entry), or None when
+        there is nothing to send."""
+        raise NotImplementedError
+
+    @property
+    def unreduced(self) -> bool:
+        """Gradients accumulated under ``no_sync()`` and not reduced yet."""
+        return False
+
+    def got_grads(self) -> set[int]:
+        """Global indices of the parameters that have a gradient on this rank for the next ``step()`` (torch
+        updates exactly the parameters whose ``.grad`` is not None)."""
+        raise NotImplementedError
+
+    def check_no_foreign_grads(self) -> None:
+        """Raise if gradients arrived where this stage never puts them (another reducer is in the loop)."""
+
+    def end_round(self) -> None:
+        """A backward pass's reductions were all launched."""
+
+    def after_step(self) -> None:
+        """``step()`` has read the grad shards."""
+
+    def rescaled(self) -> None:
+        """The gradients were scaled in place by the engine itself (``grad_placeholders.py``: torch's clipping)."""
+
+    def forget(self, gidxs: list[int]) -> None:
+        """The user dropped these parameters' gradients (``.grad`` set to None after backward,
+        ``grad_placeholders.py``), whose pieces are being zeroed: they have no gradient for the next ``step()``."""
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        for group in self.state.groups:
+            group.state.grad.zero_()
+
+    def keep_grads(self, old: "GradStrategy") -> None:
+        """Take over what ``old`` (the same stage's strategy, before ``add_param_group`` rebuilt the engine around the
+        same flat groups) knew of the gradients still to be applied; its reductions are all finished."""
+
+
+class ShardedGradStrategy(GradStrategy):
+    """Stages 2 and 3: the gradients live only in the fp32 grad shard, so ``step()`` consumes them (zeroes the
+    shard: the next backward starts from zero, whatever ``model.zero_grad()`` did or did not do)."""
+
+    accumulate = True
+
+    def __init__(self, state: ShardedState, pool: StagingPool, reduce_dtype: torch.dtype):
+        super().__init__(state, pool, reduce_dtype)
+        self._clean = False  # the grad shards are zero and no gradient arrived since
+        self._got: set[int] = set()  # parameters whose gradient arrived since the last step() or zero_grad()
+        self._hold = GradHold(self._write)  # a bucket's gradients wait in .grad and are written at once
+        self._split_seen: set[tuple[int, int]] = set()  # (group, slot) of split parameters with a gradient this round
+        _drop_early_grads(state)
+
+    def on_grad(self, gb, slot, param, syncing) -> bool:
+        grad = param.grad
+        if grad.layout is not torch.strided:
+            _dense(param, gb.group.names[slot.index])
+        self.arrived(gb.group, slot)
+        arrival = self._hold.arrive(gb, slot, param, grad)
+        if arrival is Arrival.AGAIN_WRITTEN:
+            self._add_again(gb, slot, param, grad)
+        return arrival is Arrival.FIRST
+
+    def on_split_grad(self, gbs, slot, param, syncing) -> bool:
+        grad = _dense(param, gbs[0].group.names[slot.index])
+        self.arrived(gbs[0].group, slot)
+        key = (gbs[0].group.index, slot.index)
+        first = key not in self._split_seen
+        self._split_seen.add(key)
+        param.grad = None  # kept here until written: a second gradient this round arrives on its own
+        self._split_arrived(gbs, slot, grad.reshape(-1) if grad.is_contiguous() else grad.contiguous().view(-1), first)
+        return first
+
+    def _split_arrived(self, gbs, slot: Slot, grad: torch.Tensor, first: bool) -> None:
+        """Write (or schedule) the fragments of a split parameter's flattened gradient ``grad``; ``first``: its first
+        this round (else added to what its first wrote)."""
+        raise NotImplementedError
+
+    def _write(self, gb: BucketRuntime, held) -> None:
+        """Write the held gradients of ``gb`` (``grad_hold.take_grads`` frees them)."""
+        raise NotImplementedError
+
+    def _add_again(self, gb: BucketRuntime, slot: Slot, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """A second gradient for a slot already written this round: add it to what was written, free ``.grad``."""
+        raise NotImplementedError
+
+    def end_round(self) -> None:
+        self._hold.end_round()
+        self._split_seen.clear()
+
+    def check_no_foreign_grads(self) -> None:
+        for group in self.state.groups:
+            for name, p in zip(group.names, group.params):
+                if p.grad is not None:
+                    raise RuntimeError(
+                        f"zero_ext.ZeroAdamW: parameter {name!r} has a .grad at step(), but at stage {self.state.stage} "
+                        "gradients live only in the sharded grad shard (every .grad is freed as it is reduced). "
+                        "Something else writes .grad: a model wrapped in DistributedDataParallel (do not wrap it: "
+                        "ZeroAdamW reduces gradients itself) or code assigning .grad, which would be ignored."
+                    )
+
+    def arrived(self, group: FlatGroup, slot: Slot) -> None:
+        self._clean = False
+        self._got.add(group.param_indices[slot.index])
+
+    def got_grads(self) -> set[int]:
+        return set(self._got)
+
+    def after_step(self) -> None:
+        for group in self.state.groups:
+            group.state.grad.zero_()
+        self._clean = True
+        self._got.clear()
+
+    def forget(self, gidxs: list[int]) -> None:
+        self._got.difference_update(gidxs)
+
+    def keep_grads(self, old: GradStrategy) -> None:
+        self._got |= old.got_grads()
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        if set_to_none:  # (zeroed in place, a gradient is still applied, as zero: torch's decay and moments move)
+            self._got.clear()
+        if not self._clean:  # after step() there is nothing to zero: no second pass over the shards
+            super().zero_grad(set_to_none)
+            self._clean = True
+
+
+def _dense(param: torch.Tensor, name: str) -> torch.Tensor:
+    grad = param.grad
+    if grad.layout != torch.strided:
+        raise RuntimeError(
+            f"zero_ext.ZeroAdamW: parameter {name!r} received a {grad.layout} gradient; only dense gradients are "
+            "supported (use nn.Embedding(sparse=False))"
+        )
+    return grad
+
+
+class BufferedGrads(GradStrategy):
+    """Stage 1: a persistent flat grad buffer; the reduced bucket overwrites its grad shard."""
+
+    def __init__(self, state: ShardedState, pool: StagingPool, reduce_dtype: torch.dtype):
+        super().__init__(state, pool, reduce_dtype)
+        self._unreduced = False
+        self._views: dict[tuple[int, int], torch.Tensor] = {}  # (group, slot) -> its slot of the buffer, shaped
+        # The grad buffers' version counters (which every .grad, a view of them, moves) when the last backward had
+        # reduced them; None while the buffers hold gradients no reduction has read yet.
+        self._reduced_at: Optional[list[int]] = None
+        self._forgotten: dict[int, tuple[FlatGroup, Slot]] = {}  # gidx -> where: a .grad the user replaced?
+        for group in state.groups:
+            if group.grad_buffer is None or group.grad_buffer.dtype != self.buffer_dtype(group):
+                raise AssertionError(
+                    f"{type(self).__name__}: flat group {group.index} was built without its grad buffer"
+                )
+            for slot, p in zip(group.layout.slots, group.params):
+                if p.grad is not None:  # a gradient from before construction is kept (not yet reduced)
+                    self._keep_early_grad(group, slot, p)
+                    self._unreduced = True
+                # else .grad stays None, as torch has it: the first gradient is copied into the slot (_adopt)
+        # Sending straight from the grad buffer needs it untouched until the transfer is done, so every backward
+        # pass then waits for its reductions before it returns (as DDP's backward does); step() would anyway.
+        self.waits_at_round_end = any(not self._staged(g) for g in state.groups) and self.comm.communicates
+
+    def buffer_dtype(self, group: FlatGroup) -> torch.dtype:
+        return group.dtype  # the buffer is .grad's storage
+
+    def _keep_early_grad(self, group: FlatGroup, slot: Slot, p: torch.Tensor) -> None:
+        view = slot.param_range.of(group.grad_buffer).view(p.shape)
+        view.copy_(p.grad)
+        p.grad = view
+
+    def wire_dtype(self, group: FlatGroup) -> torch.dtype:
+        return self.comm.wire_dtype(self.buffer_dtype(group), self.reduce_dtype)
+
+    def prescale(self, group: FlatGroup) -> float:
+        return self.comm.prescale(self.buffer_dtype(group), self.reduce_dtype)
+
+    def _staged(self, group: FlatGroup) -> bool:
+        return self.wire_dtype(group) != self.buffer_dtype(group) or self.prescale(group) != 1.0
+
+    def send_bytes(self, group: FlatGroup) -> int:
+        return self.wire_dtype(group).itemsize if self._staged(group) else 0
+
+    @property
+    def unreduced(self) -> bool:
+        return self._unreduced
+
+    def got_grads(self) -> set[int]:
+        # Stage 1 keeps torch's .grad: a parameter has a gradient while its .grad is not None (zero_grad with
+        # set_to_none=False keeps zeros, which torch's AdamW applies too: decay and moments move).
+        return {gidx for group in self.state.groups for gidx, p in zip(group.param_indices, group.params)
+                if p.grad is not None}  # fmt: skip
+
+    def on_grad(self, gb, slot, param, syncing) -> bool:
+        self._reduced_at = None
+        self._adopt(gb.group, slot, param, _dense(param, gb.group.names[slot.index]))
+        if not syncing:
+            self._unreduced = True
+        return syncing
+
+    def send(self, gb) -> torch.Tensor:
+        group, bucket = gb.group, gb.bucket
+        if gb.arrived < len(bucket.slots):
+            # Launched before all its parameters got a gradient this round: the slots of those parameters may hold
+            # old gradients; make each hold what its .grad says (None: zero).
+            for i in bucket.slots:
+                self._adopt(group, group.layout.slots[i], group.params[i], group.params[i].grad)
+        grads = bucket.bucket_range.of(group.grad_buffer)
+        if gb.staging is None:
+            gb.staging = self.pool.acquire(gb)  # for the communicator's workspace, and the send buffer if staged
+        if not self._staged(group):
+            return grads
+        send = gb.staging.send(self.wire_dtype(group), bucket.numel)
+        cast_scale_into(send, grads, self.prescale(group))
+        return send
+
+    def end_round(self) -> None:
+        self._unreduced = False
+        self._reduced_at = [g.grad_buffer._version for g in self.state.groups]
+        self._forgotten.clear()  # every .grad is its slot again (adopted at launch)
+
+    def forget(self, gidxs: list[int]) -> None:
+        where = {g.param_indices[s.index]: (g, s) for g in self.state.groups for s in g.layout.slots}
+        self._forgotten.update((gidx, where[gidx]) for gidx in gidxs)
+
+    def check_no_foreign_grads(self) -> None:
+        """A .grad changed in place after backward had reduced it (through a reference kept from before: ``.grad``
+        itself is then a placeholder, grad_placeholders.py) would be silently ignored: the step applies the
+        reduction. So would a ``.grad`` replaced by another tensor after backward (torch would apply that tensor)."""
+        for group, slot in self._forgotten.values():
+            p = group.params[slot.index]
+            if p.grad is not None and p.grad.data_ptr() != slot.param_range.of(group.grad_buffer).data_ptr():
+                raise ValueError(
+                    f"zero_ext.ZeroAdamW.step: the `.grad` of parameter {group.names[slot.index]!r} was replaced by "
+                    "another tensor after backward; the mean gradient lives in the optimizer's gradient shard, so the "
+                    "new tensor would be silently ignored. Set `.grad` to None to drop a gradient, scale it with "
+                    "torch.nn.utils.clip_grad_norm_ or opt.clip_grad_norm_, or change it in a hook "
+                    "(param.register_hook) before it is reduced"
+                )
+        if self._reduced_at is None:
+            return
+        for group, version in zip(self.state.groups, self._reduced_at):
+            if group.grad_buffer._version != version:
+                raise ValueError(
+                    "zero_ext.ZeroAdamW.step: a gradient (`.grad`) was changed in place after backward had already "
+                    "reduced it into the optimizer's gradient shard (through a reference to `.grad` kept from before "
+                    "that backward); the step applies the shard, so the change would be silently ignored. Clip with "
+                    "opt.clip_grad_norm_(max_norm) or torch.nn.utils.clip_grad_norm_; change gradients in a hook "
+                    "(param.register_hook) before they are reduced"
+                )
+
+    def after_step(self) -> None:
+        super().after_step()
+        self._reduced_at = None
+
+    def keep_grads(self, old: GradStrategy) -> None:
+        # .grad (views of the same flat buffers) says which parameters have one; whether they are reduced yet is
+        # old's to say, or the added parameters' (an early gradient of theirs is not)
+        added = self.state.groups[len(old.state.groups) :]
+        self._unreduced = old.unreduced or any(p.grad is not None for g in added for p in g.params)
+
+    def rescaled(self) -> None:
+        if self._reduced_at is not None:  # the engine's own change: the reduction still stands for the buffers
+            self._reduced_at = [g.grad_buffer._version for g in self.state.groups]
+
+    def _adopt(self, group: FlatGroup, slot: Slot, param: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
+        """Make ``param``'s slot of the flat grad buffer hold ``grad`` and ``param.grad`` a view of it. A slot
+        holds the parameter's gradient only while ``param.grad`` is that view: after zero_grad() (or the user's
+        own set-to-None) autograd hands over a fresh tensor, meaning "the previous value was zero", so it is copied
+        over the slot; no gradient at all (None) is zero."""
+        key = (group.index, slot.index)
+        view = self._views.get(key)
+        if view is None:  # made once: a view per gradient cost ~1 us of backward's host time per parameter
+            view = self._views[key] = slot.param_range.of(group.grad_buffer).view(param.shape)
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+            param.grad = view
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        super().zero_grad(set_to_none)
+        self._reduced_at = None
+        self._forgotten.clear()
+        for group in self.state.groups:
+            if set_to_none:
+                # No pass over the buffer: the next gradient is copied into its slot (_adopt), and a slot whose
+                # parameter still has no gradient at launch is zeroed then.
+                for p in group.params:
+                    p.grad = None
+            else:
+                group.grad_buffer.zero_()
+
+
+class Fp32GradBuffer(BufferedGrads):
+    """Stage 1 with ``grad_accum_dtype=torch.float32``: an fp32 flat grad buffer (Megatron's fp32 ``main_grad``).
+    Each low-precision gradient is added to its slot in fp32 (a bucket's at once, when it launches) and
+    ``param.grad`` is freed, so
+    micro-batches accumulate in fp32 as stage 2's grad shard does, instead of in bf16 ``.grad``. The gradients
+    live until ``zero_grad()``, as at stage 1."""
+
+    def __init__(self, state: ShardedState, pool: StagingPool, reduce_dtype: torch.dtype):
+        self._got: set[int] = set()
+        self._hold = GradHold(self._write)  # a synchronised pass adds a bucket's gradients at once (grad_hold.py)
+        super().__init__(state, pool, reduce_dtype)
+
+    def buffer_dtype(self, group: FlatGroup) -> torch.dtype:
+        return torch.float32
+
+    def _keep_early_grad(self, group: FlatGroup, slot: Slot, p: torch.Tensor) -> None:
+        accumulate_into(slot.param_range.of(group.grad_buffer), p.grad)
+        self._got.add(group.param_indices[slot.index])
+        p.grad = None
+
+    def got_grads(self) -> set[int]:
+        return set(self._got)
+
+    def forget(self, gidxs: list[int]) -> None:
+        self._got.difference_update(gidxs)
+
+    def keep_grads(self, old: GradStrategy) -> None:
+        super().keep_grads(old)
+        self._got |= old.got_grads()
+
+    def check_no_foreign_grads(self) -> None:
+        ShardedGradStrategy.check_no_foreign_grads(self)
+
+    def on_grad(self, gb, slot, param, syncing) -> bool:
+        grad = param.grad
+        if grad.layout is not torch.strided:
+            _dense(param, gb.group.names[slot.index])
+        if not syncing:  # inside no_sync() no launch comes to write it: added now
+            self._hold.flush()
+            self._keep_early_grad(gb.group, slot, param)
+            self._unreduced = True
+            return False
+        self._got.add(gb.group.param_indices[slot.index])
+        arrival = self._hold.arrive(gb, slot, param, grad)
+        if arrival is Arrival.AGAIN_WRITTEN:
+            self._keep_early_grad(gb.group, slot, param)
+        return arrival is Arrival.FIRST
+
+    def _write(self, gb, held) -> None:
+        slots, grads = take_grads(held)
+        add_flattened(gb.group.grad_buffer, grads, [s.offset for s in slots])
+
+    def end_round(self) -> None:
+        self._hold.end_round()
+        super().end_round()
+
+    def send(self, gb) -> torch.Tensor:
+        self._hold.flush(gb)
+        group, bucket = gb.group, gb.bucket
+        grads = bucket.bucket_range.of(group.grad_buffer)  # slots without a gradient hold what they accumulated
+        if gb.staging is None:
+            gb.staging = self.pool.acquire(gb)
+        if not self._staged(group):
+            return grads
+        send = gb.staging.send(self.wire_dtype(group), bucket.numel)
+        cast_scale_into(send, grads, self.prescale(group))
+        return send
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        GradStrategy.zero_grad(self, set_to_none)
+        if set_to_none:  # (zeroed in place, a gradient is still applied, as zero)
+            self._got.clear()
+        for group in self.state.groups:
+            group.grad_buffer.zero_()
+
+
+class StagedGrads(ShardedGradStrategy):
+    """Stages 2 and 3: a bucket's gradients go into its staging buffer, cast and pre-scaled, in one write when the
+    bucket launches (or when a gradient of another bucket arrives first: ``grad_hold.py``), then are freed.
+
+    A split parameter's gradient (autograd made it whole) waits until each of its buckets launches, which writes
+    its fragment into that bucket's staging entry: the pool's entries are reused in launch order, so staging stays
+    ``staging_buffers`` buckets however large the parameter (writing every fragment at arrival would take one
+    entry per fragment while the buckets before them in launch order are still filling). The gradient is freed
+    with its last fragment's write."""
+
+    def __init__(self, state: ShardedState, pool: StagingPool, reduce_dtype: torch.dtype):
+        super().__init__(state, pool, reduce_dtype)
+        # bucket key -> fragments still to write at its launch: (place in the bucket, values, added or written)
+        self._fragments: dict[tuple[int, int], list[tuple]] = {}
+
+    def _send_buffer(self, gb) -> torch.Tensor:
+        if gb.staging is None:
+            gb.staging = self.pool.acquire(gb)
+            gb.staging.send(self.wire_dtype(gb.group), gb.bucket.numel).zero_()
+        return gb.staging.send(self.wire_dtype(gb.group), gb.bucket.numel)
+
+    def _write(self, gb, held) -> None:
+        slots, grads = take_grads(held)
+        start = gb.bucket.offset
+        flatten_into(self._send_buffer(gb), grads, [s.offset - start for s in slots], self.prescale(gb.group))
+
+    def _add_again(self, gb, slot, param, grad) -> None:
+        # in the wire dtype, as the first was written
+        view = gb.bucket.slot_range(slot).of(self._send_buffer(gb))
+        scaled = torch.empty_like(view)
+        cast_scale_into(scaled, grad, self.prescale(gb.group))
+        view.add_(scaled)
+        param.grad = None
+
+    def _split_arrived(self, gbs, slot, grad, first) -> None:
+        for gb in gbs:
+            at, values = gb.bucket.slot_range(slot), gb.bucket.fragment_range(slot).of(grad)
+            waiting = self._fragments.get(gb.key)
+            if first or waiting is not None:
+                self._fragments.setdefault(gb.key, []).append((at, values, not first))
+            else:  # its bucket took the first already: added to what was written, as _add_again does
+                self._add_fragment(gb, at, values)
+
+    def _add_fragment(self, gb, at, values) -> None:
+        view = at.of(self._send_buffer(gb))
+        scaled = torch.empty_like(view)
+        cast_scale_into(scaled, values, self.prescale(gb.group))
+        view.add_(scaled)
+
+    def send(self, gb) -> torch.Tensor:
+        self._hold.flush(gb)
+        for at, values, add in self._fragments.pop(gb.key, ()):
+            if add:
+                self._add_fragment(gb, at, values)
+            else:
+                cast_scale_into(at.of(self._send_buffer(gb)), values, self.prescale(gb.group))
+        return self._send_buffer(gb)  # zeros for a bucket none of whose parameters got a gradient
+
+
+class ShardGrads(ShardedGradStrategy):
+    """Stages 2 and 3 on one process: the gradients are added straight into the grad shard (nothing to reduce), a
+    bucket's at once when it launches (``grad_hold.py``)."""
+
+    def __init__(self, state: ShardedState, pool: StagingPool, reduce_dtype: torch.dtype):
+        super().__init__(state, pool, reduce_dtype)
+        self._starts: dict[tuple[int, int], int] = {}  # (group, slot) -> where it starts in the grad shard
+
+    def send_bytes(self, group: FlatGroup) -> int:
+        return 0
+
+    def _start(self, group: FlatGroup, slot: Slot) -> int:
+        """Where the parameter starts in the grad shard, computed once."""
+        key = (group.index, slot.index)
+        start = self._starts.get(key)
+        if start is None:
+            start = self._starts[key] = group.layout.single_rank_shard_range(slot).start
+        return start
+
+    def _write(self, gb, held) -> None:
+        slots, grads = take_grads(held)
+        add_flattened(gb.group.state.grad, grads, [self._start(gb.group, s) for s in slots])
+
+    def _add_again(self, gb, slot, param, grad) -> None:
+        start = self._start(gb.group, slot)
+        accumulate_into(gb.group.state.grad[start : start + slot.numel], grad)
+        param.grad = None
+
+    def _split_arrived(self, gbs, slot, grad, first) -> None:
+        start = self._start(gbs[0].group, slot)  # one process: the parameter is contiguous in the grad shard too
+        accumulate_into(gbs[0].group.state.grad[start : start + slot.numel], grad)
+
+    def send(self, gb) -> None:
+        self._hold.flush(gb)
+        return None
+
+
+def _drop_early_grads(state: ShardedState) -> None:
+    stale = [group.names[i] for group in state.groups for i, p in enumerate(group.params) if p.grad is not None]
+    for group in state.groups:
+        for p in group.params:
+            p.grad = None
+    if stale:
+        warnings.warn(
+            f"zero_ext.ZeroAdamW: dropping the gradients of {len(stale)} parameters (e.g. {stale[0]!r}) computed "
+            f"before the optimizer existed: stage {state.stage} reduces gradients while backward runs",
+            stacklevel=4,
+        )
+
+
+def grad_buffer_dtype(stage: int, grad_accum_dtype: Optional[torch.dtype], param_dtype: torch.dtype):
+    """The dtype of a flat group's persistent gradient buffer (stage 1: ``.grad``'s storage, or fp32 with
+    ``grad_accum_dtype=torch.float32``), None at stages 2 and 3 (no full gradient buffer)."""
+    if stage != 1:
+        return None
+    return torch.float32 if grad_accum_dtype == torch.float32 else param_dtype
+
+
+def grads_for(state: ShardedState, pool: StagingPool, reduce_dtype: torch.dtype, grad_accum_dtype=None) -> GradStrategy:
+    """The gradient strategy of ``state.stage`` on ``state.comm``, staging through ``pool``."""
+    if state.stage == 1:
+        return (Fp32GradBuffer if grad_accum_dtype == torch.float32 else BufferedGrads)(state, pool, reduce_dtype)
+    direct = not state.comm.communicates and all(g.state.adds_in_place for g in state.groups)
+    return (ShardGrads if direct else StagedGrads)(state, pool, reduce_dtype)

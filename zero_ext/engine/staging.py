@@ -1,0 +1,103 @@
+"""The staging pool: byte buffers that carry buckets of gradients onto the wire.
+
+An entry holds what one bucket's reduce-scatter needs while it is in flight: the send buffer (the gradients cast
+to the wire dtype and pre-scaled, when the gradient strategy stages them) followed by the communicator's
+workspace (gloo's receive buffer, NCCL's output shard). Entries are sized once, for the largest bucket, and
+viewed in whatever dtype a bucket travels in, so fp32 and bf16 flat groups share one pool.
+
+The pool is made with the sharded state and sized once by the reducer (:meth:`StagingPool.size`), which knows the
+wire dtypes. It then holds ``capacity`` entries and reuses them in launch order: a bucket that needs an entry takes a
+free one, else waits for the oldest in flight (whose collective then has to finish first). Only when every entry
+is held by a bucket still filling (gradients arriving far out of layout order) does the pool grow by one; it
+never shrinks, so that happens in the first steps only, and ``nbytes`` is what the ledger reports.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..comm import Pending
+
+
+class StagingEntry:
+    """One byte buffer of the pool: ``send_bytes`` of send buffer, then the workspace."""
+
+    __slots__ = ("buffer", "send_bytes", "holder", "pending")
+
+    def __init__(self, send_bytes: int, workspace_bytes: int, device: torch.device):
+        total = send_bytes + workspace_bytes
+        self.buffer = torch.zeros(total, dtype=torch.uint8, device=device) if total else None
+        self.send_bytes = send_bytes
+        self.holder: Optional[object] = None  # the bucket filling or sending from this entry
+        self.pending: Optional[Pending] = None  # the collective reading/writing it
+
+    def send(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The send buffer as ``numel`` elements of ``dtype``."""
+        return self.buffer[: numel * dtype.itemsize].view(dtype)
+
+    def workspace(self) -> Optional[torch.Tensor]:
+        return None if self.buffer is None else self.buffer[self.send_bytes :]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel()
+
+
+class StagingPool:
+    def __init__(self, capacity: int, device: torch.device):
+        self.capacity, self.device = capacity, device
+        self.send_bytes = self.workspace_bytes = 0
+        self.used = False
+        self.entries: list[StagingEntry] = []
+        self._inflight: list[StagingEntry] = []  # launched entries, oldest first
+
+    def size(self, send_bytes: int, workspace_bytes: int) -> None:
+        """Allocate the entries: ``send_bytes`` of send buffer and ``workspace_bytes`` of workspace each (the largest
+        bucket's). Once, before the first bucket is staged."""
+        if self.entries or self._inflight:
+            raise RuntimeError("StagingPool.size: the pool is already in use")
+        self.send_bytes, self.workspace_bytes = send_bytes, workspace_bytes
+        self.used = send_bytes + workspace_bytes > 0
+        self.entries = (
+            [StagingEntry(send_bytes, workspace_bytes, self.device) for _ in range(self.capacity)] if self.used else []
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [e.buffer for e in self.entries if e.buffer is not None]
+
+    def acquire(self, holder: object) -> Optional[StagingEntry]:
+        """An entry for ``holder``: a free one, else the oldest in flight (the current stream waits for its
+        collective), else a new one. None when nothing needs staging."""
+        if not self.used:
+            return None
+        entry = next((e for e in self.entries if e.holder is None and e.pending is None), None)
+        if entry is None and self._inflight:
+            entry = self._inflight.pop(0)
+            entry.pending.wait()
+            entry.pending = None
+        if entry is None:
+            entry = StagingEntry(self.send_bytes, self.workspace_bytes, self.device)
+            self.entries.append(entry)
+        entry.holder = holder
+        return entry
+
+    def launched(self, entry: Optional[StagingEntry], pending: Pending) -> None:
+        """``entry``'s bucket is on the wire: it is busy until ``pending`` is waited for."""
+        if entry is None:
+            return
+        entry.holder = None
+        entry.pending = pending
+        self._inflight.append(entry)
+
+    def wait_all(self) -> None:
+        """The current stream waits for every collective still using an entry."""
+        for entry in self._inflight:
+            entry.pending.wait()
+            entry.pending = None
+        self._inflight.clear()

@@ -1,0 +1,1 @@
+"""Where the optimizer state lives (device memory, host memory, files) and how it is encoded."""

@@ -1,0 +1,202 @@
+"""The one owner of a rank's sharded state: :class:`ShardedState`, made of :class:`FlatGroup` s.
+
+``ShardedState`` is the seam every other part of zero_ext reads (``state_dict``, ``checkpoint``, ``memory``, the
+tests): the flat groups with their parameters' global indices, names, param group and update rule, the step and
+skip counters (device scalars), the stage and the communicator. ``ZeroAdamW.sharded_state`` returns it. It is built
+whole (:mod:`.state_builder`): nothing is assigned to it from outside afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from ..comm import Communicator
+from ..layout import Bucket, Layout, OwnedPiece
+from ..placement.device import DeviceState
+from ..update.rule import UpdateRule, rule_for_group
+from .param_edits import ParamEdits
+from .params import FullParams
+from .step_counts import StepCounts
+
+
+class FlatGroup:
+    """One (param group, dtype) of trainable parameters (``params``): their layout, where they live
+    (``flat_params``, per stage), the update rule that says what state they keep (``rule``) and where that state
+    lives (``state``, per placement). ``grad_buffer_dtype``: stage 1's persistent flat gradient buffer, else None."""
+
+    def __init__(
+        self,
+        index: int,
+        group_index: int,
+        params: Sequence[torch.nn.Parameter],
+        param_indices: Sequence[int],
+        names: Sequence[str],
+        layout: Layout,
+        rank: int,
+        params_cls=FullParams,
+        device: Optional[torch.device] = None,
+        placement=None,
+        rule: Optional[UpdateRule] = None,
+        grad_buffer_dtype: Optional[torch.dtype] = None,
+    ):
+        self.index = index  # position among the flat groups
+        self.group_index = group_index  # the param group (optimizer.param_groups[group_index])
+        self.params = list(params)
+        self.param_indices = list(param_indices)  # each parameter's index across all param groups (torch.optim's)
+        self.names = list(names)
+        self.layout = layout
+        self.rank = rank
+        self.dtype = self.params[0].dtype
+        self.device = device or self.params[0].device  # (params built on meta live on `device`)
+        self.flat_params = params_cls(layout, rank, self.dtype, self.device)
+        self.flat_params.adopt(self.params)
+        self.rule = rule if rule is not None else rule_for_group(self.dtype, {})
+        # where the optimizer state lives: in memory on the device (default), or offload's host memory or files
+        make = placement or (lambda layout, params, device, rule, index: DeviceState(layout, params, device, rule))
+        self.state = make(layout, self.flat_params, self.device, self.rule, index)
+        self.grad_buffer: Optional[torch.Tensor] = None  # stage 1's persistent flat gradient buffer
+        if grad_buffer_dtype is not None:
+            self.grad_buffer = torch.zeros(layout.numel, dtype=grad_buffer_dtype, device=self.device)
+        self.pieces_by_bucket: dict[int, list[OwnedPiece]] = {b.index: [] for b in layout.buckets}
+        for piece in self.owned_pieces():
+            self.pieces_by_bucket[piece.bucket].append(piece)
+
+    def owned_pieces(self) -> tuple[OwnedPiece, ...]:
+        return self.layout.owned_pieces(self.rank)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every persistent tensor of this group in memory, by kind (a kind of several tensors, such as offload's
+        landing ring, as ``kind.0``, ``kind.1``, ...)."""
+        out = dict(self.flat_params.tensors())
+        for kind, t in self.state.tensors().items():
+            if isinstance(t, torch.Tensor):
+                out[kind] = t
+            else:
+                out.update({f"{kind}.{i}": x for i, x in enumerate(t)})
+        if self.grad_buffer is not None:
+            out["grads"] = self.grad_buffer
+        return out
+
+
+@dataclass(frozen=True)
+class PieceRef:
+    """An owned piece with the facts a serializer needs about its parameter."""
+
+    group: FlatGroup
+    piece: OwnedPiece
+    param_index: int  # global index (across all param groups)
+    name: str
+
+
+class ShardedState:
+    """Everything one rank holds of the sharded model state, and the facts needed to read it."""
+
+    def __init__(
+        self,
+        comm: Communicator,
+        stage: int,
+        bucket_size: int,
+        groups: Sequence[FlatGroup],
+        names: dict[int, str],
+        device: torch.device,
+        *,
+        model=None,
+        frozen: Sequence[tuple[str, torch.nn.Parameter]] = (),
+    ):
+        self.comm = comm
+        self.stage = stage
+        self.bucket_size = bucket_size
+        self.groups = list(groups)
+        self.names = dict(names)  # global index -> name, for every parameter of the optimizer (frozen ones too)
+        self.device = device
+        # Steps that updated something (skipped steps excluded) and steps skipped for a non-finite gradient, and
+        # every parameter's own step count: device scalars, so that step() never has to read them on the host.
+        self.update_device = self.groups[0].state.update_device if self.groups else device  # offload: the CPU
+        self.step_count = torch.zeros((), dtype=torch.float32, device=self.update_device)
+        self.skipped = torch.zeros((), dtype=torch.float32, device=self.update_device)
+        self.step_counts = StepCounts([gidx for _, gidx, _ in self.members()], self.update_device)
+        self.model = model  # the model's names and state outside the optimizer (model_state.ModelState), with module=
+        # Parameters given to the optimizer with requires_grad=False: left alone, and not sharded (step() refuses
+        # to go on if one becomes trainable: it would never be updated).
+        self.frozen: list[tuple[str, torch.nn.Parameter]] = list(frozen)
+        # Stages 1 and 2: in-place changes to the full parameters, which the master must follow (param_edits.py).
+        self.param_edits = ParamEdits(self.groups) if stage < 3 else None
+
+    def with_groups(self, added: Sequence[FlatGroup], names: dict[int, str]) -> "ShardedState":
+        """This state with the flat groups ``added`` after its own (``ZeroAdamW.add_param_group``; ``names``: their
+        parameters'): the same flat groups, model, frozen parameters and counters; every bucket's runtime, the staging
+        pool and the tracking of parameter edits made anew, so nothing may be in flight. Every parameter keeps its
+        step count; the added ones start at 0 (torch's state for a parameter that never stepped)."""
+        out = ShardedState(
+            self.comm, self.stage, self.bucket_size, [*self.groups, *added], {**self.names, **names}, self.device,
+            model=self.model, frozen=self.frozen,
+        )  # fmt: skip
+        out.step_count.copy_(self.step_count)
+        out.skipped.copy_(self.skipped)
+        counts = self.step_counts.values()  # one host read: parameters with equal counts share a class again
+        counts.update({gidx: 0.0 for g in added for gidx in g.param_indices})
+        out.step_counts.load(counts)
+        if self.param_edits is not None:  # a local adoption the next step still has to check on every rank
+            out.param_edits.unchecked = self.param_edits.unchecked
+        return out
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    def buckets(self) -> Iterator[tuple[FlatGroup, Bucket]]:
+        """Every (group, bucket), groups in order, buckets in layout order."""
+        for group in self.groups:
+            for bucket in group.layout.buckets:
+                yield group, bucket
+
+    def launch_order(self) -> list[tuple[FlatGroup, Bucket]]:
+        """Every (group, bucket) in the order their gradients are expected: the bucket whose parameters were
+        registered last first (in the model, with ``module=``; else in the order given to the optimizer). Every rank
+        launches collectives in this one order, so they always pair up. (The model's order matters for a group added
+        later, ``add_param_group``: typically early layers, unfrozen, whose gradients arrive last; by their indices,
+        the largest, their buckets would launch first and hold back every reduction until the end of backward.)"""
+        registered = {id(t): i for i, t in enumerate(self.model.tensor_of.values())} if self.model is not None else {}
+
+        def position(g: FlatGroup, i: int) -> int:
+            return registered.get(id(g.params[i]), g.param_indices[i])
+
+        keyed = [(max(position(g, i) for i in b.slots), g, b) for g, b in self.buckets()]
+        keyed.sort(key=lambda k: -k[0])
+        return [(g, b) for _, g, b in keyed]
+
+    def pieces(self) -> Iterator[PieceRef]:
+        """Every parameter run this rank owns, group by group, in shard order."""
+        for group in self.groups:
+            for piece in group.owned_pieces():
+                gidx = group.param_indices[piece.index]
+                yield PieceRef(group, piece, gidx, self.names[gidx])
+
+    def members(self) -> Iterator[tuple[FlatGroup, int, torch.nn.Parameter]]:
+        """Every trainable parameter: (its group, its global index, the parameter)."""
+        for group in self.groups:
+            for gidx, p in zip(group.param_indices, group.params):
+                yield group, gidx, p
+
+    def params_from_master(self) -> None:
+        """Collective: round this rank's master slices into the param buffer and gather every rank's (after the
+        master was loaded)."""
+        pending = []
+        with torch.no_grad():
+            for group, bucket in self.buckets():
+                mine = group.flat_params.rank_slice(bucket)  # None: stage 3 casts the master at each gather
+                if group.state.master_copy and mine is not None:
+                    mine.copy_(group.state.read("master", bucket.shard_range))
+                if group.flat_params.gathers_after_update:
+                    pending.append(self.comm.start_all_gather(group.flat_params.gathered(bucket), mine))
+        for p in pending:
+            p.wait()
+        if self.param_edits is not None:
+            self.param_edits.record()
