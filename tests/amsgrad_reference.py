@@ -21,6 +21,7 @@ import contextlib
 import torch
 from engine_reference import mean_grads, rank_grads
 from tiny_transformer import batch, build, loss_fn
+from torch_sqrt import torch_sqrt_inexact_share
 
 from zero_ext import ops
 
@@ -32,14 +33,6 @@ FLAG_IDS = ["amsgrad", "maximize", "amsgrad_maximize"]
 # The loss is scaled by these per step: after two full-size gradients, g^2 falls by 2^-8 (< 1 - beta2 = 0.05), so
 # exp_avg_sq falls below amsgrad's running max, which then divides the update instead (powers of two: exact).
 SCALES = (1.0, 1.0, 2.0**-4, 2.0**-4, 2.0**-2, 2.0**-4, 1.0, 2.0**-4)
-
-
-def torch_sqrt_inexact_share() -> float:
-    """The share of torch's fp32 sqrt results that are not correctly rounded on this machine: its CPU kernels'
-    vector sqrt depends on the ISA torch dispatches to (measured on 2^16 uniform values: 0.6 % on the AVX-512 Xeon,
-    19.7 % on the AVX2-only EPYC, torch 2.13)."""
-    x = torch.rand(1 << 16, generator=torch.Generator().manual_seed(0))
-    return float((x.sqrt() != x.double().sqrt().float()).float().mean())
 
 
 # The share of master elements that may differ from torch's by torch's sqrt rounding: 2 % where torch's sqrt is
