@@ -25,12 +25,13 @@ from typing import Any, Optional
 
 import torch
 
-from ..state.sharded_state import FlatGroup, ShardedState
+from ..engine.config import EngineConfig
 from ..layout import Layout, fingerprint
+from ..state.sharded_state import FlatGroup, ShardedState
+from ..update.rule import rule_for_group
 from .module_sync import broadcast_from_rank0
 from .planning import SUPPORTED_DTYPES
-from .state_builder import BuildOptions, build_flat_groups
-from ..update.rule import rule_for_group
+from .state_builder import build_flat_groups
 
 WHERE = "zero_ext.ZeroAdamW.add_param_group"
 
@@ -39,7 +40,7 @@ class GroupAdder:
     """Steps 1 and 2 run at construction (collective: raises on every rank if any failed or differs); :meth:`build`
     runs step 3."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, state: ShardedState, options: BuildOptions,
+    def __init__(self, optimizer: torch.optim.Optimizer, state: ShardedState, options: EngineConfig,
                  param_group: Any, busy: Optional[str]):  # fmt: skip
         self.state, self.options = state, options
         self.index = len(optimizer.param_groups)  # the new param group's
