@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 
 from ..comm import communicator_for, fallback_device
+from ..comm.mesh import Mesh
 from ..engine.config import EngineConfig
 from ..engine.model_state import ModelState
 from ..layout import Layout
@@ -122,7 +123,7 @@ class StateBuilder:
         groups = build_flat_groups(comm, o, self.directory, plan.names, plan.device, specs, first_index=0)
         frozen = [(plan.names[i], p) for i, p in enumerate(self.everything) if not p.requires_grad]
         return ShardedState(
-            comm, o.stage, self.bucket_size, groups, plan.names, plan.device,
+            Mesh(comm), o.stage, self.bucket_size, groups, plan.names, plan.device,
             model=self.model, frozen=frozen,
         )  # fmt: skip
 

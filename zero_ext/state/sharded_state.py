@@ -14,6 +14,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from ..comm import Communicator
+from ..comm.mesh import Mesh
 from ..layout import Bucket, Layout, OwnedPiece
 from ..placement.device import DeviceState
 from ..update.rule import UpdateRule, rule_for_group
@@ -96,7 +97,7 @@ class ShardedState:
 
     def __init__(
         self,
-        comm: Communicator,
+        mesh: Mesh,
         stage: int,
         bucket_size: int,
         groups: Sequence[FlatGroup],
@@ -106,7 +107,8 @@ class ShardedState:
         model=None,
         frozen: Sequence[tuple[str, torch.nn.Parameter]] = (),
     ):
-        self.comm = comm
+        self.mesh = mesh  # the shard group (and, for HSDP, the replicate group: a single replica today)
+        self.comm: Communicator = mesh.shard  # every collective of the layout runs on the shard group
         self.stage = stage
         self.bucket_size = bucket_size
         self.groups = list(groups)
@@ -131,7 +133,7 @@ class ShardedState:
         pool and the tracking of parameter edits made anew, so nothing may be in flight. Every parameter keeps its
         step count; the added ones start at 0 (torch's state for a parameter that never stepped)."""
         out = ShardedState(
-            self.comm, self.stage, self.bucket_size, [*self.groups, *added], {**self.names, **names}, self.device,
+            self.mesh, self.stage, self.bucket_size, [*self.groups, *added], {**self.names, **names}, self.device,
             model=self.model, frozen=self.frozen,
         )  # fmt: skip
         out.step_count.copy_(self.step_count)
