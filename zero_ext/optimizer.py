@@ -28,7 +28,8 @@ from .engine.runtime import BucketRuntimes
 from .engine.step import Stepper
 from .placement.offload import check_offload_options, warn_if_one_thread
 from .state.sharded_state import ShardedState
-from .update.rule import MASTER, check_flag, check_moment_dtype, rule_for_group
+from .update.registry import rule_for_group
+from .update.rule import MASTER, check_flag, check_moment_dtype
 
 
 def _cuda_graph_capturing() -> bool:
@@ -45,7 +46,8 @@ class ZeroAdamW(torch.optim.Optimizer):
     Args:
         params: parameters, ``(name, parameter)`` pairs (``model.named_parameters()``: names then appear in
             checkpoints), or param-group dicts with per-group ``lr``, ``betas``, ``eps``, ``weight_decay``,
-            ``amsgrad``, ``maximize``.
+            ``amsgrad``, ``maximize``. A param group may name another registered update rule with ``"rule"``
+            (:mod:`zero_ext.update.registry`; its own hyperparameters in the group); the others are AdamW's.
             Params may be fp32 (their own master copy), bf16 or fp16; all on one device. Params with
             ``requires_grad=False`` are left alone; one made trainable later makes ``step()`` raise (it has no
             shard). To unfreeze gradually, leave frozen parameters out and add them with :meth:`add_param_group`.
@@ -155,6 +157,8 @@ class ZeroAdamW(torch.optim.Optimizer):
     # stages 2 and 3 .grad is empty and the scaler fails with "No inf checks were recorded"): step() refuses it.
     _step_supports_amp_scaling = True
 
+    default_rule = "adamw"  # the update rule of a param group without "rule" (zero_ext.update.registry)
+
     def __init__(
         self,
         params: Iterable,
@@ -198,7 +202,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         check_offload_options(offload, offload_dir, offload_window)
         check_flag("zero_ext.ZeroAdamW", "param_remainders", param_remainders)
         check_moment_dtype("zero_ext.ZeroAdamW", moment_dtype)
-        check_options(stage, defaults, max_grad_norm, bucket_size, staging_buffers, reduce_dtype, grad_accum_dtype)
+        check_options(stage, defaults, max_grad_norm, bucket_size, staging_buffers, reduce_dtype, grad_accum_dtype,
+                      self.default_rule)  # fmt: skip
         check_stage3_options(stage, module, reshard_after_forward, prefetch, defer_all_gather_to)
         check_process_group(process_group, communicator)
         check_collective_timeout(collective_timeout)
@@ -213,7 +218,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         # 3. every rank plans its flat groups and agrees on them (collective; a failure anywhere fails every rank)
         options = BuildOptions(stage, process_group, communicator, bucket_size, reduce_dtype, grad_accum_dtype,
                                module, sync_module_states, param_init, param_device, staging_buffers, offload,
-                               offload_dir, offload_window, param_remainders, moment_dtype)  # fmt: skip
+                               offload_dir, offload_window, param_remainders, moment_dtype,
+                               self.default_rule)  # fmt: skip
         builder = StateBuilder(self.param_groups, options)
         self.bucket_size = builder.bucket_size
         # 4. the sharded state: parameters re-pointed into flat buffers, optimizer state allocated
@@ -292,7 +298,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             super().add_param_group(param_group)
             g = self.param_groups[-1]
             where = f"zero_ext.ZeroAdamW: param group {len(self.param_groups) - 1}"
-            rule_for_group(torch.float32, g).check_group(where, g)
+            rule_for_group(torch.float32, g, default=self.default_rule).check_group(where, g)
             return
         self._check_open()
         self.finish_sync()

@@ -30,7 +30,7 @@ from ..layout import Layout, fingerprint
 from .module_sync import broadcast_from_rank0
 from .planning import SUPPORTED_DTYPES
 from .state_builder import BuildOptions, build_flat_groups
-from ..update.rule import rule_for_group
+from ..update.registry import rule_for_group
 
 WHERE = "zero_ext.ZeroAdamW.add_param_group"
 
@@ -134,7 +134,8 @@ class GroupAdder:
             if members:
                 # the optimizer's precision options hold for added groups too (param_remainders refuses non-bf16)
                 rule = rule_for_group(dtype, self.group, self.options.param_remainders,
-                                      moment_dtype=self.options.moment_dtype, group_index=self.index)  # fmt: skip
+                                      moment_dtype=self.options.moment_dtype, group_index=self.index,
+                                      default=self.options.default_rule)  # fmt: skip
                 rule.check_group(f"param group {self.index}", self.group)
                 layout = Layout([p.numel() for _, p in members], state.world_size, state.bucket_size,
                                 rule.param_align)  # fmt: skip

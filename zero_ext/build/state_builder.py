@@ -32,7 +32,8 @@ from ..placement.offload import placement_factory, prepare_offload
 from ..state.params import FullParams
 from .planning import Plan, agree_on_plan, default_bucket_size, name_by_model, plan_groups
 from ..state.sharded_params import ShardedParams
-from ..update.rule import UpdateRule, rule_for_group
+from ..update.protocol import UpdateRule
+from ..update.registry import DEFAULT_RULE, rule_for_group
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class BuildOptions:
     offload_window: Optional[int]
     param_remainders: bool = False
     moment_dtype: torch.dtype = torch.float32
+    default_rule: str = DEFAULT_RULE  # the update rule of a param group that names none (registry.RULE_KEY)
 
 
 class StateBuilder:
@@ -105,17 +107,16 @@ class StateBuilder:
                         f"remainder: it needs bfloat16 parameters, but param group {gi} has {members[0][1].dtype} "
                         "ones (use the default param_remainders=False: an fp32 master)"
                     )
-        self.rules: list[UpdateRule] = [
-            rule_for_group(
-                dtype,
-                self.param_groups[gi],
-                o.param_remainders and dtype == torch.bfloat16,
-                moment_dtype=o.moment_dtype,
-                group_index=gi,
-            )  # fmt: skip
-            for gi, members in plan.groups
-            for dtype in [members[0][1].dtype]
-        ]
+        self.rules: list[UpdateRule] = []
+        for gi, members in plan.groups:
+            dtype = members[0][1].dtype
+            remainders = o.param_remainders and dtype == torch.bfloat16
+            try:
+                rule = rule_for_group(dtype, self.param_groups[gi], remainders, o.moment_dtype, gi, o.default_rule)
+            except ValueError as e:  # an unknown or refused rule: every rank raises at the agreement, none hangs
+                plan.error = plan.error or str(e).removeprefix("zero_ext: ")
+                rule = rule_for_group(dtype, {}, remainders, o.moment_dtype, gi)
+            self.rules.append(rule)
         return plan
 
     @property
@@ -149,7 +150,7 @@ class StateBuilder:
         frozen = [(plan.names[i], p) for i, p in enumerate(self.everything) if not p.requires_grad]
         return ShardedState(
             comm, o.stage, self.bucket_size, groups, plan.names, plan.device,
-            model=self.model, frozen=frozen,
+            model=self.model, frozen=frozen, default_rule=o.default_rule,
         )  # fmt: skip
 
 
