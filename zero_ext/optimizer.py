@@ -24,7 +24,7 @@ from .engine.param_sync import write_back
 from .engine.runtime import BucketRuntimes
 from .placement.offload import warn_if_one_thread
 from .state.sharded_state import ShardedState
-from .update.rule import rule_for_group
+from .update.registry import rule_for_group
 
 
 def _cuda_graph_capturing() -> bool:
@@ -41,7 +41,8 @@ class ZeroAdamW(torch.optim.Optimizer):
     Args:
         params: parameters, ``(name, parameter)`` pairs (``model.named_parameters()``: names then appear in
             checkpoints), or param-group dicts with per-group ``lr``, ``betas``, ``eps``, ``weight_decay``,
-            ``amsgrad``, ``maximize``.
+            ``amsgrad``, ``maximize``. A param group may name another registered update rule with ``"rule"``
+            (:mod:`zero_ext.update.registry`; its own hyperparameters in the group); the others are AdamW's.
             Params may be fp32 (their own master copy), bf16 or fp16; all on one device. Params with
             ``requires_grad=False`` are left alone; one made trainable later makes ``step()`` raise (it has no
             shard). To unfreeze gradually, leave frozen parameters out and add them with :meth:`add_param_group`.
@@ -151,6 +152,8 @@ class ZeroAdamW(torch.optim.Optimizer):
     # stages 2 and 3 .grad is empty and the scaler fails with "No inf checks were recorded"): step() refuses it.
     _step_supports_amp_scaling = True
 
+    default_rule = "adamw"  # the update rule of a param group without "rule" (zero_ext.update.registry)
+
     def __init__(
         self,
         params: Iterable,
@@ -198,6 +201,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             param_init=param_init, param_device=param_device, defer_all_gather_to=defer_all_gather_to,
             staging_buffers=staging_buffers, offload=offload, offload_dir=offload_dir, offload_window=offload_window,
             param_remainders=param_remainders, moment_dtype=moment_dtype, collective_timeout=collective_timeout,
+            default_rule=self.default_rule,
         )  # fmt: skip
         module = config.module
         # 2. torch's param groups (each group's hyperparameters checked as it is added)
@@ -265,7 +269,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             super().add_param_group(param_group)
             g = self.param_groups[-1]
             where = f"zero_ext.ZeroAdamW: param group {len(self.param_groups) - 1}"
-            rule_for_group(torch.float32, g).check_group(where, g)
+            rule_for_group(torch.float32, g, default=self.default_rule).check_group(where, g)
             return
         self._check_open()
         self.finish_sync()

@@ -28,7 +28,7 @@ import torch
 from ..engine.config import EngineConfig
 from ..layout import Layout, fingerprint
 from ..state.sharded_state import FlatGroup, ShardedState
-from ..update.rule import rule_for_group
+from ..update.registry import rule_for_group
 from .module_sync import broadcast_from_rank0
 from .planning import SUPPORTED_DTYPES
 from .state_builder import build_flat_groups
@@ -135,7 +135,8 @@ class GroupAdder:
             if members:
                 # the optimizer's precision options hold for added groups too (param_remainders refuses non-bf16)
                 rule = rule_for_group(dtype, self.group, self.options.param_remainders,
-                                      moment_dtype=self.options.moment_dtype, group_index=self.index)  # fmt: skip
+                                      moment_dtype=self.options.moment_dtype, group_index=self.index,
+                                      default=self.options.default_rule)  # fmt: skip
                 rule.check_group(f"param group {self.index}", self.group)
                 layout = Layout([p.numel() for _, p in members], state.world_size, state.bucket_size,
                                 rule.param_align)  # fmt: skip

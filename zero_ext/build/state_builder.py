@@ -26,7 +26,8 @@ from ..engine.model_state import ModelState
 from ..layout import Layout
 from ..placement.offload import placement_factory, prepare_offload
 from ..state.sharded_state import FlatGroup, ShardedState
-from ..update.rule import UpdateRule, rule_for_group
+from ..update.protocol import UpdateRule
+from ..update.registry import rule_for_group
 from .meta_init import default_device
 from .module_sync import broadcast_from_rank0, describe, tensors_to_sync
 from .planning import Plan, agree_on_plan, default_bucket_size, name_by_model, plan_groups
@@ -80,17 +81,16 @@ class StateBuilder:
                         f"remainder: it needs bfloat16 parameters, but param group {gi} has {members[0][1].dtype} "
                         "ones (use the default param_remainders=False: an fp32 master)"
                     )
-        self.rules: list[UpdateRule] = [
-            rule_for_group(
-                dtype,
-                self.param_groups[gi],
-                o.param_remainders and dtype == torch.bfloat16,
-                moment_dtype=o.moment_dtype,
-                group_index=gi,
-            )  # fmt: skip
-            for gi, members in plan.groups
-            for dtype in [members[0][1].dtype]
-        ]
+        self.rules: list[UpdateRule] = []
+        for gi, members in plan.groups:
+            dtype = members[0][1].dtype
+            remainders = o.param_remainders and dtype == torch.bfloat16
+            try:
+                rule = rule_for_group(dtype, self.param_groups[gi], remainders, o.moment_dtype, gi, o.default_rule)
+            except ValueError as e:  # an unknown or refused rule: every rank raises at the agreement, none hangs
+                plan.error = plan.error or str(e).removeprefix("zero_ext: ")
+                rule = rule_for_group(dtype, {}, remainders, o.moment_dtype, gi)
+            self.rules.append(rule)
         return plan
 
     @property
@@ -124,7 +124,7 @@ class StateBuilder:
         frozen = [(plan.names[i], p) for i, p in enumerate(self.everything) if not p.requires_grad]
         return ShardedState(
             Mesh(comm), o.stage, self.bucket_size, groups, plan.names, plan.device,
-            model=self.model, frozen=frozen,
+            model=self.model, frozen=frozen, default_rule=o.default_rule,
         )  # fmt: skip
 
 

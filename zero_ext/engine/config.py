@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from ..comm import Communicator
 from ..placement.offload import check_offload_options
+from ..update.registry import DEFAULT_RULE
 from ..update.rule import check_flag, check_moment_dtype
 from .options import check_collective_timeout, check_options, check_process_group, check_stage3_options
 from .stages import Stage, stage_for
@@ -42,6 +43,7 @@ class EngineConfig:
     param_remainders: bool = False
     moment_dtype: torch.dtype = torch.float32
     collective_timeout: Optional[float] = 300.0
+    default_rule: str = DEFAULT_RULE  # the update rule of a param group that names none (update.registry)
 
     @classmethod
     def checked(cls, defaults: Mapping[str, Any], **options) -> "EngineConfig":
@@ -52,7 +54,7 @@ class EngineConfig:
         check_flag("zero_ext.ZeroAdamW", "param_remainders", o.param_remainders)
         check_moment_dtype("zero_ext.ZeroAdamW", o.moment_dtype)
         check_options(o.stage, defaults, o.max_grad_norm, o.bucket_size, o.staging_buffers, o.reduce_dtype,
-                      o.grad_accum_dtype)  # fmt: skip
+                      o.grad_accum_dtype, o.default_rule)  # fmt: skip
         check_stage3_options(o.stage, o.module, o.reshard_after_forward, o.prefetch, o.defer_all_gather_to)
         check_process_group(o.process_group, o.communicator)
         check_collective_timeout(o.collective_timeout)

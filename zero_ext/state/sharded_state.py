@@ -17,7 +17,8 @@ from ..comm import Communicator
 from ..comm.mesh import Mesh
 from ..layout import Bucket, Layout, OwnedPiece
 from ..placement.device import DeviceState
-from ..update.rule import UpdateRule, rule_for_group
+from ..update.protocol import UpdateRule
+from ..update.registry import DEFAULT_RULE, rule_for_group
 from .param_edits import ParamEdits
 from .params import FullParams
 from .step_counts import StepCounts
@@ -106,6 +107,7 @@ class ShardedState:
         *,
         model=None,
         frozen: Sequence[tuple[str, torch.nn.Parameter]] = (),
+        default_rule: str = DEFAULT_RULE,
     ):
         self.mesh = mesh  # the shard group (and, for HSDP, the replicate group: a single replica today)
         self.comm: Communicator = mesh.shard  # every collective of the layout runs on the shard group
@@ -114,6 +116,7 @@ class ShardedState:
         self.groups = list(groups)
         self.names = dict(names)  # global index -> name, for every parameter of the optimizer (frozen ones too)
         self.device = device
+        self.default_rule = default_rule  # the update rule of a param group that names none (registry.RULE_KEY)
         # Steps that updated something (skipped steps excluded) and steps skipped for a non-finite gradient, and
         # every parameter's own step count: device scalars, so that step() never has to read them on the host.
         self.update_device = self.groups[0].state.update_device if self.groups else device  # offload: the CPU
@@ -134,7 +137,7 @@ class ShardedState:
         step count; the added ones start at 0 (torch's state for a parameter that never stepped)."""
         out = ShardedState(
             self.mesh, self.stage, self.bucket_size, [*self.groups, *added], {**self.names, **names}, self.device,
-            model=self.model, frozen=self.frozen,
+            model=self.model, frozen=self.frozen, default_rule=self.default_rule,
         )  # fmt: skip
         out.step_count.copy_(self.step_count)
         out.skipped.copy_(self.skipped)
