@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from ..kernels.dispatch import accumulate_into
-from .base import Communicator, Pending, reduce_scatter_flat
+from .base import Communicator, Pending
+from .collectives import reduce_scatter_flat
 
 
 class NcclCommunicator(Communicator):
