@@ -89,7 +89,7 @@ def main() -> None:
         rows.append([name, f"{s['median_s'] * 1e3:.2f}", f"{s['q1_s'] * 1e3:.2f}-{s['q3_s'] * 1e3:.2f}",
                      BYTES[name], f"{gbs:.1f}", f"{s['median_s'] / base:.3f}"])  # fmt: skip
     state = {r: AdamW(torch.bfloat16, param_remainders=r).bytes_per_element() for r in (False, True)}
-    payload["state_bytes_per_element"] = {"fp32_master": state[False], "remainders": state[True]}
+    payload["state_bytes_per_element"] = {"fp32_master": float(state[False]), "remainders": float(state[True])}
     body = (
         f"One fused AdamW step over 2^{args.log2_numel} elements (bf16 grad), {args.reps} interleaved rounds "
         f"after 2 warm-up rounds; medians and quartiles in ms.\n\n"
