@@ -353,7 +353,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         """One AdamW step on the mean of the ranks' gradients, with torch's semantics: a parameter with no gradient
         on any rank is left alone (no decay, no moment update, its own step count unchanged); a step with no
         gradient at all does nothing. Every rank fails together: a check that fails on one rank (e.g. a bad ``lr``)
-        raises on every rank before anything changes anywhere (see ``step.py``). ``grad_scaler`` is what
+        raises on every rank before anything changes anywhere (see :mod:`zero_ext.engine.step`). ``grad_scaler`` is what
         ``torch.amp.GradScaler.step`` passes: fp16 loss scaling is not supported (bf16 needs none), so it raises."""
         self._check_open()
         if grad_scaler is not None:

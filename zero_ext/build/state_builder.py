@@ -1,7 +1,7 @@
 """Building a rank's :class:`ShardedState` from torch param groups, in named steps.
 
 1. *Plan* (local): name every parameter (after the model with ``module=``), check dtypes, devices, duplicates and
-   the meta-device rules, choose each flat group's update rule (:mod:`.update_rule`). A local failure is recorded,
+   the meta-device rules, choose each flat group's update rule (:mod:`zero_ext.update.registry`). A local failure is recorded,
    not raised, so that every rank reaches step 2.
 2. *Agree* (collective): every rank learns whether every rank planned successfully and whether all planned the
    same thing (layout, rules, settings); otherwise all raise together. Then, with ``offload="nvme"``, the state

@@ -2,7 +2,7 @@
 
 1. *Agree* (host): every rank validates its hyperparameters and looks for gradients it should not have; every
    rank lists the parameters that got a gradient, and whether its parameters were changed in place since the last
-   step (stages 1 and 2, :mod:`.param_edits`). One collective sums these flags (on gloo it is the norm's own
+   step (stages 1 and 2, :mod:`zero_ext.state.param_edits`). One collective sums these flags (on gloo it is the norm's own
    all-reduce; on NCCL a gloo group of the same ranks carries them), so every rank learns, without reading the
    device, whether some rank failed or changed its parameters alone (then all raise, before anything changed)
    and which parameters update. Then the master follows the changed parameters.
