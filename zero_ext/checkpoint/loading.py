@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..engine.param_sync import params_from_master
 from ..state.sharded_state import ShardedState
 from ..update.registry import DEFAULT_RULE, RULE_KEY
 from .agreement import agree, arrive, sharded_state_of
@@ -202,7 +203,7 @@ def load(path: str | os.PathLike, optimizer, *, timeout: float = 300.0) -> Any:
         for t, value in model_tensors:
             t.copy_(value)
         state.skipped.fill_(skipped)
-    state.params_from_master()
+    params_from_master(state)
     return extra
 
 

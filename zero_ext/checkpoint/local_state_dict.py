@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..engine.param_sync import params_from_master
 from ..layout import PARAM_ALIGN, Range
 from ..state.sharded_state import ShardedState
 from ..update.protocol import MASTER
@@ -238,4 +239,4 @@ def load_local_state_dict(state: ShardedState, param_groups: Sequence[dict], sd:
         state.step_counts.load(steps)
         if theirs.get("skipped_steps") is not None:
             state.skipped.copy_(torch.as_tensor(theirs["skipped_steps"], dtype=torch.float32).reshape(()))
-    state.params_from_master()
+    params_from_master(state)

@@ -105,3 +105,20 @@ def write_back(state: ShardedState, modifier_rank: int) -> None:
                 shard.copy_(mine)
     if state.param_edits is not None:
         state.param_edits.record()
+
+
+def params_from_master(state: ShardedState) -> None:
+    """Collective: round this rank's master slices into the param buffer and gather every rank's (after the master
+    was loaded: checkpoints, local state dicts). The sharded state is data; this is the engine's collective on it."""
+    pending = []
+    with torch.no_grad():
+        for group, bucket in state.buckets():
+            mine = group.flat_params.rank_slice(bucket)  # None: stage 3 casts the master at each gather
+            if group.state.master_copy and mine is not None:
+                mine.copy_(group.state.read("master", bucket.shard_range))
+            if group.flat_params.gathers_after_update:
+                pending.append(state.comm.start_all_gather(group.flat_params.gathered(bucket), mine))
+    for p in pending:
+        p.wait()
+    if state.param_edits is not None:
+        state.param_edits.record()

@@ -189,19 +189,3 @@ class ShardedState:
         for group in self.groups:
             for gidx, p in zip(group.param_indices, group.params):
                 yield group, gidx, p
-
-    def params_from_master(self) -> None:
-        """Collective: round this rank's master slices into the param buffer and gather every rank's (after the
-        master was loaded)."""
-        pending = []
-        with torch.no_grad():
-            for group, bucket in self.buckets():
-                mine = group.flat_params.rank_slice(bucket)  # None: stage 3 casts the master at each gather
-                if group.state.master_copy and mine is not None:
-                    mine.copy_(group.state.read("master", bucket.shard_range))
-                if group.flat_params.gathers_after_update:
-                    pending.append(self.comm.start_all_gather(group.flat_params.gathered(bucket), mine))
-        for p in pending:
-            p.wait()
-        if self.param_edits is not None:
-            self.param_edits.record()
