@@ -1,8 +1,8 @@
 """The main job's chart (main_job.png), drawn from what the runs measured (bench/main_job.py).
 
 Four panels: the loss curves of every recipe (the main check), the per-step gap of each ZeRO run to DDP against the
-tolerance, persistent model state per rank by kind with the formula and value labels (stage 3's window of gathered
-parameters drawn hatched on top: transient, not persistent), and step time. Peak memory
+tolerance, persistent model state per rank by kind with the formula and value labels above each bar (stage 3's window
+of gathered parameters drawn hatched on top: transient, not persistent), and step time. Peak memory
 is left out on purpose: at this model size it is activations, temporaries and runtime buffers, not model state
 (it stays in the table of main_job.md). ``python bench/main_job_chart.py bench/results/main_job.json`` redraws a
 result's chart from its JSON.
@@ -10,6 +10,7 @@ result's chart from its JSON.
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 from harness import step_stats
@@ -22,13 +23,9 @@ COLORS = {
     "zero3": "tab:purple",
     "zero3_lean": "tab:red",
 }
-SHORT = {
-    "ddp": "DDP + AdamW\nfp32 params",
-    "zero1": "ZeroAdamW stage 1\nbf16 params",
-    "zero2": "ZeroAdamW stage 2\nbf16 params",
-    "zero3": "ZeroAdamW stage 3\nbf16 params",
-    "zero3_lean": "stage 3, remainders\n+ lean moments",
-}
+# Names under the bars and in the gap legend, the rest of each run's label wrapped below them (_tick): narrow
+# enough that five runs' labels do not run into each other at fontsize 8.
+SHORT = {"ddp": "DDP", "zero1": "stage 1", "zero2": "stage 2", "zero3": "stage 3", "zero3_lean": "stage 3 lean"}
 # Loss curves lie on top of each other: DDP wide underneath, the stages thinner and differently dashed over it.
 STYLES = {"ddp": dict(lw=5, alpha=0.45), "zero1": dict(lw=2.2), "zero2": dict(lw=1.6, ls="--"),
           "zero3": dict(lw=1.2, ls=":"), "zero3_lean": dict(lw=1.2, ls="-.")}  # fmt: skip
@@ -59,6 +56,13 @@ def _num(v: float) -> str:
     return f"{v:.1f}" if v >= 1 else f"{v:.3g}"
 
 
+def _tick(name: str, label: str) -> str:
+    """ "stage 3 lean" over "bf16 params," / "remainders +" / "int8 moments": the short name, then what the label
+    says after its first comma, wrapped to the width of a bar's slot."""
+    detail = label.split(", ", 1)[1] if ", " in label else ""
+    return "\n".join([SHORT.get(name, name), *textwrap.wrap(detail.replace("param_remainders", "remainders"), 16)])
+
+
 def save_chart(runs: dict, checks: dict, entropy: float, meta: dict, path: Path) -> Path:
     import matplotlib
 
@@ -67,7 +71,7 @@ def save_chart(runs: dict, checks: dict, entropy: float, meta: dict, path: Path)
     from matplotlib.ticker import MaxNLocator
 
     names = list(runs)
-    fig, ((ax_loss, ax_gap), (ax_mem, ax_time)) = plt.subplots(2, 2, figsize=(13, 9), layout="constrained")
+    fig, ((ax_loss, ax_gap), (ax_mem, ax_time)) = plt.subplots(2, 2, figsize=(14, 9.5), layout="constrained")
     # "zero2 (= stage 1, bitwise)": each stage equal bit for bit to the lowest stage run
     same = {k.removesuffix("_bitwise").split("_vs_")[1]: k.split("_vs_")[0] for k, c in checks.items()
             if k.endswith("_bitwise") and c["ok"]}  # fmt: skip
@@ -96,7 +100,7 @@ def save_chart(runs: dict, checks: dict, entropy: float, meta: dict, path: Path)
                 range(1, len(gap) + 1),
                 gap,
                 color=COLORS[name],
-                label=f"{name}: max |gap| {worst:.4f}",
+                label=f"{SHORT.get(name, name)}: max |gap| {worst:.4f}",
                 **GAP_STYLES[name],
             )
         ax_gap.axhspan(-tol, tol, color="tab:green", alpha=0.08, label=f"tolerance ±{tol} nats")
@@ -127,6 +131,9 @@ def save_chart(runs: dict, checks: dict, entropy: float, meta: dict, path: Path)
                    edgecolor="tab:purple", hatch="///", lw=0.8, label="gathered window\n(stage 3 bound;\ntransient)")  # fmt: skip
     est = [runs[n]["estimate"] / MIB for n in names]
     ax_mem.hlines(est, [i - 0.36 for i in x], [i + 0.36 for i in x], color="black", lw=2, label="formula (estimate)")
+    # The labels go above the bar, its window and its formula tick (offload="nvme" counts the state on disk in the
+    # formula, so the tick can be above the bar): beside the bar, a label ran into the next bar's text.
+    tops = [max(b + w, e) for b, w, e in zip(bottom, window, est)]
     for i, n in enumerate(names):
         total = runs[n]["model_state_total"]
         text = f"{_num(total / MIB)} MiB\n{total / runs[n]['num_params']:.1f} B/param"
@@ -134,14 +141,11 @@ def save_chart(runs: dict, checks: dict, entropy: float, meta: dict, path: Path)
             text += f"\n+ window {_num(window[i])}"
         if runs[n].get("on_disk"):  # offload="nvme": master and moments live in files, not in this bar
             text += f"\n+ {_num(runs[n]['on_disk'] / MIB)} on disk"
-        top = bottom[i] + window[i]
-        if runs[n].get("on_disk"):  # the formula counts the state on disk: its tick can be above the bar
-            top = max(top, est[i])
-        ax_mem.text(i, top * 1.01, text, ha="center", va="bottom", fontsize=8)
-        ax_mem.text(i + 0.37, est[i], _num(est[i]), va="center", fontsize=7)
-    ax_mem.set_xticks(x, [SHORT.get(n, n) for n in names], fontsize=8)
-    ax_mem.set_ylim(0, max(max(b + w, e) for b, w, e in zip(bottom, window, est)) * 1.28)
-    ax_mem.set_xlim(-0.5, len(names) - 0.2)  # room for the formula labels right of the last bar
+        text += f"\nformula {_num(est[i])}"
+        ax_mem.text(i, tops[i] + 0.02 * max(tops), text, ha="center", va="bottom", fontsize=8)
+    ticks = [_tick(n, runs[n]["label"]) for n in names]
+    ax_mem.set_xticks(x, ticks, fontsize=8)
+    ax_mem.set_ylim(0, max(tops) * 1.45)  # room for four label lines above the tallest bar
     ax_mem.set(title=f"persistent model state per rank (N = {runs[names[0]]['world_size']})", ylabel="MiB per rank")
     ax_mem.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
 
@@ -150,7 +154,11 @@ def save_chart(runs: dict, checks: dict, entropy: float, meta: dict, path: Path)
     med = [s["median_s"] * 1e3 for s in stats]
     err = [[m - s["min_s"] * 1e3 for m, s in zip(med, stats)], [s["max_s"] * 1e3 - m for m, s in zip(med, stats)]]
     ax_time.bar(x, med, 0.6, yerr=err, capsize=4, color=[COLORS[n] for n in names], alpha=0.8)
-    ax_time.set_xticks(x, [f"{SHORT.get(n, n)}\nmedian {m:.0f} ms" for n, m in zip(names, med)], fontsize=8)
+    tops = [m + e for m, e in zip(med, err[1])]
+    for i, m in enumerate(med):  # above the whisker: inside a bar, a short bar's label would fall off it
+        ax_time.text(i, tops[i] + 0.01 * max(tops), f"median\n{m:.0f} ms", ha="center", va="bottom", fontsize=8)
+    ax_time.set_ylim(0, max(tops) * 1.15)
+    ax_time.set_xticks(x, ticks, fontsize=8)
     warm = runs[names[0]]["config"]["warmup"]
     ax_time.set(title="step time of the slowest rank: median, min-max", ylabel="ms")
     ax_time.set_xlabel(

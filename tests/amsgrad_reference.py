@@ -21,6 +21,7 @@ import contextlib
 import torch
 from engine_reference import mean_grads, rank_grads
 from tiny_transformer import batch, build, loss_fn
+from torch_sqrt import torch_sqrt_inexact_share
 
 from zero_ext import ops
 
@@ -32,8 +33,12 @@ FLAG_IDS = ["amsgrad", "maximize", "amsgrad_maximize"]
 # The loss is scaled by these per step: after two full-size gradients, g^2 falls by 2^-8 (< 1 - beta2 = 0.05), so
 # exp_avg_sq falls below amsgrad's running max, which then divides the update instead (powers of two: exact).
 SCALES = (1.0, 1.0, 2.0**-4, 2.0**-4, 2.0**-2, 2.0**-4, 1.0, 2.0**-4)
-# The share of master elements that may differ from torch's by torch's sqrt rounding (measured: below 0.8%).
-TORCH_MASTER_SLACK = 0.02
+
+
+# The share of master elements that may differ from torch's by torch's sqrt rounding: 2 % where torch's sqrt is
+# nearly exact (measured: below 0.8 % with AVX-512), else as often as its sqrt is inexact (measured: 9.3 % of the
+# masters with AVX2, where 19.7 % of its square roots are).
+TORCH_MASTER_SLACK = max(0.02, torch_sqrt_inexact_share())
 
 
 @contextlib.contextmanager

@@ -151,14 +151,18 @@ def test_precision_memory_tiny(tmp_path):
 
 
 def test_fused_adamw_tiny(tmp_path):
-    run("bench_fused_adamw.py", "--sizes", "10,12", "--reps", "3", "--warmup", "1", "--all", "--out-dir", str(tmp_path))
+    run("bench_fused_adamw.py", "--sizes", "10,12", "--reps", "3", "--warmup", "1", "--all", "--copy-mib", "16",
+        "--out-dir", str(tmp_path))  # fmt: skip
     res = result(tmp_path / "fused_adamw_sizes_cpu.json")
+    assert [bw["numel"] for bw in res["copy_bandwidth"]] == [2**10, 2**12]
+    assert all(bw["gb_per_s"] > 0 and bw["buffer_bytes"] == 16 * 2**20 for bw in res["copy_bandwidth"])
     names = {"copy", "scale_inplace", "add_inplace", "zero_ext", "torch_pipeline", "torch_fused", "torch_foreach",
              "torch_adamw_forloop", "torch_adam_forloop", "torch_adam_foreach", "torch_adam_fused"}  # fmt: skip
     for n in (2**10, 2**12):
         rows = {r["contender"]: r for r in res["rows"] if r["numel"] == n}
         assert names <= set(rows), set(rows)
-        assert all(r["median_ms"] > 0 and r["gb_per_s"] > 0 for r in rows.values())
+        assert all(r["median_ms"] > 0 and r["gb_per_s"] > 0 and r["pct_of_copy_bw"] > 0 for r in rows.values())
+        assert rows["zero_ext"]["bytes_per_element"] == 28 and rows["zero_ext"]["target"] == ""  # CPU: no row target
         assert rows["torch_pipeline"]["speedup_vs_pipeline"] == 1.0 and rows["zero_ext"]["time_vs_zero_ext"] == 1.0
     assert res["roofline"] in ("copy", "scale_inplace", "add_inplace")
     assert len(res["verdicts"]) == 2 and all(v.startswith(("PASS", "FAIL")) for v in res["verdicts"])

@@ -115,11 +115,17 @@ def run_ranks(world: int, root, backend: str = "nccl") -> subprocess.CompletedPr
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
 
+def skip_unless_gpus(world: int) -> None:
+    """Skips with the GPU count needed and found, so a GPU session's summary says why nothing ran (one GPU)."""
+    found = torch.cuda.device_count()
+    if found < world:
+        pytest.skip(f"needs {world} GPUs, found {found}")
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("world", [2, 3])
 def test_stage3_and_offload_through_nccl_match_the_reference(world, tmp_path):
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs")
+    skip_unless_gpus(world)
     proc = run_ranks(world, tmp_path)
     assert proc.returncode == 0 and proc.stdout.count("ok") == world, proc.stdout[-2000:] + proc.stderr[-4000:]
     outcomes = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("ok")}
@@ -134,3 +140,10 @@ def test_the_script_runs_on_cpu_ranks(tmp_path):
     assert proc.returncode == 0 and proc.stdout.count("ok") == 2, proc.stdout[-2000:] + proc.stderr[-4000:]
     outcomes = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("ok")}
     assert len(outcomes) == 1 and len(set(outcomes.pop().split(","))) == 1, outcomes
+
+
+def test_the_skip_names_the_gpus_needed_and_found(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(pytest.skip.Exception, match=r"^needs 3 GPUs, found 1$"):
+        skip_unless_gpus(3)
+    skip_unless_gpus(1)  # enough: no skip

@@ -18,7 +18,7 @@ from zero_ext.comm import NcclCommunicator
 
 pytestmark = pytest.mark.cuda
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"needs 2 GPUs, found {torch.cuda.device_count()}")
 
 
 def _nccl(device="cuda"):

@@ -3,6 +3,7 @@ tolerance, its error at most twice torch's own fp32 error, on odd sizes (0, 1, 7
 
 import pytest
 import torch
+from torch_sqrt import torch_sqrt_inexact_share
 
 from zero_ext import ops
 
@@ -194,9 +195,11 @@ def test_amsgrad_and_maximize_match_torch_adamw(n, grad_dtype, amsgrad, maximize
         if name != "master":
             assert_same_bits(t, expected[name])
     torch.testing.assert_close(shard.master, expected["master"])
-    # NOTE: 50 of 3 x 100003 masters differed after 12 steps (0.017%); before the FMA form, 3617 (1.2%).
+    # NOTE: 50 of 3 x 100003 masters differed after 12 steps (0.017%); before the FMA form, 3617 (1.2%). That is
+    # with AVX-512 torch, whose sqrt is inexact on 0.6% of values; AVX2 torch's is on 19.7%, and 3710-3874 of
+    # 2^20 + 3 masters (0.37%) differ: the bound follows torch's sqrt on this machine, 0.1% at least.
     master_differs = shard.master != expected["master"]
-    assert master_differs.sum().item() <= max(1, n // 1000)
+    assert master_differs.sum().item() <= max(1, int(n * max(0.001, torch_sqrt_inexact_share() / 20)))
     if shard.param_out is not None:
         assert_same_bits(shard.param_out, shard.master.to(shard.param_out.dtype))
         ref_param = expected["master"].to(shard.param_out.dtype)  # ref.to(bf16/fp16) wherever the masters agree

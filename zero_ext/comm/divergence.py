@@ -66,7 +66,7 @@ GUIDE = (
     "same modules in the same order, the same number of forwards and backwards, and call step() together. Evaluate "
     "or generate on one rank inside `with opt.gathered_params():` (every rank enters it; a forward inside issues no "
     "collective), make per-rank loops run the same number of iterations (pad or truncate to a common length), and "
-    "enter gathered_params() on every rank (README.md, section 'Stage 3'). If the ranks are merely slow, raise "
+    "enter gathered_params() on every rank (docs/stage3.md). If the ranks are merely slow, raise "
     "ZeroAdamW(collective_timeout=...)"
 )
 

@@ -1,0 +1,107 @@
+"""Which zero_ext files one training step visits: a stage-2 backward (gradient hooks -> reduce-scatter -> grad
+shard) and ``step()`` (update -> all-gather), on rank 0 of 2 gloo ranks, bf16 parameters.
+
+    python bench/investigations/grad_path_files.py [--stage 2]
+
+A profile hook records every Python call whose code lies in zero_ext (the Triton kernels' package included) and
+counts an *entry* whenever the caller's file differs: how many files a step touches, in the order control first
+reaches them, and how often control crosses into each. The layering goal (docs/architecture.md) is a gradient that
+crosses each layer once; this counts how far the code is from it. Results: results/grad_path_files.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import socket
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: harness
+from harness import markdown_table, meta, write_results  # noqa: E402
+
+
+def _files(rank: int, world: int, port: int, stage: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import zero_ext
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).to(torch.bfloat16)
+    opt = zero_ext.ZeroAdamW(model.parameters(), lr=1e-3, stage=stage, module=model if stage == 3 else None)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    for _ in range(2):  # warm: buffers sized, lazily made objects made
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    package = os.path.realpath(os.path.dirname(zero_ext.__file__))
+    kernels = os.path.realpath(os.path.dirname(zero_ext.kernels.__file__))
+
+    def where(filename: str):
+        f = os.path.realpath(filename)
+        if f.startswith(kernels + os.sep):
+            return "kernels/" + os.path.relpath(f, kernels)
+        return os.path.relpath(f, package) if f.startswith(package + os.sep) else None
+
+    entries, order = collections.Counter(), []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            here = where(frame.f_code.co_filename)
+            caller = where(frame.f_back.f_code.co_filename) if frame.f_back is not None else None
+            if here is not None and caller != here:
+                entries[here] += 1
+                if here not in order:
+                    order.append(here)
+
+    loss = model(x).float().pow(2).mean()
+    sys.setprofile(profile)
+    threading.setprofile(profile)
+    loss.backward()
+    opt.step()
+    sys.setprofile(None)
+    threading.setprofile(None)
+    if rank == 0:
+        queue.put((order, dict(entries)))
+    dist.barrier()
+    os._exit(0)  # pytorch#190489: gloo can abort at interpreter exit
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
+    parser.add_argument("--out-dir", default=None)
+    args = parser.parse_args()
+    info = meta(torch.device("cpu"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_files, args=(r, 2, port, args.stage, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    order, entries = queue.get(timeout=300)
+    for p in procs:
+        p.join()
+    layers = list(dict.fromkeys(f.split("/")[0].removesuffix(".py") for f in order))
+    rows = [(i + 1, f"`{f}`", entries[f]) for i, f in enumerate(order)]
+    body = (
+        f"One stage-{args.stage} backward + `step()` on rank 0 of 2 gloo ranks visits **{len(order)} zero_ext files** "
+        f"in {len(layers)} layers ({', '.join(layers)}), with {sum(entries.values())} entries from another file.\n\n"
+        + markdown_table(["first reached", "file", "entries"], rows)
+    )
+    name = "grad_path_files" + ("" if args.stage == 2 else f"_stage{args.stage}")
+    kw = {"out_dir": args.out_dir} if args.out_dir else {}
+    for path in write_results(name, info, {"stage": args.stage, "order": order, "entries": entries}, body, **kw):
+        print(path)
+    print(body)
+
+
+if __name__ == "__main__":
+    main()
