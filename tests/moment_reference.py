@@ -1,7 +1,7 @@
 """The plain-torch reference of ``ZeroAdamW(moment_dtype=torch.bfloat16)``: one process, no sharding, no zero_ext
 kernel. Per parameter an fp32 master and bf16 moments; each step is the kernel's fp32 arithmetic (adamw_math.h,
 written out in torch ops) on the mean of the ranks' gradients, then the moments are stored with
-``zero_ext.update.stochastic_rounding`` keyed on (the flat group's seed, the parameter's step, the element's canonical
+tests/stochastic_rounding.py keyed on (the flat group's seed, the parameter's step, the element's canonical
 index), the canonical index computed here from its definition (one rank, one unbounded bucket: parameters in
 reverse order, 16-aligned), not by zero_ext.
 
@@ -24,8 +24,7 @@ from typing import Optional
 
 import torch
 from engine_reference import mean_grads, rank_grads
-
-from zero_ext.update.stochastic_rounding import random_bits, sr_bf16
+from stochastic_rounding import random_bits, sr_bf16
 
 PARAM_ALIGN = 16  # the layout's parameter alignment (zero_ext.layout.PARAM_ALIGN), part of the canonical index
 

@@ -5,7 +5,7 @@ The reference (``reference_step``) follows adamw_math.h operation by operation i
 multiply-adds are computed exactly without relying on ATen's contraction choices: the product of two floats is exact
 in double, the sum is rounded to odd in double (TwoSum gives its error) and then to float, which is a correctly
 rounded fma (53 >= 2 * 24 + 2 bits); sqrt in double then rounded to float is correctly rounded for the same reason.
-Moments are stored through zero_ext.update.stochastic_rounding (bf16) and the master through zero_ext.update.master_split
+Moments are stored through tests/stochastic_rounding.py (bf16) and the master through zero_ext.update.master_split
 (remainders)."""
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import math
 
 import numpy as np
 import pytest
+import stochastic_rounding
 import torch
 
 from zero_ext import ops
-from zero_ext.update import master_split, stochastic_rounding
+from zero_ext.update import master_split
 
 ISAS = ["scalar", "avx2", "avx512"]
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)

@@ -1,5 +1,5 @@
 """``ZeroAdamW(moment_dtype=torch.bfloat16)`` training, against the plain-torch reference of tests/moment_reference.py
-(one process, zero_ext.update.stochastic_rounding keyed on the canonical element index): after every step the parameters,
+(one process, tests/stochastic_rounding.py keyed on the canonical element index): after every step the parameters,
 this rank's master and its moments (state dict: bf16 widened to fp32) are bitwise the reference's, at stages 1, 2
 and 3, on 1, 2 and 3 gloo ranks, with offload None, "cpu" and "nvme", with buckets that split parameters into
 fragments and buckets that hold them whole; so all those runs are bitwise equal to each other. The runs go through
