@@ -1,11 +1,14 @@
-"""The plain-torch reference of int8 block-quantized moments (zero_ext/blockwise_int8.py): the maps, quantize /
+"""The plain-torch side of int8 block-quantized moments: zero_ext/update/blockwise_int8.py's maps, quantize /
 dequantize (round trips, nearest codes, block tails, zeros, inf/nan), the tie bit in bit 7 of exp_avg_sq's codes,
-and the reference fused step (with param_remainders bitwise the fp32-master step)."""
+the maps' C++ header, and tests/int8_reference.py's fused step (with param_remainders bitwise the fp32-master
+step)."""
 
-import os
+import runpy
+from pathlib import Path
 
 import pytest
 import torch
+from int8_reference import fused_adamw_int8_reference
 
 from zero_ext.update import blockwise_int8 as q8
 from zero_ext.update import master_split
@@ -60,10 +63,11 @@ def test_dequantize_then_quantize_is_the_identity(qmap, n):
 
 
 def test_header_matches_the_maps():
-    """csrc/fused_adamw_int8_maps.h holds exactly these fp32 values (regenerate with python -m)."""
-    path = os.path.join(os.path.dirname(__file__), "..", "csrc", "fused_adamw_int8_maps.h")
-    with open(path) as f:
-        assert f.read() == q8.cpp_maps_header()
+    """csrc/fused_adamw_int8_maps.h holds exactly these fp32 values: it is scripts/gen_int8_maps_header.py's output,
+    byte for byte (the header's first lines name the command that regenerates it)."""
+    repo = Path(__file__).resolve().parent.parent
+    generator = runpy.run_path(str(repo / "scripts" / "gen_int8_maps_header.py"))
+    assert (repo / "csrc" / "fused_adamw_int8_maps.h").read_text() == generator["cpp_maps_header"]()
 
 
 @pytest.mark.parametrize("qmap", MAPS)
@@ -176,7 +180,7 @@ def test_reference_step_is_dequantize_update_requantize():
 
     ops.fused_adamw_(p, grad, m, v, step=3, **HP)
     out = torch.empty(n, dtype=torch.bfloat16)
-    q8.fused_adamw_int8_reference(master, grad, mc, ms, vc, vs, step=3, param_out=out, block=block, **HP)
+    fused_adamw_int8_reference(master, grad, mc, ms, vc, vs, step=3, param_out=out, block=block, **HP)
     assert torch.equal(master, p) and torch.equal(out, p.to(torch.bfloat16))
     assert all(torch.equal(a, b) for a, b in zip((mc, ms), q8.quantize(m, block)))
     assert all(torch.equal(a, b) for a, b in zip((vc, vs), q8.quantize(v, block, q8.EXP_AVG_SQ_MAP)))
@@ -195,8 +199,8 @@ def test_reference_with_remainders_is_bitwise_the_fp32_master_run():
     assert bool(tie.any())
     for step in range(1, 6):
         grad = torch.randn(n, generator=torch.Generator().manual_seed(step))
-        q8.fused_adamw_int8_reference(master, grad, mc, ms, vc, vs, step=step, block=block, **HP)
-        q8.fused_adamw_int8_reference(param, grad, mc2, ms2, vc2, vs2, step=step, remainder=rem, block=block, **HP)
+        fused_adamw_int8_reference(master, grad, mc, ms, vc, vs, step=step, block=block, **HP)
+        fused_adamw_int8_reference(param, grad, mc2, ms2, vc2, vs2, step=step, remainder=rem, block=block, **HP)
         assert torch.equal(_bits(master_split.join(param, rem, master_split.tie_of(vc2))), _bits(master))
         assert torch.equal(_bits(param), _bits(master.to(torch.bfloat16)))
         assert torch.equal(vc2.view(torch.uint8) & 0x7F, vc.view(torch.uint8))
@@ -206,7 +210,7 @@ def test_reference_with_remainders_is_bitwise_the_fp32_master_run():
 def test_reference_found_inf_changes_nothing():
     master, mc, ms, vc, vs = _state(300, 64)
     before = [t.clone() for t in (master, mc, ms, vc, vs)]
-    q8.fused_adamw_int8_reference(master, torch.randn(300), mc, ms, vc, vs, step=1, found_inf=torch.ones(()), **HP)
+    fused_adamw_int8_reference(master, torch.randn(300), mc, ms, vc, vs, step=1, found_inf=torch.ones(()), **HP)
     assert all(torch.equal(a, b) for a, b in zip(before, (master, mc, ms, vc, vs)))
 
 
@@ -220,6 +224,6 @@ def test_reference_writes_the_tie_bit_of_a_master_that_stays_a_tie():
     assert bool(tie.all())
     vc = (vc.view(torch.uint8) | 0x80).view(torch.int8)
     hp = dict(HP, lr=0.0, weight_decay=0.0)
-    q8.fused_adamw_int8_reference(param, torch.randn(n), mc, ms, vc, vs, step=1, remainder=rem, block=block, **hp)
+    fused_adamw_int8_reference(param, torch.randn(n), mc, ms, vc, vs, step=1, remainder=rem, block=block, **hp)
     assert bool(master_split.tie_of(vc).all())
     assert torch.equal(_bits(master_split.join(param, rem, master_split.tie_of(vc))), _bits(master))

@@ -1,5 +1,5 @@
 """zero_ext.ops.int8.fused_adamw_int8_ (int8 block-quantized moments) against its plain-torch reference
-(zero_ext.update.blockwise_int8.fused_adamw_int8_reference): bitwise on every CPU path (scalar, AVX2, AVX-512), odd sizes
+(tests/int8_reference.py's fused_adamw_int8_reference): bitwise on every CPU path (scalar, AVX2, AVX-512), odd sizes
 and block tails, every grad dtype and param output, param_remainders' tie bit; found_inf, bad input, opcheck.
 
 Why bitwise: the kernel performs the reference's IEEE fp32 operations one for one (map value * scale; adamw_math.h's
@@ -8,6 +8,7 @@ thresholds, csrc/fused_adamw_int8_maps.h, generated from the reference's maps)."
 
 import pytest
 import torch
+from int8_reference import fused_adamw_int8_reference
 
 from zero_ext import ops
 from zero_ext.ops.int8 import fused_adamw_int8_
@@ -83,7 +84,7 @@ def test_bitwise_the_reference(isa, n, block, out):
     for step in (1, 2, 3):
         grad = _grad(n, torch.float32, step)
         kernel.step(fused_adamw_int8_, grad, step)
-        ref.step(q8.fused_adamw_int8_reference, grad, step)
+        ref.step(fused_adamw_int8_reference, grad, step)
         assert_same_state(kernel, ref)
 
 
@@ -100,7 +101,7 @@ def test_grad_dtypes_maximize_and_lerp_branches(isa, grad_dtype, maximize, grad_
         grad = _grad(n, grad_dtype, step)
         kw = dict(maximize=maximize, grad_scale=grad_scale, beta1=beta1)
         kernel.step(fused_adamw_int8_, grad, step, **kw)
-        ref.step(q8.fused_adamw_int8_reference, grad, step, **kw)
+        ref.step(fused_adamw_int8_reference, grad, step, **kw)
         assert_same_state(kernel, ref)
 
 
@@ -112,7 +113,7 @@ def test_nan_and_inf_gradients_poison_their_blocks_like_the_reference(isa):
     grad[10], grad[100] = float("nan"), float("inf")
     kernel, ref = State(n, block, "bf16"), State(n, block, "bf16")
     kernel.step(fused_adamw_int8_, grad, 1)
-    ref.step(q8.fused_adamw_int8_reference, grad, 1)
+    ref.step(fused_adamw_int8_reference, grad, 1)
     assert_same_state(kernel, ref)
     assert bool(kernel.m_scales[0].isnan()) and float(kernel.m_scales[1]) == float("inf")  # a NaN, an inf block
     assert bool(kernel.m_scales[2:].isfinite().all())
@@ -157,7 +158,7 @@ def test_tie_bit_is_written_for_a_master_that_stays_a_tie(isa):
     s.v_codes.copy_((s.v_codes.view(torch.uint8) | 0x80).view(torch.int8))
     ref = s.clone()
     s.step(fused_adamw_int8_, _grad(n, torch.float32, 1), 1, lr=0.0, weight_decay=0.0)
-    ref.step(q8.fused_adamw_int8_reference, _grad(n, torch.float32, 1), 1, lr=0.0, weight_decay=0.0)
+    ref.step(fused_adamw_int8_reference, _grad(n, torch.float32, 1), 1, lr=0.0, weight_decay=0.0)
     assert_same_state(s, ref)
     assert bool(master_split.tie_of(s.v_codes).all())
     assert torch.equal(_bits(master_split.join(s.master, s.remainder, master_split.tie_of(s.v_codes))), _bits(master))

@@ -1,5 +1,5 @@
 """amsgrad in zero_ext.ops.int8.fused_adamw_int8_ (``max_exp_avg_sq_codes`` / ``max_exp_avg_sq_scales``: max_exp_avg_sq
-quantized as exp_avg_sq is) against its plain-torch reference (blockwise_int8.fused_adamw_int8_reference with
+quantized as exp_avg_sq is) against its plain-torch reference (tests/int8_reference.py's fused_adamw_int8_reference with
 ``max_codes`` / ``max_scales``): bitwise on every CPU path, odd sizes and block tails, every param output and
 param_remainders, maximize, NaN/inf; against torch.optim.AdamW(amsgrad=True) on the dequantized moments; found_inf,
 bad input, opcheck.
@@ -10,6 +10,7 @@ exp_avg_sq instead of the max, fails the bitwise tests."""
 
 import pytest
 import torch
+from int8_reference import fused_adamw_int8_reference
 from test_fused_adamw_int8 import HP, ISAS, OP, State, _bits, _grad, _to, assert_same_state
 
 from zero_ext import ops
@@ -43,7 +44,7 @@ class AmsState(State):
         return super().tensors() + [self.x_codes, self.x_scales]
 
     def step(self, fn, grad, step, **kw):
-        if fn is q8.fused_adamw_int8_reference:
+        if fn is fused_adamw_int8_reference:
             kw.update(max_codes=self.x_codes, max_scales=self.x_scales)
         else:
             kw.update(max_exp_avg_sq_codes=self.x_codes, max_exp_avg_sq_scales=self.x_scales)
@@ -58,7 +59,7 @@ def _run_both(n, block, out, steps, grad_dtype=torch.float32, seed=0, **kw):
     for step in steps:
         grad = _grad(n, grad_dtype, step)
         kernel.step(fused_adamw_int8_, grad, step, **kw)
-        ref.step(q8.fused_adamw_int8_reference, grad, step, **kw)
+        ref.step(fused_adamw_int8_reference, grad, step, **kw)
         assert_same_state(kernel, ref)
         assert not bool((kernel.x_codes.view(torch.uint8) & 0x80).any())  # bit 7 of the max's codes stays 0
     return kernel
@@ -157,7 +158,7 @@ def test_nan_and_inf_poison_the_max_like_the_reference(isa):
     for s in (kernel, ref):
         s.x_scales[3] = float("nan")
     kernel.step(fused_adamw_int8_, grad, 1)
-    ref.step(q8.fused_adamw_int8_reference, grad, 1)
+    ref.step(fused_adamw_int8_reference, grad, 1)
     assert_same_state(kernel, ref)
     assert bool(kernel.x_scales[0].isnan()) and float(kernel.x_scales[1]) == float("inf")
     assert bool(kernel.x_scales[3].isnan()) and bool(kernel.x_scales[2].isfinite())
