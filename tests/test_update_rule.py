@@ -22,7 +22,6 @@ ALLOWED = {
     "ops/__init__.py",
     "ops/int8.py",
     "update/master_split.py",
-    "update/blockwise_int8.py",
 }
 
 

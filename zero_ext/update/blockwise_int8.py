@@ -78,18 +78,6 @@ def dynamic_map(
     return torch.tensor(sorted(data), dtype=torch.float64).to(torch.float32)
 
 
-def linear_map(signed: bool, total_bits: int = 8) -> torch.Tensor:
-    """A linear grid over [-1, 1] (signed; ``2**total_bits - 1`` values, 0 included, padded with one more 0) or
-    [0, 1] (unsigned): the baseline the dynamic maps are measured against."""
-    n = 2**total_bits
-    if signed:
-        grid = torch.linspace(-1.0, 1.0, n - 1, dtype=torch.float64)
-        grid = torch.cat([grid, torch.zeros(1, dtype=torch.float64)]).sort().values
-    else:
-        grid = torch.linspace(0.0, 1.0, n, dtype=torch.float64)
-    return grid.to(torch.float32)
-
-
 def with_minus_one(qmap: torch.Tensor) -> torch.Tensor:
     """A signed map whose smallest positive value gives way to -1. bitsandbytes' signed map has +1 but not -1, so
     a block whose largest-magnitude element is negative decodes it as -0.993 x absmax, and quantizing the decoded
