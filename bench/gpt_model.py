@@ -5,7 +5,7 @@ parameter on the root), pre-LayerNorm blocks (causal self-attention, GELU MLP), 
 LM head (``head``) whose weight is the token embedding's. The benchmarks train it at the main job's size
 (``GPTConfig()``: ~3.3M params). ``extra_branch`` adds an ``extra`` Linear that only ``forward(..., use_extra=True)``
 uses (its params get no gradient otherwise). The engine tests keep their own copy of this model at odd sizes
-(tests/tiny_transformer.py) and import nothing from bench/; only the tests of the benchmarks' own code do.
+(tests/helpers/tiny_transformer.py) and import nothing from bench/; only the tests of the benchmarks' own code do.
 
 The data is a fixed random Markov chain over the vocabulary, generated from a seed: every token has a few
 successors with random probabilities, so the best achievable loss is the chain's entropy rate (printed by

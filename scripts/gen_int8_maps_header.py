@@ -3,7 +3,7 @@ thresholds as exact hex-float literals, so the C++ and CUDA kernels use these ve
 
     python scripts/gen_int8_maps_header.py > csrc/fused_adamw_int8_maps.h
 
-tests/test_blockwise_int8.py checks that the committed header is this script's output, byte for byte."""
+tests/kernels/test_blockwise_int8.py checks that the committed header is this script's output, byte for byte."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Block-quantized 8-bit AdamW moments (``moment_dtype=torch.int8``), in plain torch: the maps and quantize /
 dequantize, which the engine uses to save and load int8 moments (the fused step is ``zero_ext.ops.int8``'s kernel;
-its plain-torch reference is tests/int8_reference.py, the maps' C++ header comes from scripts/gen_int8_maps_header.py).
+its plain-torch reference is tests/helpers/int8_reference.py, the maps' C++ header comes from
+scripts/gen_int8_maps_header.py).
 
 The maps are the dynamic ("dynamic tree") quantization of Dettmers et al. 2022, *8-bit Optimizers via Block-wise
 Quantization*, as bitsandbytes' ``create_dynamic_map`` defines it (torchao's AdamW8bit uses the same maps); the
@@ -84,8 +85,8 @@ def with_minus_one(qmap: torch.Tensor) -> torch.Tensor:
     block again finds a smaller absmax and moves every code of the block: a checkpoint (which holds the moments
     dequantized) would not load back into the same codes. With -1 a block's absmax element decodes to +-scale
     exactly, so ``quantize(dequantize(codes, scales))`` gives back ``codes, scales`` and a checkpoint resumes
-    bitwise (tests/test_moment_dtype_int8.py). The value given up, 5.5e-7, is the smallest positive one: positive
-    values below 1.9e-6 x absmax round to 0 or 3.25e-6 instead."""
+    bitwise (tests/precision/test_moment_dtype_int8.py). The value given up, 5.5e-7, is the smallest positive one:
+    positive values below 1.9e-6 x absmax round to 0 or 3.25e-6 instead."""
     smallest = qmap[qmap > 0].min()
     return torch.cat([qmap[qmap != smallest], torch.tensor([-1.0])]).sort().values
 
