@@ -85,7 +85,7 @@ def with_minus_one(qmap: torch.Tensor) -> torch.Tensor:
     block again finds a smaller absmax and moves every code of the block: a checkpoint (which holds the moments
     dequantized) would not load back into the same codes. With -1 a block's absmax element decodes to +-scale
     exactly, so ``quantize(dequantize(codes, scales))`` gives back ``codes, scales`` and a checkpoint resumes
-    bitwise (tests/precision/test_moment_dtype_int8.py). The value given up, 5.5e-7, is the smallest positive one:
+    bitwise (tests/precision/test_moment_dtype.py). The value given up, 5.5e-7, is the smallest positive one:
     positive values below 1.9e-6 x absmax round to 0 or 3.25e-6 instead."""
     smallest = qmap[qmap > 0].min()
     return torch.cat([qmap[qmap != smallest], torch.tensor([-1.0])]).sort().values
