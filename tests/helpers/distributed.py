@@ -3,12 +3,12 @@
     results = run_on_ranks(3, my_fn, arg)   # my_fn(rank, world_size, arg) on every rank, in parallel
 
 ``my_fn`` must be a module-level function of an importable module (a test module works: pytest puts
-tests/ on sys.path and spawned workers inherit it). Return values come back per rank. An exception on
-any rank fails the call with every failing rank's traceback; a call that does not finish within
-``timeout`` seconds (e.g. a collective that never matched) kills the pool, which is respawned next time.
-Spawning a pool costs a few seconds; every later call costs milliseconds. A worker becomes a rank as
-bench/harness.py's ``join_group`` makes a benchmark's process one on CPU (gloo over TCP on 127.0.0.1, one torch
-thread): written out here so that the tests need nothing from bench/.
+every test folder and tests/helpers on sys.path before the first test runs, and spawned workers inherit it).
+Return values come back per rank. An exception on any rank fails the call with every failing rank's traceback; a
+call that does not finish within ``timeout`` seconds (e.g. a collective that never matched) kills the pool, which is
+respawned next time. Spawning a pool costs a few seconds; every later call costs milliseconds. A worker becomes a
+rank as bench/harness.py's ``join_group`` makes a benchmark's process one on CPU (gloo over TCP on 127.0.0.1, one
+torch thread): written out here so that the tests need nothing from bench/harness.py.
 """
 
 from __future__ import annotations
