@@ -60,7 +60,7 @@ LINT_IMPORTS ?= $(SCRIPTS)/lint-imports
 lint:
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
-	$(LINT_IMPORTS) --config .importlinter
+	$(LINT_IMPORTS)
 	$(CLANG_FORMAT) --dry-run --Werror $$(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh')
 
 format:

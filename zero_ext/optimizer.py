@@ -14,21 +14,17 @@ import torch.distributed as dist
 from . import memory
 from .build.group_adder import GroupAdder
 from .build.meta_init import initialise_shards
-from .build.options import check_collective_timeout, check_options, check_process_group, check_stage3_options
-from .build.state_builder import BuildOptions, StateBuilder
+from .build.state_builder import StateBuilder
 from .checkpoint.local_state_dict import load_local_state_dict, local_state_dict
 from .comm import Communicator
 from .comm.divergence import DivergenceWatch
-from .engine.bucket_runtime import ParamState
-from .engine.grads import grads_for
-from .engine.param_gather import ParamGather
-from .engine.param_sync import ParamSync, write_back
-from .engine.reducer import GradSync
+from .engine.config import EngineConfig
+from .engine.engine import Engine
+from .engine.param_sync import write_back
 from .engine.runtime import BucketRuntimes
-from .engine.step import Stepper
-from .placement.offload import check_offload_options, warn_if_one_thread
+from .placement.offload import warn_if_one_thread
 from .state.sharded_state import ShardedState
-from .update.rule import MASTER, check_flag, check_moment_dtype, rule_for_group
+from .update.registry import rule_for_group
 
 
 def _cuda_graph_capturing() -> bool:
@@ -45,7 +41,8 @@ class ZeroAdamW(torch.optim.Optimizer):
     Args:
         params: parameters, ``(name, parameter)`` pairs (``model.named_parameters()``: names then appear in
             checkpoints), or param-group dicts with per-group ``lr``, ``betas``, ``eps``, ``weight_decay``,
-            ``amsgrad``, ``maximize``.
+            ``amsgrad``, ``maximize``. A param group may name another registered update rule with ``"rule"``
+            (:mod:`zero_ext.update.registry`; its own hyperparameters in the group); the others are AdamW's.
             Params may be fp32 (their own master copy), bf16 or fp16; all on one device. Params with
             ``requires_grad=False`` are left alone; one made trainable later makes ``step()`` raise (it has no
             shard). To unfreeze gradually, leave frozen parameters out and add them with :meth:`add_param_group`.
@@ -155,6 +152,8 @@ class ZeroAdamW(torch.optim.Optimizer):
     # stages 2 and 3 .grad is empty and the scaler fails with "No inf checks were recorded"): step() refuses it.
     _step_supports_amp_scaling = True
 
+    default_rule = "adamw"  # the update rule of a param group without "rule" (zero_ext.update.registry)
+
     def __init__(
         self,
         params: Iterable,
@@ -195,66 +194,44 @@ class ZeroAdamW(torch.optim.Optimizer):
                         weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, foreach=foreach,
                         capturable=capturable, differentiable=differentiable, fused=fused)  # fmt: skip
         # 1. every argument checked, before anything is built or any rank is waited for
-        check_offload_options(offload, offload_dir, offload_window)
-        check_flag("zero_ext.ZeroAdamW", "param_remainders", param_remainders)
-        check_moment_dtype("zero_ext.ZeroAdamW", moment_dtype)
-        check_options(stage, defaults, max_grad_norm, bucket_size, staging_buffers, reduce_dtype, grad_accum_dtype)
-        check_stage3_options(stage, module, reshard_after_forward, prefetch, defer_all_gather_to)
-        check_process_group(process_group, communicator)
-        check_collective_timeout(collective_timeout)
-        if defer_all_gather_to is not None and module is not None and defer_all_gather_to is not module:
-            raise ValueError("zero_ext.ZeroAdamW: `defer_all_gather_to` and `module` must be the same model")
-        module = module if module is not None else defer_all_gather_to
+        config = EngineConfig.checked(
+            defaults, stage=stage, process_group=process_group, communicator=communicator, bucket_size=bucket_size,
+            reduce_dtype=reduce_dtype, grad_accum_dtype=grad_accum_dtype, max_grad_norm=max_grad_norm, module=module,
+            sync_module_states=sync_module_states, reshard_after_forward=reshard_after_forward, prefetch=prefetch,
+            param_init=param_init, param_device=param_device, defer_all_gather_to=defer_all_gather_to,
+            staging_buffers=staging_buffers, offload=offload, offload_dir=offload_dir, offload_window=offload_window,
+            param_remainders=param_remainders, moment_dtype=moment_dtype, collective_timeout=collective_timeout,
+            default_rule=self.default_rule,
+        )  # fmt: skip
+        module = config.module
         # 2. torch's param groups (each group's hyperparameters checked as it is added)
         self._constructing = True
         super().__init__(params, defaults)
         self._constructing = False
         self.stage, self.max_grad_norm, self.reduce_dtype, self.offload = stage, max_grad_norm, reduce_dtype, offload
         # 3. every rank plans its flat groups and agrees on them (collective; a failure anywhere fails every rank)
-        options = BuildOptions(stage, process_group, communicator, bucket_size, reduce_dtype, grad_accum_dtype,
-                               module, sync_module_states, param_init, param_device, staging_buffers, offload,
-                               offload_dir, offload_window, param_remainders, moment_dtype)  # fmt: skip
-        builder = StateBuilder(self.param_groups, options)
+        builder = StateBuilder(self.param_groups, config)
         self.bucket_size = builder.bucket_size
         # 4. the sharded state: parameters re-pointed into flat buffers, optimizer state allocated
         _take_over(builder.trainable, self)
-        self._state = builder.build()
-        if collective_timeout is not None and self._state.comm.communicates:
-            self._state.comm.watch = DivergenceWatch(self._state.comm, collective_timeout)
+        state = builder.build()
+        if collective_timeout is not None and state.comm.communicates:
+            state.comm.watch = DivergenceWatch(state.comm, collective_timeout)
         warn_if_one_thread(offload)
         # 5. the engine around it: gradient reduction, parameter gathers, the step
-        self._options, self._offload_directory = options, builder.directory  # (add_param_group builds more groups)
-        self._engine_options = (module, reshard_after_forward, prefetch, grad_accum_dtype, defer_all_gather_to)
-        self._start_engine()
-        if stage == 3:
-            if builder.on_meta:
-                initialise_shards(self._state, module, param_init, builder.device)
-            _cast_from_master(self._state.groups)
+        self._config, self._offload_directory = config, builder.directory  # (add_param_group builds more groups)
+        self._engine = Engine(config, state)
+        if builder.on_meta:
+            initialise_shards(state, module, param_init, builder.device)
+        config.strategy.after_build(state.groups)
         self._has_stepped = False
         self._closed = False
         # 6. hooks on the model, and the parameters marked as this optimizer's
         if builder.model is not None:
             builder.model.install()
-        if defer_all_gather_to is not None:
-            self._param_sync.defer_to(defer_all_gather_to)
+        self._engine.defer_gathers()
         for p in builder.trainable:
             p._zero_ext_owner = weakref.ref(self)
-
-    def _start_engine(self) -> None:
-        """Gradient reduction, parameter gathers (stage 3: the gather scheduler on the model's hooks) and the step,
-        around ``self._state``."""
-        module, reshard_after_forward, prefetch, grad_accum_dtype, _ = self._engine_options
-        self._runtimes = runtimes = BucketRuntimes(self._state, self._options.staging_buffers)
-        strategy = grads_for(self._state, runtimes.staging, self.reduce_dtype, grad_accum_dtype)
-        self._grad_sync = GradSync(self._state, runtimes, strategy)
-        if self.stage == 3:
-            gather = ParamGather(self._state, runtimes, module, reshard_after_forward, prefetch)
-            self._grad_sync.on_ready = gather.bucket_ready
-            self._grad_sync.on_round_end = gather.backward_done
-            self._param_sync = gather
-        else:
-            self._param_sync = ParamSync(self._state, runtimes)
-        self._stepper = Stepper(self._state, self._grad_sync, self._param_sync, self.max_grad_norm)
 
     def close(self) -> None:
         """Detach from the model: finish the communication in flight and remove every hook this optimizer put on
@@ -263,12 +240,12 @@ class ZeroAdamW(torch.optim.Optimizer):
         if getattr(self, "_closed", True):
             return
         self.finish_sync()
-        self._grad_sync.placeholders.drop()
-        self._grad_sync.remove_hooks()
-        self._param_sync.remove_hooks()
-        if self._state.model is not None:
-            self._state.model.remove_hooks()
-        for group in self._state.groups:
+        self._engine.grad_sync.placeholders.drop()
+        self._engine.grad_sync.remove_hooks()
+        self._engine.param_sync.remove_hooks()
+        if self._engine.state.model is not None:
+            self._engine.state.model.remove_hooks()
+        for group in self._engine.state.groups:
             group.state.close()  # offload="nvme": the state files are deleted (a checkpoint is the durable copy)
         self._closed = True
 
@@ -292,35 +269,15 @@ class ZeroAdamW(torch.optim.Optimizer):
             super().add_param_group(param_group)
             g = self.param_groups[-1]
             where = f"zero_ext.ZeroAdamW: param group {len(self.param_groups) - 1}"
-            rule_for_group(torch.float32, g).check_group(where, g)
+            rule_for_group(torch.float32, g, default=self.default_rule).check_group(where, g)
             return
         self._check_open()
         self.finish_sync()
-        busy = None
-        if self.stage == 3 and any(rt.params is not ParamState.SHARDED for rt in self._runtimes.values()):
-            busy = (
-                "called while parameters are gathered (inside forward, backward or gathered_params()); call it "
-                "between steps"
-            )
-        adder = GroupAdder(self, self._state, self._options, param_group, busy)  # collective; raises on every rank
+        busy = self._engine.stage.busy(self._engine.runtimes)
+        # collective; raises on every rank
+        adder = GroupAdder(self, self._engine.state, self._config, param_group, busy)
         added = adder.build(self._offload_directory)
-        self._grad_sync.placeholders.settle(defer=False)  # clipping recorded on .grad applied; .grad real again
-        old_grads, old_params, old_stepper = self._grad_sync, self._param_sync, self._stepper
-        old_grads.remove_hooks()
-        if self.stage == 3:
-            old_params.hand_over()
-        else:
-            old_params.remove_hooks()
-        self._state = self._state.with_groups(added, adder.names)
-        self._start_engine()
-        self._grad_sync.strategy.keep_grads(old_grads.strategy)
-        self._grad_sync.sync_enabled = old_grads.sync_enabled  # (inside no_sync())
-        self._stepper.take_over(old_stepper)
-        if self.stage == 3:
-            self._param_sync.peak_bytes = old_params.peak_bytes
-            _cast_from_master(added)
-        if self._engine_options[4] is not None:
-            self._param_sync.defer_to(self._engine_options[4])
+        self._engine = self._engine.extended(added, adder.names)
         for _, p in adder.members:
             p._zero_ext_owner = weakref.ref(self)
         self.param_groups.append(adder.group)
@@ -329,14 +286,14 @@ class ZeroAdamW(torch.optim.Optimizer):
     def bucket_runtimes(self) -> BucketRuntimes:
         """The engine's in-flight state (:mod:`zero_ext.engine.runtime`): every bucket's runtime (its gradient and
         parameter phases) and the gradient staging pool. Made anew by :meth:`add_param_group`; read, never assign."""
-        return self._runtimes
+        return self._engine.runtimes
 
     @property
     def sharded_state(self) -> ShardedState:
         """This rank's sharded state: flat groups, shards, counters and the communicator (data only:
         :mod:`zero_ext.state.sharded_state`).
         Call :meth:`finish_sync` before reading its buffers."""
-        return self._state
+        return self._engine.state
 
     # ------------------------------------------------------------------ training
     @contextlib.contextmanager
@@ -347,22 +304,22 @@ class ZeroAdamW(torch.optim.Optimizer):
         first backward after it (or ``step()``) reduces the accumulated sum. Stage 2 has no full-size buffer to
         accumulate in, so it still reduces every backward pass and accumulates the means in the fp32 grad shard.
         """
-        previous = self._grad_sync.sync_enabled
-        self._grad_sync.sync_enabled = False
+        previous = self._engine.grad_sync.sync_enabled
+        self._engine.grad_sync.sync_enabled = False
         try:
             yield
         finally:
-            self._grad_sync.sync_enabled = previous
+            self._engine.grad_sync.sync_enabled = previous
 
     def finish_sync(self) -> None:
         """Finish every gradient reduction and parameter gather in flight (the current stream waits for them; no
         host synchronisation on CUDA). Needed before reading parameters outside forward when
         ``defer_all_gather_to`` is set, or the shards of :attr:`sharded_state`. At stages 1 and 2 this rank's fp32
         master then follows parameters changed in place since the last step (:mod:`zero_ext.state.param_edits`)."""
-        self._param_sync.settle()
-        self._grad_sync.finish_grad_sync()
-        if self._state.param_edits is not None:  # the shards follow parameters changed in place (stages 1, 2)
-            self._state.param_edits.adopt(checked=False)
+        self._engine.param_sync.settle()
+        self._engine.grad_sync.finish_grad_sync()
+        if self._engine.state.param_edits is not None:  # the shards follow parameters changed in place (stages 1, 2)
+            self._engine.state.param_edits.adopt(checked=False)
 
     @contextlib.contextmanager
     def gathered_params(self, modifier_rank: Optional[int] = None):
@@ -376,19 +333,19 @@ class ZeroAdamW(torch.optim.Optimizer):
         the shards; the fp32 master follows every element whose value changed (unchanged ones keep their fp32
         bits)."""
         self._check_open()
-        world = self._state.world_size
+        world = self._engine.state.world_size
         if modifier_rank is not None and not (isinstance(modifier_rank, int) and 0 <= modifier_rank < world):
             raise ValueError(f"zero_ext.ZeroAdamW.gathered_params: `modifier_rank` must be a rank in [0, {world}), "
                              f"got {modifier_rank!r}")  # fmt: skip
         self.finish_sync()
-        with self._param_sync.gathered() if self.stage == 3 else contextlib.nullcontext():
+        with self._engine.stage.gathered(self._engine.param_sync):
             yield
             if modifier_rank is not None:
-                write_back(self._state, modifier_rank)
+                write_back(self._engine.state, modifier_rank)
 
     def wait_for_params(self) -> None:
         """Make the current stream wait for every parameter all-gather still in flight (``defer_all_gather_to``)."""
-        self._param_sync.settle()
+        self._engine.param_sync.settle()
 
     @torch.no_grad()
     @torch.compiler.disable
@@ -396,7 +353,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         """One AdamW step on the mean of the ranks' gradients, with torch's semantics: a parameter with no gradient
         on any rank is left alone (no decay, no moment update, its own step count unchanged); a step with no
         gradient at all does nothing. Every rank fails together: a check that fails on one rank (e.g. a bad ``lr``)
-        raises on every rank before anything changes anywhere (see ``step.py``). ``grad_scaler`` is what
+        raises on every rank before anything changes anywhere (see :mod:`zero_ext.engine.step`). ``grad_scaler`` is what
         ``torch.amp.GradScaler.step`` passes: fp16 loss scaling is not supported (bf16 needs none), so it raises."""
         self._check_open()
         if grad_scaler is not None:
@@ -414,11 +371,11 @@ class ZeroAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._param_sync.settle()
-        if self._stepper.step(self.param_groups):
+        self._engine.param_sync.settle()
+        if self._engine.stepper.step(self.param_groups):
             self._has_stepped = True
-            if not self._param_sync.deferred:
-                self._param_sync.settle()
+            if not self._engine.param_sync.deferred:
+                self._engine.param_sync.settle()
         return loss
 
     @torch.no_grad()
@@ -438,8 +395,8 @@ class ZeroAdamW(torch.optim.Optimizer):
             )
         if not (isinstance(max_norm, (int, float)) and max_norm > 0):
             raise ValueError(f"zero_ext.ZeroAdamW.clip_grad_norm_: `max_norm` must be a number > 0, got {max_norm!r}")
-        self._param_sync.settle()
-        return self._stepper.clip_grad_norm_(self.param_groups, max_norm)
+        self._engine.param_sync.settle()
+        return self._engine.stepper.clip_grad_norm_(self.param_groups, max_norm)
 
     clip_grad_norm = clip_grad_norm_  # the name trainers look for on sharded optimizers
 
@@ -454,54 +411,48 @@ class ZeroAdamW(torch.optim.Optimizer):
         gradient, which the next ``step()`` applies as torch does: decay and moments move). ``model.zero_grad()``
         or ``p.grad = None`` between backward and ``step()`` drops those gradients at every stage, as in torch."""
         self._check_open()
-        self._grad_sync.zero_grad(set_to_none)
+        self._engine.grad_sync.zero_grad(set_to_none)
 
     # ------------------------------------------------------------------ introspection
     @property
     def grad_norm(self) -> Optional[torch.Tensor]:
         """The global gradient norm (before clipping) of the last ``step()``, as a 0-d tensor on the device."""
-        return self._stepper.grad_norm if self._has_stepped else None
+        return self._engine.stepper.grad_norm if self._has_stepped else None
 
     @property
     def skipped_steps(self) -> int:
         """How many steps were skipped because a gradient was inf or nan (reading it synchronises)."""
-        return int(self._state.skipped.item())
+        return int(self._engine.state.skipped.item())
 
     @property
     def step_count(self) -> int:
         """Updates applied so far (skipped steps excluded; reading it synchronises)."""
-        return int(self._state.step_count.item())
+        return int(self._engine.state.step_count.item())
 
     def comm_stats(self) -> dict[str, int]:
         """Elements and bytes this rank has passed to each collective since construction (one rank
         communicates nothing: its gradients go straight to the grad shard and its all-gather is in place)."""
-        return self._state.comm.counts.as_dict()
+        return self._engine.state.comm.counts.as_dict()
 
     def memory_report(self) -> memory.MemoryReport:
         """Every persistent byte on this rank by kind; see :class:`zero_ext.memory.MemoryReport`."""
+        engine = self._engine
         return memory.report(
-            self._state, staging=self._runtimes.staging, window=self._param_sync if self.stage == 3 else None
+            engine.state, staging=engine.runtimes.staging, window=engine.stage.window(engine.param_sync)
         )
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard in torch.optim's format: see :mod:`zero_ext.checkpoint.local_state_dict`."""
         self.finish_sync()
-        return local_state_dict(self._state, self.param_groups)
+        return local_state_dict(self._engine.state, self.param_groups)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a dict from :meth:`state_dict` saved by the same rank of the same layout (use
         ``zero_ext.checkpoint`` to load at another world size). Collective: every rank must call it; a dict that
         fails to load on any rank changes nothing on any rank."""
         self.finish_sync()
-        load_local_state_dict(self._state, self.param_groups, state_dict)
-
-
-def _cast_from_master(groups) -> None:
-    """Stage 3: the parameter shards of ``groups`` are cast from the fp32 master where it is on the device."""
-    for group in groups:
-        if group.state.master_copy and group.state.resident:
-            group.flat_params.cast_from(lambda bucket, g=group: g.state.read(MASTER, bucket.shard_range))
+        load_local_state_dict(self._engine.state, self.param_groups, state_dict)
 
 
 def _take_over(params, new: "ZeroAdamW") -> None:

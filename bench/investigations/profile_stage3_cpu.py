@@ -61,7 +61,7 @@ def _where(key: tuple) -> str:
 
 def coarse(group: str) -> str:
     """The summary table's rows: stage 3's own hooks and checks, the rest of the engine, torch's Python, C++ calls."""
-    if group in ("zero_ext/param_gather.py", "zero_ext/sharded_params.py"):
+    if group in ("zero_ext/engine/param_gather.py", "zero_ext/state/sharded_params.py"):
         return "zero_ext stage-3 hooks and checks (param_gather.py, sharded_params.py)"
     if group.startswith("zero_ext/"):
         return "zero_ext, the rest (reducer, grads, staging, comm, step, ...)"

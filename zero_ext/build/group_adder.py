@@ -25,12 +25,13 @@ from typing import Any, Optional
 
 import torch
 
-from ..state.sharded_state import FlatGroup, ShardedState
+from ..engine.config import EngineConfig
 from ..layout import Layout, fingerprint
+from ..state.sharded_state import FlatGroup, ShardedState
+from ..update.registry import rule_for_group
 from .module_sync import broadcast_from_rank0
 from .planning import SUPPORTED_DTYPES
-from .state_builder import BuildOptions, build_flat_groups
-from ..update.rule import rule_for_group
+from .state_builder import build_flat_groups
 
 WHERE = "zero_ext.ZeroAdamW.add_param_group"
 
@@ -39,7 +40,7 @@ class GroupAdder:
     """Steps 1 and 2 run at construction (collective: raises on every rank if any failed or differs); :meth:`build`
     runs step 3."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, state: ShardedState, options: BuildOptions,
+    def __init__(self, optimizer: torch.optim.Optimizer, state: ShardedState, options: EngineConfig,
                  param_group: Any, busy: Optional[str]):  # fmt: skip
         self.state, self.options = state, options
         self.index = len(optimizer.param_groups)  # the new param group's
@@ -134,7 +135,8 @@ class GroupAdder:
             if members:
                 # the optimizer's precision options hold for added groups too (param_remainders refuses non-bf16)
                 rule = rule_for_group(dtype, self.group, self.options.param_remainders,
-                                      moment_dtype=self.options.moment_dtype, group_index=self.index)  # fmt: skip
+                                      moment_dtype=self.options.moment_dtype, group_index=self.index,
+                                      default=self.options.default_rule)  # fmt: skip
                 rule.check_group(f"param group {self.index}", self.group)
                 layout = Layout([p.numel() for _, p in members], state.world_size, state.bucket_size,
                                 rule.param_align)  # fmt: skip

@@ -1,7 +1,7 @@
 """Building a rank's :class:`ShardedState` from torch param groups, in named steps.
 
 1. *Plan* (local): name every parameter (after the model with ``module=``), check dtypes, devices, duplicates and
-   the meta-device rules, choose each flat group's update rule (:mod:`.update_rule`). A local failure is recorded,
+   the meta-device rules, choose each flat group's update rule (:mod:`zero_ext.update.registry`). A local failure is recorded,
    not raised, so that every rank reaches step 2.
 2. *Agree* (collective): every rank learns whether every rank planned successfully and whether all planned the
    same thing (layout, rules, settings); otherwise all raise together. Then, with ``offload="nvme"``, the state
@@ -15,52 +15,28 @@ Nothing is changed before step 2 succeeds on every rank: a failed construction l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
-from ..state.sharded_state import FlatGroup, ShardedState
-from ..comm import Communicator, communicator_for, fallback_device
-from ..engine.grads import grad_buffer_dtype
-from ..layout import Layout
-from .meta_init import default_device
+from ..comm import communicator_for, fallback_device
+from ..comm.mesh import Mesh
+from ..engine.config import EngineConfig
 from ..engine.model_state import ModelState
-from .module_sync import broadcast_from_rank0, describe, tensors_to_sync
+from ..layout import Layout
 from ..placement.offload import placement_factory, prepare_offload
-from ..state.params import FullParams
+from ..state.sharded_state import FlatGroup, ShardedState
+from ..update.protocol import UpdateRule
+from ..update.registry import rule_for_group
+from .meta_init import default_device
+from .module_sync import broadcast_from_rank0, describe, tensors_to_sync
 from .planning import Plan, agree_on_plan, default_bucket_size, name_by_model, plan_groups
-from ..state.sharded_params import ShardedParams
-from ..update.rule import UpdateRule, rule_for_group
-
-
-@dataclass(frozen=True)
-class BuildOptions:
-    """The constructor's keywords that shape the sharded state (checked before the builder runs)."""
-
-    stage: int
-    process_group: Optional[dist.ProcessGroup]
-    communicator: Optional[Communicator]
-    bucket_size: Optional[int]
-    reduce_dtype: torch.dtype
-    grad_accum_dtype: Optional[torch.dtype]
-    module: Optional[torch.nn.Module]
-    sync_module_states: bool
-    param_init: Optional[Callable]
-    param_device: Optional[torch.device]
-    staging_buffers: int
-    offload: Optional[str]
-    offload_dir: Optional[str]
-    offload_window: Optional[int]
-    param_remainders: bool = False
-    moment_dtype: torch.dtype = torch.float32
 
 
 class StateBuilder:
     """Steps 1 and 2 run at construction (collective); :meth:`build` runs step 3 and returns the finished state."""
 
-    def __init__(self, param_groups: Sequence[dict], options: BuildOptions):
+    def __init__(self, param_groups: Sequence[dict], options: EngineConfig):
         self.param_groups, self.options = param_groups, options
         self.plan = self._plan()
         self.comm = options.communicator or communicator_for(options.process_group, self.device)
@@ -105,17 +81,16 @@ class StateBuilder:
                         f"remainder: it needs bfloat16 parameters, but param group {gi} has {members[0][1].dtype} "
                         "ones (use the default param_remainders=False: an fp32 master)"
                     )
-        self.rules: list[UpdateRule] = [
-            rule_for_group(
-                dtype,
-                self.param_groups[gi],
-                o.param_remainders and dtype == torch.bfloat16,
-                moment_dtype=o.moment_dtype,
-                group_index=gi,
-            )  # fmt: skip
-            for gi, members in plan.groups
-            for dtype in [members[0][1].dtype]
-        ]
+        self.rules: list[UpdateRule] = []
+        for gi, members in plan.groups:
+            dtype = members[0][1].dtype
+            remainders = o.param_remainders and dtype == torch.bfloat16
+            try:
+                rule = rule_for_group(dtype, self.param_groups[gi], remainders, o.moment_dtype, gi, o.default_rule)
+            except ValueError as e:  # an unknown or refused rule: every rank raises at the agreement, none hangs
+                plan.error = plan.error or str(e).removeprefix("zero_ext: ")
+                rule = rule_for_group(dtype, {}, remainders, o.moment_dtype, gi)
+            self.rules.append(rule)
         return plan
 
     @property
@@ -148,22 +123,22 @@ class StateBuilder:
         groups = build_flat_groups(comm, o, self.directory, plan.names, plan.device, specs, first_index=0)
         frozen = [(plan.names[i], p) for i, p in enumerate(self.everything) if not p.requires_grad]
         return ShardedState(
-            comm, o.stage, self.bucket_size, groups, plan.names, plan.device,
-            model=self.model, frozen=frozen,
+            Mesh(comm), o.stage, self.bucket_size, groups, plan.names, plan.device,
+            model=self.model, frozen=frozen, default_rule=o.default_rule,
         )  # fmt: skip
 
 
-def build_flat_groups(comm, o: BuildOptions, directory, names: dict[int, str], device, specs, first_index: int):
+def build_flat_groups(comm, o: EngineConfig, directory, names: dict[int, str], device, specs, first_index: int):
     """The flat groups of ``specs`` ``[(param group index, [(global index, parameter)], layout, rule)]``, numbered
     from ``first_index`` (the parameters re-pointed into flat buffers, the placements allocated). With nvme offload
     a failure to create the files on any rank fails every rank, the files made so far deleted."""
     placement = placement_factory(o.offload, directory, o.offload_window, comm.rank, first_index + len(specs))
-    params_cls = ShardedParams if o.stage == 3 else FullParams
+    params_cls = o.strategy.params_storage
     groups, error = [], None
     try:
         for fi, (gi, members, layout, rule) in enumerate(specs, start=first_index):
             indices = [i for i, _ in members]
-            grads = grad_buffer_dtype(o.stage, o.grad_accum_dtype, members[0][1].dtype)
+            grads = o.strategy.grad_buffer_dtype(o.grad_accum_dtype, members[0][1].dtype)
             groups.append(FlatGroup(
                 fi, gi, [p for _, p in members], indices, [names[i] for i in indices], layout, comm.rank,
                 params_cls, device, placement, rule, grads,

@@ -12,7 +12,8 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
-from ..update.rule import MASTER, UpdateRule, rule_for_saved_group
+from ..update.protocol import MASTER, UpdateRule
+from ..update.registry import rule_for_saved_group
 from .format import FORMAT_NAME, FORMAT_VERSION, as_bytes, decode_value, dtype_of
 from .reader import Checkpoint
 from .side_files import CONFIG, read_model_extra
@@ -62,8 +63,8 @@ def _read_full(ck: Checkpoint, gidx: int, kind: str, out: torch.Tensor) -> None:
 
 
 def _rule_of(ck: Checkpoint, e: dict) -> UpdateRule:
-    """The update rule parameter ``e`` was saved with (from its param group's recorded hyperparameters)."""
-    return rule_for_saved_group(ck.meta["param_groups"][e["group"]]["hyperparameters"])
+    """The update rule parameter ``e`` was saved with (its param group's recorded rule name and hyperparameters)."""
+    return rule_for_saved_group(ck.meta["param_groups"][e["group"]])
 
 
 def _consolidated_name(kind: str) -> str:
@@ -97,7 +98,9 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> None:
     state_entries = []
     for e in entries:
         shape = tuple(e["shape"])
-        state_entries += [(f"{_consolidated_name(k.name)}/{e['name']}", k.dtype, shape) for k in _rule_of(ck, e).kinds]
+        state_entries += [
+            (f"{_consolidated_name(k.name)}/{e['name']}", k.dtype, shape) for k in _rule_of(ck, e).saved_kinds
+        ]
         state_entries.append((f"step/{e['name']}", torch.float32, ()))
     model_keys = _model_entries(ck, extras)
     model_entries = []
@@ -111,7 +114,7 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> None:
     try:
         for e in entries:
             numel, name = int(np.prod(e["shape"], dtype=np.int64)), e["name"]
-            for kind in _rule_of(ck, e).kinds:  # one kind of one parameter in memory at a time
+            for kind in _rule_of(ck, e).saved_kinds:  # one kind of one parameter in memory at a time
                 buf = torch.empty(numel, dtype=kind.dtype)
                 _read_full(ck, e["index"], kind.name, buf)
                 state.write(f"{_consolidated_name(kind.name)}/{name}", buf)
@@ -146,7 +149,7 @@ def adamw_state_dict(out: str | os.PathLike) -> dict[str, Any]:
         state = {}
         for e in json.loads(meta["params"]):
             n = e["name"]
-            rule = rule_for_saved_group(saved_groups[e["group"]]["hyperparameters"])
+            rule = rule_for_saved_group(saved_groups[e["group"]])
             state[e["index"]] = {"step": f.get_tensor(f"step/{n}")}
             state[e["index"]].update({k: f.get_tensor(f"{k}/{n}") for k in rule.moment_names})
     groups, base = [], 0

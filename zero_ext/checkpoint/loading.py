@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..state.sharded_state import ShardedState
+from ..update.registry import DEFAULT_RULE, RULE_KEY
 from .agreement import agree, arrive, sharded_state_of
 from .format import CheckpointError, as_bytes, decode_value, dtype_name
 from .reader import Checkpoint
@@ -81,6 +82,12 @@ def _saved_groups(ck: Checkpoint, state: ShardedState, param_groups, device) -> 
                 continue
             values[key] = decode_value(value)
         merged = {**group, **values}
+        name = saved.get(RULE_KEY, DEFAULT_RULE)
+        if gi in rules and rules[gi].name != name:
+            raise CheckpointError(
+                f"{ck.path}: saved param group {gi} was updated by rule {name!r}, this optimizer's by "
+                f"{rules[gi].name!r}: a rule's state does not carry over to another"
+            )
         if gi in rules:
             try:
                 rules[gi].check_group(f"{ck.path}: saved param group {gi}", merged, device=device)

@@ -22,7 +22,8 @@ import torch
 
 from ..layout import PARAM_ALIGN, Range
 from ..state.sharded_state import ShardedState
-from ..update.rule import MASTER
+from ..update.protocol import MASTER
+from ..update.registry import DEFAULT_RULE
 
 # Restored from a saved state dict: the scalars of the step (``amsgrad`` must match, it decides the kinds kept; the
 # implementation selectors stay as the optimizer has them).
@@ -43,6 +44,7 @@ def _layout_record(state: ShardedState) -> dict[str, Any]:
         "numels": [list(g.layout.numels) for g in state.groups],
         # 64 for a group with int8 moments (whole quantization blocks per parameter), else 16: part of the layout
         "param_align": [g.layout.param_align for g in state.groups],
+        "rules": [g.rule.name for g in state.groups],  # each flat group's update rule (older dicts: AdamW's)
     }
 
 
@@ -118,7 +120,12 @@ def _validate(state: ShardedState, param_groups: Sequence[dict], sd: Any) -> lis
                 "the shards differ and a local state dict cannot cross to or from int8 moments. Save and load with "
                 "zero_ext.checkpoint instead: it converts between every precision setting and world size"
             )
-        if key == "param_align":
+        if key == "rules" and theirs.get(key, [DEFAULT_RULE] * len(value)) != value:
+            raise ValueError(
+                f"{_WHERE}: saved by the update rules {theirs.get(key, [DEFAULT_RULE] * len(value))} (one per flat "
+                f"group), this optimizer's are {value}: a rule's state does not carry over to another"
+            )
+        if key in ("param_align", "rules"):
             continue
         if key == "rank" and theirs.get(key) != value and theirs.get("world_size") == state.world_size:
             raise ValueError(

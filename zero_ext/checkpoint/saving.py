@@ -20,6 +20,7 @@ import shutil
 from typing import Any
 
 from ..state.sharded_state import FlatGroup, ShardedState
+from ..update.registry import rule_name_of
 from .agreement import agree, arrive, sharded_state_of
 from .format import (
     FORMAT_NAME,
@@ -87,7 +88,8 @@ def _meta(state: ShardedState, param_groups) -> dict[str, Any]:
         params.append({"index": gidx, "name": state.names[gidx], "shape": list(p.shape), "dtype": dtype_name(p.dtype),
                        "group": group.group_index, "step": steps[gidx]})  # fmt: skip
     groups = []
-    for g in param_groups:
+    rules = {group.group_index: group.rule.name for group in state.groups}
+    for gi, g in enumerate(param_groups):
         hyper = {}
         for key, value in g.items():
             if key in ("params", "param_names"):
@@ -96,7 +98,8 @@ def _meta(state: ShardedState, param_groups) -> dict[str, Any]:
                 hyper[key] = encode_value(value)
             except TypeError:  # kept for the record, not restored
                 hyper[key] = {"unrestorable": repr(value)}
-        groups.append({"hyperparameters": hyper, "num_params": len(g["params"])})
+        rule = rules.get(gi) or rule_name_of(g, state.default_rule)  # what consolidation and loading look up
+        groups.append({"rule": rule, "hyperparameters": hyper, "num_params": len(g["params"])})
     return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "world_size": state.world_size,
             "stage": state.stage, "bucket_size": state.bucket_size, "step": state.step_count.item(),
             "skipped_steps": state.skipped.item(), "params": sorted(params, key=lambda e: e["index"]),

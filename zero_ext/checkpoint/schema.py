@@ -8,11 +8,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..update.rule import all_kind_names
+from ..update.registry import all_kind_names
 from .format import FORMAT_NAME, READABLE_VERSIONS, CheckpointError, dtype_of
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
-_SECTIONS = (*all_kind_names(), "param")  # what an update rule may keep, and the parameters
 
 
 def _int(value: Any, where: str, field: str, lo: int = 0, hi: int | None = None) -> int:
@@ -74,6 +73,8 @@ def check_meta(meta: Any, where: str) -> None:
         g = _dict(g, where, f"param_groups[{i}]")
         _dict(g.get("hyperparameters"), where, f"param_groups[{i}].hyperparameters")
         _int(g.get("num_params"), where, f"param_groups[{i}].num_params")
+        if not isinstance(g.get("rule", "adamw"), str):  # the update rule's registered name (older: none, AdamW)
+            raise CheckpointError(f"{where}: `param_groups[{i}].rule` must be a string, got {g.get('rule')!r}")
     indices, names = set(), set()
     for i, e in enumerate(_list(meta.get("params"), where, "params")):
         field = f"params[{i}]"
@@ -113,12 +114,13 @@ def check_rank(rec: Any, rank: int, meta: dict, where: str) -> None:
     if not isinstance(rec.get("file"), str):
         raise CheckpointError(f"{where}: `file` must be a file name, got {rec.get('file')!r}")
     params = {e["index"]: e for e in meta["params"]}
+    sections = (*all_kind_names(), "param")  # what a registered update rule may keep, and the parameters
     for gpos, group in enumerate(_list(rec.get("groups"), where, "groups")):
         field = f"groups[{gpos}]"
         group = _dict(group, where, field)
         shard = _int(group.get("shard_numel"), where, f"{field}.shard_numel")
         for kind, section in _dict(group.get("sections"), where, f"{field}.sections").items():
-            if kind not in _SECTIONS:
+            if kind not in sections:
                 raise CheckpointError(f"{where}: `{field}.sections` has an unknown kind {kind!r}")
             section = _dict(section, where, f"{field}.sections.{kind}")
             dtype = section.get("dtype")

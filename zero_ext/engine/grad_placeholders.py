@@ -115,10 +115,6 @@ def _autograd_accumulates(args, kwargs) -> bool:
     )
 
 
-def is_placeholder(t) -> bool:
-    return isinstance(t, GradPlaceholder)
-
-
 class GradPlaceholders:
     """The placeholders of one optimizer's parameters, their norms and the scaling recorded on them."""
 

@@ -538,19 +538,3 @@ def _drop_early_grads(state: ShardedState) -> None:
             f"before the optimizer existed: stage {state.stage} reduces gradients while backward runs",
             stacklevel=4,
         )
-
-
-def grad_buffer_dtype(stage: int, grad_accum_dtype: Optional[torch.dtype], param_dtype: torch.dtype):
-    """The dtype of a flat group's persistent gradient buffer (stage 1: ``.grad``'s storage, or fp32 with
-    ``grad_accum_dtype=torch.float32``), None at stages 2 and 3 (no full gradient buffer)."""
-    if stage != 1:
-        return None
-    return torch.float32 if grad_accum_dtype == torch.float32 else param_dtype
-
-
-def grads_for(state: ShardedState, pool: StagingPool, reduce_dtype: torch.dtype, grad_accum_dtype=None) -> GradStrategy:
-    """The gradient strategy of ``state.stage`` on ``state.comm``, staging through ``pool``."""
-    if state.stage == 1:
-        return (Fp32GradBuffer if grad_accum_dtype == torch.float32 else BufferedGrads)(state, pool, reduce_dtype)
-    direct = not state.comm.communicates and all(g.state.adds_in_place for g in state.groups)
-    return (ShardGrads if direct else StagedGrads)(state, pool, reduce_dtype)

@@ -23,7 +23,7 @@ the outputs' gradient arrives (before the module's backward runs) its buckets ar
 UNTIL_READY / RECOMPUTED: released when all its gradients have arrived (the reducer's READY), or at the end of
 backward. Every bucket is released before ``step()`` updates the shards.
 
-A parameter split across several buckets (``layout.py``: larger than ``bucket_size``) is in each of them: its module
+A parameter split across several buckets (``zero_ext/layout.py``: larger than ``bucket_size``) is in each of them: its module
 gathers them all, it becomes a plain tensor once every one is GATHERED and checks again when one is released; the
 buckets share one storage (``sharded_params``), which the window counts once.
 
@@ -153,7 +153,7 @@ class ParamGather:
         the buckets the deepest chain of nested modules uses (a module runs inside its parents, whose buckets stay
         in use), plus the ``prefetch + 1`` largest buckets (the prefetched ones, and one more: gathered on demand,
         or still waiting for its gradients), plus the largest segment activation checkpointing recomputed so far;
-        every bucket with ``reshard_after_forward=False``. A parameter split across buckets (``layout.py``) is gathered
+        every bucket with ``reshard_after_forward=False``. A parameter split across buckets (``zero_ext/layout.py``) is gathered
         whole, all its buckets with it, into one storage: the window is at least the largest parameter, inherently
         (its module needs all of it at once); what is bounded by bytes is every buffer beside it (staging, offload).
         A prefetched bucket is counted with its whole run's bytes. ``peak_bytes`` (``window_peak``) is the most bytes

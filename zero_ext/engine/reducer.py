@@ -1,7 +1,7 @@
 """Gradient reduction during backward: from autograd's gradients to this rank's fp32 grad shard, bucket by bucket.
 
 A post-accumulate-grad hook on every parameter hands the gradient to the stage's strategy (``grads.py``) and
-counts it against its bucket (a parameter split across buckets, ``layout.py``: a fragment against each). A bucket
+counts it against its bucket (a parameter split across buckets, ``zero_ext/layout.py``: a fragment against each). A bucket
 whose gradients have all arrived is READY; READY buckets are launched (``start_grad_sync``) in one fixed global order on every rank (a bucket that completes early waits for its
 predecessors), so the collectives of all ranks always pair up, whatever order gradients arrive in. At the end of
 each backward pass (autograd's final callback) the buckets still open are launched too, their missing gradients

@@ -2,7 +2,7 @@
 
 1. *Agree* (host): every rank validates its hyperparameters and looks for gradients it should not have; every
    rank lists the parameters that got a gradient, and whether its parameters were changed in place since the last
-   step (stages 1 and 2, :mod:`.param_edits`). One collective sums these flags (on gloo it is the norm's own
+   step (stages 1 and 2, :mod:`zero_ext.state.param_edits`). One collective sums these flags (on gloo it is the norm's own
    all-reduce; on NCCL a gloo group of the same ranks carries them), so every rank learns, without reading the
    device, whether some rank failed or changed its parameters alone (then all raise, before anything changed)
    and which parameters update. Then the master follows the changed parameters.
@@ -26,7 +26,7 @@ from .. import ops
 from ..layout import Range
 from ..state.sharded_state import ShardedState
 from ..state.step_counts import update_runs
-from ..update.rule import rule_for_group
+from ..update.registry import rule_for_group
 from .param_sync import ParamSync
 from .reducer import GradSync
 
@@ -196,7 +196,7 @@ def resolve_scalars(state: ShardedState, param_groups: Sequence[dict]) -> list:
     checked, those without trainable parameters too. Raises before anything is changed."""
     rules = {group.group_index: group.rule for group in state.groups}
     for gi, g in enumerate(param_groups):
-        rule = rules.get(gi) or rule_for_group(torch.float32, g)
+        rule = rules.get(gi) or rule_for_group(torch.float32, g, group_index=gi, default=state.default_rule)
         rule.check_group(f"zero_ext.ZeroAdamW: param group {gi}", g, state.update_device, read_device_values=False)
     return [group.rule.scalars(param_groups[group.group_index]) for group in state.groups]
 

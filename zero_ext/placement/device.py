@@ -7,33 +7,29 @@ gradient goes (:meth:`grad_target`, then :meth:`landed`), the step asks for upda
 (:meth:`unit_done`), so a placement can move state in before an update and out after it, overlapping the next one.
 Serialisers read and write through :meth:`read` / :meth:`write` by shard range.
 
-Kinds: those of the rule (:mod:`.update_rule`; the fp32 ``master`` first, absent in memory for fp32 params kept
-with their parameters: its views then come from the param buffer) and ``grad`` (the reduced gradient shard).
-``master_copy`` says whether this placement stores a master apart from the parameters. With the rule's
-``param_remainders`` it does not: the master is the parameters' rank slices (the master rounded to nearest even)
-joined with the ``remainder`` kind and a tie bit kept in the sign bit of the rule's ``tie_kind`` (exp_avg_sq, never
-negative otherwise; :mod:`.master_split`). Serialisers never see that bit: :meth:`read` of ``master`` joins the
-three, :meth:`read` of the tie kind clears the bit, :meth:`write` of ``master`` sets it and :meth:`write` of the tie
-kind keeps it; so serialisers see an fp32 master and plain moments either way. :meth:`stored` reads a kind's bits
-as kept (the tie bit included).
+Kinds: those of the rule (:mod:`zero_ext.update.rule`; the fp32 ``master`` first, absent in memory for fp32 params
+kept with their parameters: its views then come from the param buffer) and ``grad`` (the reduced gradient shard).
+``master_copy`` says whether this placement stores a master apart from the parameters (not with ``param_remainders``:
+the master is then the parameters' rank slices joined with the ``remainder`` kind and a tie bit).
 
-A kind may be stored below fp32 (``moment_dtype=torch.bfloat16``: the moments): :meth:`read` widens it to fp32
-(exact) and :meth:`write` rounds fp32 values to it (``copy_``: round to nearest even), so serialisers see fp32
-moments whatever is stored. With ``moment_dtype=torch.int8`` a moment is int8 codes plus a kind of fp32 scales
-stored one item per 64-element block (``StateKind.block``; every view and range of it is in block coordinates:
-:func:`items_of`): :meth:`read` dequantizes, :meth:`write` requantizes the whole blocks the range touches with their
-new absmax (the elements outside it, padding in practice, keep their values up to that).
+Where and how are separate: a placement keeps each kind's *bits* (:meth:`DeviceState.stored`,
+:meth:`DeviceState.store`, :meth:`DeviceState.param_runs`: the :class:`.codecs.Store` protocol), and its
+:attr:`DeviceState.codec` (:class:`.codecs.StateCodec`, made from the rule) turns them into the fp32 values
+serialisers read and write: bf16 moments widened and rounded, int8 moments dequantized and requantized per block, the
+master joined from the parameter, the remainder and the tie bit. Host memory and disk (:mod:`.host`, :mod:`.disk`)
+change where the bits are; the codec is the same.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Iterator, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 
 from ..layout import Bucket, Layout, Range
-from ..update import blockwise_int8, master_split
 from ..update.rule import MASTER, REMAINDER, UpdateRule
+from .codecs import StateCodec
 
 
 class BucketState(NamedTuple):
@@ -53,11 +49,6 @@ class BucketState(NamedTuple):
         view."""
         out = None if self.param_out is None else r.of(self.param_out)
         return BucketState(views_of(self.state, r, self.blocks), r.of(self.grad), out, self.blocks)
-
-
-def widened(values: torch.Tensor) -> torch.Tensor:
-    """A kind's values as serialisers see them: fp32 (a bf16 moment widened, exactly; fp32 as is, not copied)."""
-    return values.float() if values.dtype == torch.bfloat16 else values
 
 
 def items_of(kind: str, r: Range, blocks: Mapping[str, int]) -> Range:
@@ -87,6 +78,11 @@ class DeviceState:
     resident = True  # the reducer may add gradients straight into `grad`; the master is on the params' device
     adds_in_place = True  # on one process the gradients may be added straight into `grad` (grads.ShardGrads)
     location = "device"
+
+    @functools.cached_property
+    def codec(self) -> StateCodec:
+        """How the kinds are encoded (the rule's fp32 / bf16 / int8 kinds, the master's remainder and tie bit)."""
+        return StateCodec(self.rule)
 
     def __init__(self, layout: Layout, params, device: torch.device, rule: UpdateRule):
         n = layout.shard_numel
@@ -156,9 +152,9 @@ class DeviceState:
         if kind != MASTER or self.master_copy:
             items = items_of(kind, shard_range, self.rule.blocks)
             return [(items, items.of(self._buffer(kind)))]
-        return self._param_runs(shard_range)
+        return self.param_runs(shard_range)
 
-    def _param_runs(self, shard_range: Range) -> list[tuple[Range, torch.Tensor]]:
+    def param_runs(self, shard_range: Range) -> list[tuple[Range, torch.Tensor]]:
         """The parameters' rank slices over ``shard_range``: one run per bucket the range crosses."""
         runs = []
         for bucket in self.layout.buckets:
@@ -172,35 +168,8 @@ class DeviceState:
     def _remainder(self) -> torch.Tensor:
         return self.buffers[REMAINDER]
 
-    def _ties(self, shard_range: Range) -> torch.Tensor:
-        """The masters' tie bits over ``shard_range`` (bool, on the state's device)."""
-        return master_split.tie_of(self.stored(self.rule.tie_kind, shard_range))
-
-    def _set_ties(self, shard_range: Range, tie: Optional[torch.Tensor]) -> None:
-        """The tie kind's sign bits over ``shard_range`` := ``tie`` (None: cleared); its values are kept."""
-        kind = self.rule.tie_kind
-        old = self.stored(kind, shard_range)
-        new = master_split.without_tie(old) if tie is None else master_split.with_tie(old, tie.to(old.device))
-        self._store(kind, shard_range, new)
-
     def _clear_ties(self) -> None:
-        for bucket in self.layout.buckets:  # bucket by bucket: the temporaries stay bounded
-            self._set_ties(bucket.shard_range, None)
-
-    def _read_joined_master(self, shard_range: Range) -> torch.Tensor:
-        remainder = shard_range.of(self._remainder())
-        with torch._C.DisableTorchFunctionSubclass():  # stage 3's shard is a ShardedParameter's storage
-            params = torch.cat([v.to(remainder.device) for _, v in self._param_runs(shard_range)])
-        return master_split.join(params, remainder, self._ties(shard_range).to(remainder.device))
-
-    def _write_split_master(self, shard_range: Range, values: torch.Tensor) -> None:
-        remainder = shard_range.of(self._remainder())
-        param, low, tie = master_split.split(values.detach().to(remainder.device, torch.float32))
-        remainder.copy_(low)
-        self._set_ties(shard_range, tie)
-        with torch._C.DisableTorchFunctionSubclass():
-            for part, view in self._param_runs(shard_range):
-                view.copy_(part.shifted(-shard_range.start).of(param))
+        self.codec.clear_ties(self, self.layout.buckets)
 
     # ---------------------------------------------------------------- the bits as kept
     def stored(self, kind: str, shard_range: Range) -> torch.Tensor:
@@ -211,51 +180,22 @@ class DeviceState:
         runs = self._views(kind, shard_range)
         return runs[0][1] if len(runs) == 1 else torch.cat([v for _, v in runs])
 
-    def _store(self, kind: str, shard_range: Range, values: torch.Tensor) -> None:
+    def store(self, kind: str, shard_range: Range, values: torch.Tensor) -> None:
         """Overwrite ``shard_range`` of ``kind`` with ``values`` (cast to the stored dtype), bits as they are."""
         start = items_of(kind, shard_range, self.rule.blocks).start
         for part, view in self._views(kind, shard_range):
             view.copy_(part.shifted(-start).of(values))
 
-    # ---------------------------------------------------------------- int8 moments: codes and block scales
-    def _read_dequantized(self, kind: str, shard_range: Range) -> torch.Tensor:
-        """``shard_range`` of the int8 moment ``kind``, dequantized (fp32; the tie bit ignored)."""
-        scale_kind, qmap = self.rule.quantized[kind]
-        wide = shard_range.whole_blocks(self.rule.block)  # a shard is whole blocks
-        codes, scales = self.stored(kind, wide), self.stored(scale_kind, wide)
-        values = blockwise_int8.dequantize(codes, scales, self.rule.block, qmap.to(codes.device))
-        return shard_range.shifted(-wide.start).of(values)
-
-    def _write_quantized(self, kind: str, shard_range: Range, values: torch.Tensor) -> None:
-        """``shard_range`` of the int8 moment ``kind`` := ``values``: the blocks it touches are requantized with
-        their new absmax (elements outside the range, padding in practice, keep their values up to that); the tie
-        bits are kept."""
-        scale_kind, qmap = self.rule.quantized[kind]
-        wide = shard_range.whole_blocks(self.rule.block)
-        full = self._read_dequantized(kind, wide).clone()
-        shard_range.shifted(-wide.start).of(full).copy_(values.detach().reshape(-1))
-        codes, scales = blockwise_int8.quantize(full, self.rule.block, qmap.to(full.device))
-        if kind == self.rule.tie_kind:
-            codes = master_split.with_tie(codes, master_split.tie_of(self.stored(kind, wide)).to(codes.device))
-        self._store(kind, wide, codes)
-        self._store(scale_kind, wide, scales)
-
     # ---------------------------------------------------------------- serialisers
     def read(self, kind: str, shard_range: Range) -> torch.Tensor:
         """``shard_range`` of ``kind`` (fp32, on the state's device): a view where the range is one run of fp32
-        memory, else a copy (a bf16 kind widened). Do not modify it: :meth:`write` changes the state."""
-        if kind == MASTER and self.rule.param_remainders:
-            return self._read_joined_master(shard_range)
-        if kind in self.rule.quantized:
-            return self._read_dequantized(kind, shard_range)
-        if kind == self.rule.tie_kind:  # param_remainders: the tie bits cleared
-            return widened(master_split.without_tie(self.stored(kind, shard_range)))
-        return widened(self.stored(kind, shard_range))
+        memory, else a copy (converted by the codec). Do not modify it: :meth:`write` changes the state."""
+        return self.codec.read(self, kind, shard_range)
 
     def host_view(self, kind: str, shard_range: Range) -> Optional[torch.Tensor]:
         """A writable view of ``shard_range`` of ``kind`` when it is one run of fp32 host memory (a loader can
         read straight into it), else None."""
-        if (kind == MASTER and self.rule.param_remainders) or kind == self.rule.tie_kind or kind in self.rule.quantized:
+        if self.codec.converts(kind):
             return None  # converted by write
         runs = self._views(kind, shard_range)
         if len(runs) == 1 and runs[0][1].device.type == "cpu" and runs[0][1].dtype == torch.float32:
@@ -263,16 +203,9 @@ class DeviceState:
         return None
 
     def write(self, kind: str, shard_range: Range, values: torch.Tensor) -> None:
-        """Overwrite ``shard_range`` of ``kind`` with ``values`` (any device; cast to the kind's dtype, rounding to
-        nearest even)."""
-        if kind == MASTER and self.rule.param_remainders:
-            return self._write_split_master(shard_range, values)
-        if kind in self.rule.quantized:
-            return self._write_quantized(kind, shard_range, values)
-        if kind == self.rule.tie_kind:  # param_remainders: the tie bits kept
-            old = self.stored(kind, shard_range)
-            values = master_split.with_tie(values.detach().to(old.device, old.dtype), master_split.tie_of(old))
-        self._store(kind, shard_range, values)
+        """Overwrite ``shard_range`` of ``kind`` with ``values`` (any device; encoded by the codec: cast to the
+        kind's dtype, rounding to nearest even)."""
+        self.codec.write(self, kind, shard_range, values)
 
     # ---------------------------------------------------------------- the ledger
     def tensors(self) -> dict[str, torch.Tensor]:

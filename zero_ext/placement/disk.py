@@ -232,7 +232,7 @@ class DiskState(HostGradients):
                 pass
 
     # ---------------------------------------------------------------- serialisers
-    # DeviceState's read / write convert (the joined master, the tie bits of param_remainders) over these two.
+    # DeviceState's codec converts (the joined master, the tie bits of param_remainders) over these two.
     def stored(self, kind: str, shard_range: Range) -> torch.Tensor:
         if kind == "grad":
             return shard_range.of(self.grad)
@@ -240,7 +240,7 @@ class DiskState(HostGradients):
             return items_of(kind, shard_range, self.rule.blocks).of(self.buffers[kind])
         return self.files.read_range(kind, shard_range.start, shard_range.numel)  # as kept: DeviceState.read widens
 
-    def _store(self, kind: str, shard_range: Range, values: torch.Tensor) -> None:
+    def store(self, kind: str, shard_range: Range, values: torch.Tensor) -> None:
         if kind == "grad" or kind in self.buffers:
             items_of(kind, shard_range, self.rule.blocks).of(self._buffer(kind)).copy_(values)
             return

@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from ..comm import Communicator
 from ..layout import Layout, fingerprint
-from ..update.rule import AdamW, UpdateRule
+from ..update.protocol import UpdateRule
+from ..update.registry import DEFAULT_RULE, rule_named
 from . import leftovers
 from .device import DeviceState
 from .disk import DiskState, file_kinds, min_window_bytes
@@ -58,7 +59,8 @@ def check_offload_options(offload, offload_dir, offload_window) -> None:
     if offload_window is not None:
         if offload != "nvme":
             raise ValueError(f"{WHERE}: `offload_window` is for offload='nvme' (offload={offload!r})")
-        floor = min_window_bytes(AdamW(torch.bfloat16))  # the smallest; a larger rule gets at least its own floor
+        # the default rule's floor (nothing is built yet); each flat group's share is raised to its own rule's floor
+        floor = min_window_bytes(rule_named(DEFAULT_RULE, torch.bfloat16))
         if not (isinstance(offload_window, int) and not isinstance(offload_window, bool) and offload_window >= floor):
             raise ValueError(f"{WHERE}: `offload_window` must be an int >= {floor} (bytes), got {offload_window!r}")
 

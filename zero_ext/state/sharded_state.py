@@ -3,7 +3,7 @@
 ``ShardedState`` is the seam every other part of zero_ext reads (``state_dict``, ``checkpoint``, ``memory``, the
 tests): the flat groups with their parameters' global indices, names, param group and update rule, the step and
 skip counters (device scalars), the stage and the communicator. ``ZeroAdamW.sharded_state`` returns it. It is built
-whole (:mod:`.state_builder`): nothing is assigned to it from outside afterwards.
+whole (:mod:`zero_ext.build.state_builder`): nothing is assigned to it from outside afterwards.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from ..comm import Communicator
+from ..comm.mesh import Mesh
 from ..layout import Bucket, Layout, OwnedPiece
 from ..placement.device import DeviceState
-from ..update.rule import UpdateRule, rule_for_group
+from ..update.protocol import UpdateRule
+from ..update.registry import DEFAULT_RULE, rule_for_group
 from .param_edits import ParamEdits
 from .params import FullParams
 from .step_counts import StepCounts
@@ -96,7 +98,7 @@ class ShardedState:
 
     def __init__(
         self,
-        comm: Communicator,
+        mesh: Mesh,
         stage: int,
         bucket_size: int,
         groups: Sequence[FlatGroup],
@@ -105,13 +107,16 @@ class ShardedState:
         *,
         model=None,
         frozen: Sequence[tuple[str, torch.nn.Parameter]] = (),
+        default_rule: str = DEFAULT_RULE,
     ):
-        self.comm = comm
+        self.mesh = mesh  # the shard group (and, for HSDP, the replicate group: a single replica today)
+        self.comm: Communicator = mesh.shard  # every collective of the layout runs on the shard group
         self.stage = stage
         self.bucket_size = bucket_size
         self.groups = list(groups)
         self.names = dict(names)  # global index -> name, for every parameter of the optimizer (frozen ones too)
         self.device = device
+        self.default_rule = default_rule  # the update rule of a param group that names none (registry.RULE_KEY)
         # Steps that updated something (skipped steps excluded) and steps skipped for a non-finite gradient, and
         # every parameter's own step count: device scalars, so that step() never has to read them on the host.
         self.update_device = self.groups[0].state.update_device if self.groups else device  # offload: the CPU
@@ -131,8 +136,8 @@ class ShardedState:
         pool and the tracking of parameter edits made anew, so nothing may be in flight. Every parameter keeps its
         step count; the added ones start at 0 (torch's state for a parameter that never stepped)."""
         out = ShardedState(
-            self.comm, self.stage, self.bucket_size, [*self.groups, *added], {**self.names, **names}, self.device,
-            model=self.model, frozen=self.frozen,
+            self.mesh, self.stage, self.bucket_size, [*self.groups, *added], {**self.names, **names}, self.device,
+            model=self.model, frozen=self.frozen, default_rule=self.default_rule,
         )  # fmt: skip
         out.step_count.copy_(self.step_count)
         out.skipped.copy_(self.skipped)

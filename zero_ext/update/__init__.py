@@ -1,1 +1,5 @@
-"""Update rules: what state a flat group keeps and how one step changes it (AdamW), and the math of the state's encodings (remainders, int8 maps)."""
+"""Update rules: the protocol the engine codes against (:mod:`.protocol`), the registry that finds a rule by name
+(:mod:`.registry`), AdamW (:mod:`.rule`, registered as "adamw" on import of this package), and the math of the
+state's encodings (remainders, int8 maps)."""
+
+from . import rule as _adamw  # noqa: F401  (registers "adamw")

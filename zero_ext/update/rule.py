@@ -1,10 +1,16 @@
-"""The update rule: what optimizer state a flat group keeps and how one step changes it.
+"""AdamW, the update rule registered as ``"adamw"``: what optimizer state its flat groups keep and how one step
+changes it.
 
-Everything else in the engine is generic over the rule. Placements (device, host, disk) allocate one buffer per
-:class:`StateKind` of :attr:`UpdateRule.kinds`; the state dict, checkpoint sections, consolidation, the memory
-ledger, :func:`zero_ext.memory.estimate` and the offload files are named and sized from the same kinds; the step
-calls :meth:`UpdateRule.apply` on views of them. A new kind of state (remainders, 8-bit moments) is a change here
-and in the kernel that applies it, nowhere else.
+Everything else in the engine is generic over the rule (:class:`.protocol.UpdateRule`). Placements (device, host,
+disk) allocate one buffer per :class:`StateKind` of :attr:`UpdateRule.kinds`; the state dict, checkpoint sections,
+consolidation, the memory ledger and the offload files are named and sized from the same kinds; the step calls
+:meth:`UpdateRule.apply` on views of them. A new rule, or a new kind stored as it is (its dtype, one item per
+element), is a change in the rule alone (a subclass of :class:`.protocol.ElementwiseRule`, registered in
+:mod:`.registry`). A new *encoding* of a kind (the remainder that stands for the master, 8-bit moments with block
+scales) is a change here, in the kernel that applies it and in the placements that convert it on read and write
+(placement/device.py; placement/disk.py keeps what is not one item per element out of its files), which know the
+encodings by the rule's members ``param_remainders``, ``tie_kind``, ``quantized`` and ``blocks``.
+:func:`zero_ext.memory.estimate` is AdamW's formula by contract (ZeRO's mixed-precision Adam) and builds this rule.
 
 :class:`AdamW` is ``torch.optim.AdamW``'s update, bitwise, with its ``amsgrad`` (a fourth kind, ``max_exp_avg_sq``)
 and ``maximize``. Its kinds are fp32 and live beside the fp32 master; the "master" is the first kind.
@@ -42,7 +48,6 @@ everywhere; fp32 ones too when the state is offloaded, because the parameters st
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
@@ -53,32 +58,12 @@ from ..layout import PARAM_ALIGN
 from ..ops import int8 as ops_int8
 from ..ops.hyperparams import Scalar, check_hyperparameters
 from . import blockwise_int8
+from .protocol import MASTER, ElementwiseRule, StateKind, UpdateRule
+from .registry import RuleOptions, all_kind_names, register, rule_for_group, rule_for_saved_group
 
-MASTER = "master"  # the fp32 master copy of the parameters, the one kind every rule saves
 REMAINDER = "remainder"  # param_remainders: the master's low 16 bits, stored instead of the fp32 master
 MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # what ZeroAdamW(moment_dtype=...) accepts
 SCALE = "_scale"  # int8 moments: the suffix of a moment's per-block scales kind ("exp_avg" -> "exp_avg_scale")
-
-
-@dataclass(frozen=True)
-class StateKind:
-    """One kind of per-element state: its name (state dicts, checkpoint sections, files and the memory ledger
-    use it as is) and its dtype."""
-
-    name: str
-    dtype: torch.dtype = torch.float32
-    block: int = 1  # shard elements per stored item: 1, or an int8 moment's block (one scale per block)
-
-    @property
-    def itemsize(self) -> int:
-        return self.dtype.itemsize
-
-    def items(self, numel: int) -> int:
-        """Items stored for ``numel`` shard elements (a shard is a whole number of blocks)."""
-        return -(-numel // self.block)
-
-    def nbytes(self, numel: int) -> int:
-        return self.items(numel) * self.itemsize
 
 
 class AdamWScalars(NamedTuple):
@@ -116,7 +101,7 @@ def check_implementation_keywords(where: str, group: Mapping[str, Any]) -> None:
         )
 
 
-class AdamW:
+class AdamW(ElementwiseRule):
     """``torch.optim.AdamW``'s update on a flat group's shard (see the module docstring).
 
     ``amsgrad`` is structural (it adds a kind): fixed when the optimizer is built, per param group.
@@ -127,7 +112,7 @@ class AdamW:
 
     def __init__(self, param_dtype: torch.dtype, amsgrad: bool = False, param_remainders: bool = False,
                  moment_dtype: torch.dtype = torch.float32, group_index: int = 0):  # fmt: skip
-        self.param_dtype = param_dtype
+        super().__init__(param_dtype)
         self.amsgrad = bool(amsgrad)
         self.param_remainders = bool(param_remainders)
         check_moment_dtype("zero_ext.ZeroAdamW", moment_dtype)
@@ -164,36 +149,7 @@ class AdamW:
         # bit is free; the kernel reads |v| and writes it back). Placements hide it from serialisers.
         self.tie_kind: Optional[str] = "exp_avg_sq" if self.param_remainders else None
 
-    # ---------------------------------------------------------------- what it keeps
-    @property
-    def kind_names(self) -> tuple[str, ...]:
-        """The kinds a placement stores (with ``param_remainders`` the remainder, not the master)."""
-        return tuple(k.name for k in self.kinds)
-
-    @property
-    def saved_kind_names(self) -> tuple[str, ...]:
-        """The kinds checkpoints and consolidation hold: the fp32 master first, then the moments."""
-        return tuple(k.name for k in self.saved_kinds)
-
-    @property
-    def moment_names(self) -> tuple[str, ...]:
-        """Every kind but the master: what a torch.optim state dict holds per parameter (besides ``step``)."""
-        return tuple(k.name for k in self.saved_kinds if k.name != MASTER)
-
-    @property
-    def master_is_param(self) -> bool:
-        """The parameters' values are the master (fp32 parameters): a state dict holds no separate master."""
-        return self.param_dtype == torch.float32
-
-    def state_dict_names(self) -> tuple[str, ...]:
-        """The kinds a local state dict holds per parameter: the moments, and the master unless it is the param."""
-        return self.moment_names if self.master_is_param else (*self.moment_names, MASTER)
-
-    def bytes_per_element(self, master_copy: bool = True) -> Fraction:
-        """Bytes of state per element of a rank's shard (an int8 moment's scale adds 4/64); without ``master_copy``
-        the master is the parameter."""
-        return sum((Fraction(k.itemsize, k.block) for k in self.kinds if master_copy or k.name != MASTER), Fraction(0))
-
+    # ---------------------------------------------------------------- what it keeps (the rest: ElementwiseRule)
     def describe(self) -> str:
         """What every rank must agree on (part of the layout fingerprint)."""
         return (
@@ -267,9 +223,6 @@ class AdamW:
         return {"rounding_seed": self.rounding_seed, "element_offset": int(element_offset)}
 
 
-UpdateRule = AdamW  # the interface the engine codes against; AdamW is its one implementation today
-
-
 def check_moment_dtype(where: str, moment_dtype: Any) -> None:
     """A ValueError naming ``moment_dtype`` unless it is one this version stores."""
     if any(moment_dtype is d for d in MOMENT_DTYPES):
@@ -279,25 +232,14 @@ def check_moment_dtype(where: str, moment_dtype: Any) -> None:
     )
 
 
-def rule_for_group(param_dtype: torch.dtype, group: Mapping[str, Any], param_remainders: bool = False,
-                   moment_dtype: torch.dtype = torch.float32, group_index: int = 0) -> UpdateRule:  # fmt: skip
-    """The rule a flat group of ``param_dtype`` parameters of param group ``group`` (``group_index``: its position,
-    which seeds the stochastic rounding) keeps; ``param_remainders`` and ``moment_dtype``: the optimizer's options
-    (a ValueError naming them unless valid)."""
-    return AdamW(param_dtype, amsgrad=bool(group.get("amsgrad", False)), param_remainders=param_remainders,
-                 moment_dtype=moment_dtype, group_index=group_index)  # fmt: skip
+def _adamw(param_dtype: torch.dtype, group: Mapping[str, Any], options: RuleOptions) -> AdamW:
+    """The registry's factory of "adamw": ``amsgrad`` from the param group (or a checkpoint's hyperparameters:
+    older ones have none, plain AdamW), the precision options from the optimizer."""
+    return AdamW(param_dtype, amsgrad=bool(group.get("amsgrad", False)), param_remainders=options.param_remainders,
+                 moment_dtype=options.moment_dtype, group_index=options.group_index)  # fmt: skip
 
 
-def rule_for_saved_group(hyperparameters: Mapping[str, Any], param_dtype: torch.dtype = torch.bfloat16) -> UpdateRule:
-    """The rule a checkpoint's param group was saved with (its recorded hyperparameters; older checkpoints have
-    no ``amsgrad``: plain AdamW)."""
-    amsgrad = hyperparameters.get("amsgrad", False)
-    return AdamW(param_dtype, amsgrad=amsgrad is True)
-
-
-def all_kind_names() -> tuple[str, ...]:
-    """Every kind any rule may save (a checkpoint section must be one of these, or the parameters)."""
-    return AdamW(torch.bfloat16, amsgrad=True).saved_kind_names
+register("adamw", _adamw, saved_kinds=(MASTER, "exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
 
 
 def default_bytes_per_element(param_remainders: bool = False, moment_dtype: torch.dtype = torch.float32) -> Fraction:

@@ -4,7 +4,7 @@ side in one launch: two copies of the benchmark GPT (fp32 parameters, 2 gloo ran
 and backward) and one under ``collective_timeout=None`` (plain waits, no phase checks), stepped in alternation.
 Also the pieces: one phase check alone, and a tiny all-reduce waited for with and without a deadline.
 
-    python bench/divergence_overhead.py --rounds 30
+    python bench/investigations/divergence_overhead.py --rounds 30
 
 Writes ``bench/results/divergence_overhead.{json,md}``.
 """
@@ -14,14 +14,18 @@ from __future__ import annotations
 import argparse
 import datetime
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import harness
-import torch
-import torch.distributed as dist
-from gpt_model import GPT, GPTConfig
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: harness, gpt_model
 
-import zero_ext
+import harness  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from gpt_model import GPT, GPTConfig  # noqa: E402
+
+import zero_ext  # noqa: E402
 
 
 def _run(rank: int, world: int, device: torch.device, rounds: int, batch: int) -> dict:
@@ -77,7 +81,7 @@ def main() -> None:
     started = time.time()
     result = harness.launch(_run, 2, "cpu", args.rounds, args.batch)
     meta = harness.meta(torch.device("cpu"))
-    meta["command"] = f"python bench/divergence_overhead.py --rounds {args.rounds} --batch {args.batch}"
+    meta["command"] = f"python bench/investigations/divergence_overhead.py --rounds {args.rounds} --batch {args.batch}"
     rows = []
     for name, times in {**result["steps"], **result["pieces"]}.items():
         s = harness.summary(times)

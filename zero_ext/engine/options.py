@@ -8,17 +8,19 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Communicator
-from ..update.rule import rule_for_group
+from ..update.registry import DEFAULT_RULE, rule_for_group
 
 WHERE = "zero_ext.ZeroAdamW"
 
 
-def check_options(stage, defaults, max_grad_norm, bucket_size, staging_buffers, reduce_dtype, grad_accum_dtype):
-    """``defaults``: the param-group defaults (torch.optim.AdamW's keywords), checked by the update rule."""
+def check_options(stage, defaults, max_grad_norm, bucket_size, staging_buffers, reduce_dtype, grad_accum_dtype,
+                  default_rule: str = DEFAULT_RULE):  # fmt: skip
+    """``defaults``: the param-group defaults (torch.optim.AdamW's keywords), checked by the update rule they name
+    (``default_rule`` unless they name one)."""
     where = "zero_ext.ZeroAdamW"
     if stage not in (1, 2, 3):
         raise ValueError(f"{where}: `stage` must be 1, 2 or 3, got {stage!r}")
-    rule_for_group(torch.float32, defaults).check_group(where, defaults)
+    rule_for_group(torch.float32, defaults, default=default_rule).check_group(where, defaults)
     if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
         raise ValueError(f"{where}: `max_grad_norm` must be a number > 0 or None, got {max_grad_norm!r}")
     if bucket_size is not None and not (isinstance(bucket_size, int) and bucket_size > 0):

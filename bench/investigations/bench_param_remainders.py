@@ -4,8 +4,8 @@ parameter each saves on the device, in host memory and on disk for every stage a
 of the benchmark GPT on one rank (tests/precision/test_param_remainders.py checks that the ledger's differences are
 those of the live storages).
 
-    python bench/bench_param_remainders.py                 # CPU, 2^24 elements
-    python bench/bench_param_remainders.py --device cuda   # on a GPU machine
+    python bench/investigations/bench_param_remainders.py                 # CPU, 2^24 elements
+    python bench/investigations/bench_param_remainders.py --device cuda   # on a GPU machine
 
 Bytes per element the update moves: fp32 master 28 (master r/w 8, m r/w 8, v r/w 8, bf16 grad 2, bf16 param w 2);
 remainders 26 (param r/w 4, remainder r/w 4, m and v 16, grad 2). Writes bench/results/param_remainders_<device>.*.
@@ -19,7 +19,7 @@ import shutil
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: harness, gpt_model
 
 import harness  # noqa: E402
 import torch  # noqa: E402
@@ -89,7 +89,7 @@ def main() -> None:
         rows.append([name, f"{s['median_s'] * 1e3:.2f}", f"{s['q1_s'] * 1e3:.2f}-{s['q3_s'] * 1e3:.2f}",
                      BYTES[name], f"{gbs:.1f}", f"{s['median_s'] / base:.3f}"])  # fmt: skip
     state = {r: AdamW(torch.bfloat16, param_remainders=r).bytes_per_element() for r in (False, True)}
-    payload["state_bytes_per_element"] = {"fp32_master": state[False], "remainders": state[True]}
+    payload["state_bytes_per_element"] = {"fp32_master": float(state[False]), "remainders": float(state[True])}
     body = (
         f"One fused AdamW step over 2^{args.log2_numel} elements (bf16 grad), {args.reps} interleaved rounds "
         f"after 2 warm-up rounds; medians and quartiles in ms.\n\n"

@@ -8,7 +8,7 @@ scales stay in host memory), int8 with param_remainders 2 (the remainder stays i
 bench_offload.py, the nvme iteration minus the in-memory one of the same moment dtype plus that in-memory step()
 (the same kernel work; reads of the next step's first chunks run during forward and backward, outside step()).
 
-    python bench/bench_nvme_moment_dtype.py [--sizes 16,64] [--reps 8] [--dir bench/out/nvme_moments]
+    python bench/investigations/bench_nvme_moment_dtype.py [--sizes 16,64] [--reps 8] [--dir bench/out/nvme_moments]
 
 Writes nvme_moment_dtype.json / .md.
 """
@@ -18,14 +18,17 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
+import sys
 import time
 from pathlib import Path
 
-import torch
-from bench_offload import build_model, parse_and_start
-from harness import MIB, cores, markdown_table, round_robin, summary, write_results
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: bench_offload, harness
 
-from zero_ext import ZeroAdamW
+import torch  # noqa: E402
+from bench_offload import build_model, parse_and_start  # noqa: E402
+from harness import MIB, cores, markdown_table, round_robin, summary, write_results  # noqa: E402
+
+from zero_ext import ZeroAdamW  # noqa: E402
 
 # setting -> (moment dtype, param_remainders)
 DTYPES = {

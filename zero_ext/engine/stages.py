@@ -1,0 +1,138 @@
+"""The ZeRO stage, chosen once: one object answers every question whose answer depends on the stage, so no layer
+branches on ``stage == 3``.
+
+=========  ==========================  ================================  =======================================
+stage      gradients                   parameters                        parameter communication
+=========  ==========================  ================================  =======================================
+1          a persistent flat buffer    full on every rank                all-gather after each bucket's update
+           (``.grad`` views into it)   (``state.params.FullParams``)     (``engine.param_sync.ParamSync``)
+2          staged per bucket, kept     full on every rank                the same
+           only in the fp32 shard
+3          as stage 2                  only this rank's shard            gathered just before a module uses
+                                       (``state.sharded_params``)        them, released after
+                                                                         (``engine.param_gather.ParamGather``)
+=========  ==========================  ================================  =======================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional, Sequence
+
+import torch
+
+from ..state.params import FullParams
+from ..state.sharded_params import ShardedParams
+from ..state.sharded_state import FlatGroup, ShardedState
+from ..update.rule import MASTER
+from .bucket_runtime import ParamState
+from .grads import BufferedGrads, Fp32GradBuffer, GradStrategy, ShardGrads, StagedGrads
+from .param_gather import ParamGather
+from .param_sync import ParamSync
+from .reducer import GradSync
+from .runtime import BucketRuntimes
+from .staging import StagingPool
+
+
+class Stage:
+    """What differs between the stages. ``number``: 1, 2 or 3; ``params_storage``: where a flat group's parameters
+    live (the builder makes one per flat group)."""
+
+    number: int
+    params_storage: type = FullParams
+
+    def grad_buffer_dtype(self, grad_accum_dtype: Optional[torch.dtype], param_dtype: torch.dtype):
+        """The dtype of a flat group's persistent gradient buffer, or None: only stage 1 keeps one."""
+        return None
+
+    def grads(self, state: ShardedState, pool: StagingPool, reduce_dtype: torch.dtype, grad_accum_dtype):
+        """The gradient strategy (how a gradient gets from autograd to the wire), staging through ``pool``."""
+        direct = not state.comm.communicates and all(g.state.adds_in_place for g in state.groups)
+        return (ShardGrads if direct else StagedGrads)(state, pool, reduce_dtype)
+
+    def param_sync(self, state: ShardedState, runtimes: BucketRuntimes, grad_sync: GradSync, module,
+                   reshard_after_forward: bool, prefetch: int):  # fmt: skip
+        """What brings the updated parameters back to every rank."""
+        return ParamSync(state, runtimes)
+
+    def gathered(self, param_sync):
+        """A context with every parameter whole (``gathered_params()``): they always are below stage 3."""
+        return contextlib.nullcontext()
+
+    def window(self, param_sync):
+        """The gathered-storage window the memory report bounds (stage 3's scheduler), or None."""
+        return None
+
+    def busy(self, runtimes: BucketRuntimes) -> Optional[str]:
+        """Why ``add_param_group`` cannot run now, or None."""
+        return None
+
+    def retire(self, param_sync) -> None:
+        """The parameter sync of an engine being replaced (``add_param_group``) lets go of the model."""
+        param_sync.remove_hooks()
+
+    def carry_over(self, old, new) -> None:
+        """What the replacing engine's parameter sync keeps of the old one's."""
+
+    def after_build(self, groups: Sequence[FlatGroup]) -> None:
+        """Flat groups just built (at construction or by ``add_param_group``), before the first forward."""
+
+
+class Stage1(Stage):
+    number = 1
+
+    def grad_buffer_dtype(self, grad_accum_dtype, param_dtype):
+        """``.grad``'s storage: the parameters' dtype, or fp32 with ``grad_accum_dtype=torch.float32``."""
+        return torch.float32 if grad_accum_dtype == torch.float32 else param_dtype
+
+    def grads(self, state, pool, reduce_dtype, grad_accum_dtype) -> GradStrategy:
+        return (Fp32GradBuffer if grad_accum_dtype == torch.float32 else BufferedGrads)(state, pool, reduce_dtype)
+
+
+class Stage2(Stage):
+    number = 2
+
+
+class Stage3(Stage):
+    number = 3
+    params_storage = ShardedParams
+
+    def param_sync(self, state, runtimes, grad_sync, module, reshard_after_forward, prefetch):
+        gather = ParamGather(state, runtimes, module, reshard_after_forward, prefetch)
+        grad_sync.on_ready = gather.bucket_ready
+        grad_sync.on_round_end = gather.backward_done
+        return gather
+
+    def gathered(self, param_sync):
+        return param_sync.gathered()
+
+    def window(self, param_sync):
+        return param_sync
+
+    def busy(self, runtimes):
+        if any(rt.params is not ParamState.SHARDED for rt in runtimes.values()):
+            return (
+                "called while parameters are gathered (inside forward, backward or gathered_params()); call it "
+                "between steps"
+            )
+        return None
+
+    def retire(self, param_sync) -> None:
+        param_sync.hand_over()
+
+    def carry_over(self, old, new) -> None:
+        new.peak_bytes = old.peak_bytes
+
+    def after_build(self, groups) -> None:
+        """The parameter shards are cast from the fp32 master where it is on the device."""
+        for group in groups:
+            if group.state.master_copy and group.state.resident:
+                group.flat_params.cast_from(lambda bucket, g=group: g.state.read(MASTER, bucket.shard_range))
+
+
+STAGES = {s.number: s for s in (Stage1(), Stage2(), Stage3())}
+
+
+def stage_for(number: int) -> Stage:
+    """The stage object of ``stage=number`` (checked by the options before: 1, 2 or 3)."""
+    return STAGES[number]
