@@ -79,15 +79,15 @@ setup(
     # link to that folder, which find_packages follows, so the plain rule below installs them as zero_ext.kernels
     # and a checkout imports them from its own tree. kernels/ itself holds no __init__.py: a regular package named
     # `kernels` at the root of a checkout would be imported, from there, in place of the Hugging Face hub's
-    # `kernels`, which transformers looks for (tests/test_packaging.py).
+    # `kernels`, which transformers looks for (tests/package/test_packaging.py).
     packages=find_packages(include=["zero_ext", "zero_ext.*"]),
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},
     install_requires=["torch>=2.4", "numpy>=1.24", "safetensors>=0.4"],
     # bench: the benchmarks' plots and progress bar (tqdm). hf: zero_ext.integrations.transformers (ZeroTrainer;
     # transformers 5.x, whose Trainer needs accelerate; neither pulls another torch). dev includes both: `make test`
-    # installs .[dev], tests/test_bench_smoke.py runs the benchmarks and tests/test_integration_transformers.py the
-    # Trainer (about 20 s of installing and 20 s of tests).
+    # installs .[dev], tests/tooling/test_bench_smoke.py runs the benchmarks and
+    # tests/integrations/test_integration_transformers.py the Trainer (about 20 s of installing and 20 s of tests).
     extras_require={
         "dev": ["pytest>=7", "hypothesis>=6", "triton>=3.0", "ruff>=0.5", "clang-format>=18", "import-linter>=2.16"]
         + BENCH_REQUIRES

@@ -103,7 +103,8 @@ GOAL = ("remainders_int8", 3)  # issue 24: this setting and stage at <= half of 
 
 
 def _live() -> int:
-    """Bytes of every distinct CPU storage alive (the garbage collector's tensors, as tests/engine_reference.py)."""
+    """Bytes of every distinct CPU storage alive (the garbage collector's tensors, as
+    tests/helpers/engine_reference.py)."""
     gc.collect()
     seen = {}
     warnings.filterwarnings("ignore", message=".*reduce_op.*is deprecated")  # isinstance() on torch's alias object

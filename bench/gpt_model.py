@@ -4,8 +4,9 @@ The model is the usual decoder-only transformer: token embedding (``embed``) + l
 parameter on the root), pre-LayerNorm blocks (causal self-attention, GELU MLP), a final LayerNorm (``ln_f``) and an
 LM head (``head``) whose weight is the token embedding's. The benchmarks train it at the main job's size
 (``GPTConfig()``: ~3.3M params). ``extra_branch`` adds an ``extra`` Linear that only ``forward(..., use_extra=True)``
-uses (its params get no gradient otherwise). The engine tests keep their own copy of this model at odd sizes
-(tests/tiny_transformer.py) and import nothing from bench/; only the tests of the benchmarks' own code do.
+uses (its params get no gradient otherwise). The engine tests build this model too, at odd sizes
+(tests/helpers/tiny_transformer.py), so a change here changes what they check: tests/tooling/test_gpt_model.py pins
+the parameters they are built around.
 
 The data is a fixed random Markov chain over the vocabulary, generated from a seed: every token has a few
 successors with random probabilities, so the best achievable loss is the chain's entropy rate (printed by

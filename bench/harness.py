@@ -1,8 +1,8 @@
 """What the benchmarks share: result files, timing statistics, processes and rendezvous, and the training recipes.
 
 Scripts run as ``python bench/<script>.py`` (bench/ is then on sys.path). Nothing is installed. The engine tests
-import nothing from bench/ (tests/distributed.py has its own gloo ranks, tests/tiny_transformer.py its own model);
-only the tests of the benchmarks themselves import them.
+import only the model from bench/ (gpt_model.py, which tests/helpers/tiny_transformer.py builds at odd sizes) and have
+their own gloo ranks (tests/helpers/distributed.py); only the tests of the benchmarks themselves import the rest.
 
 - result files: :func:`write_results` writes ``<name>.json`` (:func:`meta` + the script's payload) and ``<name>.md``;
   both carry the device, date, commit, torch version and exact command, so every number in bench/README.md traces

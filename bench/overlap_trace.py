@@ -1,7 +1,7 @@
 """The overlap analysis behind bench/profile_overlap.py: interval algebra, device events classified as compute or
 collective, how much of each collective's time had compute beside it, and the extraction of device events and phase
-windows from a chrome trace. Pure functions of event intervals, no GPU needed (tests/test_profile_overlap.py feeds
-them synthetic timelines)."""
+windows from a chrome trace. Pure functions of event intervals, no GPU needed (tests/tooling/test_profile_overlap.py
+feeds them synthetic timelines)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 // The per-element and per-block arithmetic of the int8 fused AdamW step (moment_dtype=torch.int8),
 // shared by the CPU (csrc/cpu/fused_adamw_int8*.cpp) and CUDA (csrc/cuda/fused_adamw_int8.cu)
-// kernels. The plain-torch reference is zero_ext/blockwise_int8.py; every operation here is one
-// IEEE fp32 operation it also performs (a multiply, a divide, a comparison), so results are
-// bitwise equal to it:
+// kernels. The plain-torch reference is tests/helpers/int8_reference.py (with the maps and
+// quantization of zero_ext/update/blockwise_int8.py); every operation here is one IEEE fp32
+// operation it also performs (a multiply, a divide, a comparison), so results are bitwise equal
+// to it:
 //   value = map[code] * scale                        (dequantize)
 //   scale = max |x| over the block, NaN -> 0x7FC00000 (the canonical quiet NaN torch writes)
 //   code  = #{thresholds t : t < y},  y = x / (scale == 0 ? 1 : scale)   (nearest map value; NaN ->

@@ -2,7 +2,7 @@
 // stochastically to bf16, with random bits from a counter-based hash of (seed, step, element
 // index). The index is the element's canonical index (the engine's element_offset + i), so an
 // element rounds the same way at every world size and stage. One formula for the CPU paths, CUDA
-// and the plain-torch reference (zero_ext/stochastic_rounding.py):
+// and the plain-torch reference (tests/helpers/stochastic_rounding.py):
 //   mix(x): x ^= x >> 16; x *= 0x7FEB352D; x ^= x >> 15; x *= 0x846CA68B; x ^= x >> 16
 //     (Chris Wellons' "lowbias32" integer hash: two multiplies, full avalanche on 32 bits)
 //   key = mix(seed32 ^ mix(step32 ^ 0x9E3779B9))                       once per call

@@ -73,25 +73,27 @@ ALL_STEPS=(build ops engine engine_one suite memcheck memcheck_engine racecheck 
 declare -A PLANS=([call1]="build ops bench engine_one" [call2]="overlap memcheck")
 declare -A PLAN_BUDGET_S=([call1]=465 [call2]=225)
 # The kernel tests (`ops`); `engine` runs every other CUDA test.
-KERNEL_TESTS=(tests/test_cuda_ops.py tests/test_fused_adamw*.py tests/test_flatten*.py tests/test_sum_squares*.py
-  tests/test_master_split.py tests/test_ops_opcheck.py tests/test_triton_kernels.py tests/test_op_build.py)
+KERNEL_TESTS=(tests/kernels/test_cuda_ops.py tests/kernels/test_fused_adamw*.py tests/kernels/test_flatten*.py
+  tests/kernels/test_sum_squares*.py tests/kernels/test_master_split.py tests/kernels/test_ops_opcheck.py
+  tests/kernels/test_triton_kernels.py tests/kernels/test_op_build.py)
 KERNEL_IGNORES=("${KERNEL_TESTS[@]/#/--ignore=}")
 # One engine test through NCCL at one rank (stage 2, bf16: side streams, events, Triton staging, reduce-scatter,
 # the kernels, against torch.optim.AdamW every step), and the multi-GPU tests: on one GPU they skip and the summary
 # shows their reason (how many GPUs they need and found).
-ENGINE_ONE_TESTS=(tests/test_engine_cuda.py tests/test_engine_cuda_multi_gpu.py)
+ENGINE_ONE_TESTS=(tests/engine/test_engine_cuda.py tests/engine/test_engine_cuda_multi_gpu.py)
 ENGINE_ONE_K="test_cuda_matches_unsharded_adamw and through_nccl-dtype0-2 or \
 test_stage3_and_offload_through_nccl_match_the_reference"
 # Under memcheck every launch is checked and slow: one small case of each kernel family (fp32 / amsgrad / unaligned
 # fused_adamw_, bf16 moments with remainders, int8 and int8 amsgrad, master split, flatten, sum_squares).
-MEMCHECK_TESTS=(tests/test_cuda_ops.py tests/test_fused_adamw_bf16_moments.py tests/test_fused_adamw_int8.py
-  tests/test_fused_adamw_int8_amsgrad.py tests/test_master_split.py)
+MEMCHECK_TESTS=(tests/kernels/test_cuda_ops.py tests/kernels/test_fused_adamw_bf16_moments.py
+  tests/kernels/test_fused_adamw_int8.py tests/kernels/test_fused_adamw_int8_amsgrad.py tests/kernels/test_master_split.py)
 MEMCHECK_K="(test_cuda_matches_cpu and 1025-bf16-bf16_out) or (amsgrad_maximize and 1025-bf16-True-True) \
 or (unaligned_views_take_the_scalar_path and 3-bf16) or hundreds_of_tensors or sum_squares_nonfinite_flag \
 or (test_cuda_is_the_reference_bitwise and 1025-bf16_remainders-amsgrad-unaligned) \
 or (test_cuda_matches_the_cpu_kernel and bf16-1025-64) or (test_cuda_remainder_mode_matches_cpu and 1025)"
 # A few engine tests that cover each side stream and copy path.
-MEMCHECK_ENGINE_TESTS=(tests/test_engine_cuda.py tests/test_engine_cuda_paths.py tests/test_engine_cuda_offload.py)
+MEMCHECK_ENGINE_TESTS=(tests/engine/test_engine_cuda.py tests/engine/test_engine_cuda_paths.py
+  tests/engine/test_engine_cuda_offload.py)
 MEMCHECK_ENGINE_K="(matches_unsharded and dtype0) or delayed_side_streams or (reads_finished_gradients and cpu_stage2 \
 and bf16) or fp32_master"  # dtype0: bf16
 PYTEST=("${PY}" -m pytest -q -ra --durations=10)
@@ -303,7 +305,7 @@ run_step() {
       ensure_build
       step racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 1 --print-limit 20 \
         "${PY}" -m pytest -q -x -m "not slow" -k "cuda and (sum_squares or hundreds)" \
-        tests/test_cuda_ops.py ;;
+        tests/kernels/test_cuda_ops.py ;;
     bench)
       ensure_build
       step bench 40 "${PY}" bench/bench_fused_adamw.py --device cuda ;;

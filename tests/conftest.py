@@ -6,7 +6,7 @@ import torch
 
 # Without a GPU the Triton kernels run on CPU through the interpreter; this must be set before any @triton.jit
 # function is imported. On a GPU machine they are compiled for real, and the tests that run Triton on CPU tensors
-# run in a subprocess of their own with the interpreter on (tests/test_triton_interpreted.py).
+# run in a subprocess of their own with the interpreter on (tests/kernels/test_triton_interpreted.py).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -29,7 +29,7 @@ def pytest_collection_modifyitems(config, items):
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_triton_cpu = pytest.mark.skip(
         reason="runs Triton on CPU tensors, which needs TRITON_INTERPRET=1 for the whole process; on a GPU machine "
-        "tests/test_triton_interpreted.py runs these in a subprocess of their own"
+        "tests/kernels/test_triton_interpreted.py runs these in a subprocess of their own"
     )
     for item in items:
         if runs_triton_on_cpu(item):

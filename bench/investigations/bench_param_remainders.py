@@ -1,8 +1,8 @@
 """The fused AdamW kernel with ``param_remainders`` (bf16 param + int16 remainder as the master) against the default
 fp32 master with a bf16 param_out, on one shard, interleaved round-robin in one process; and the bytes per
 parameter each saves on the device, in host memory and on disk for every stage and offload, from memory_report()
-of the benchmark GPT on one rank (tests/test_param_remainders.py checks that the ledger's differences are those of
-the live storages).
+of the benchmark GPT on one rank (tests/precision/test_param_remainders.py checks that the ledger's differences are
+those of the live storages).
 
     python bench/investigations/bench_param_remainders.py                 # CPU, 2^24 elements
     python bench/investigations/bench_param_remainders.py --device cuda   # on a GPU machine

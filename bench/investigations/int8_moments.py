@@ -34,15 +34,28 @@ from gpt_model import GPT, GPTConfig, MarkovData  # noqa: E402
 from zero_ext import ops  # noqa: E402
 from zero_ext.update import blockwise_int8 as q8  # noqa: E402
 
+
+def linear_map(signed: bool, total_bits: int = 8) -> torch.Tensor:
+    """A linear grid over [-1, 1] (signed; ``2**total_bits - 1`` values, 0 included, padded with one more 0) or
+    [0, 1] (unsigned): the baseline the dynamic maps are measured against."""
+    n = 2**total_bits
+    if signed:
+        grid = torch.linspace(-1.0, 1.0, n - 1, dtype=torch.float64)
+        grid = torch.cat([grid, torch.zeros(1, dtype=torch.float64)]).sort().values
+    else:
+        grid = torch.linspace(0.0, 1.0, n, dtype=torch.float64)
+    return grid.to(torch.float32)
+
+
 # v maps: bitsandbytes' 8-bit unsigned dynamic map, the 7-bit nonnegative one (bit 7 free for the tie bit), linear.
 V_MAPS = {
     "dyn8u": q8.dynamic_map(False, 8),
     "dyn7": q8.dynamic_map(False, 7, 6),
     "dyn7nz": q8.dynamic_map(False, 7, 7, zero=False),
     "dyn8unz": q8.dynamic_map(False, 8, 8, zero=False),
-    "linear8u": q8.linear_map(False, 8),
+    "linear8u": linear_map(False, 8),
 }
-M_MAPS = {"dyn8s": q8.dynamic_map(True, 8), "linear8s": q8.linear_map(True, 8)}
+M_MAPS = {"dyn8s": q8.dynamic_map(True, 8), "linear8s": linear_map(True, 8)}
 BLOCKS = (64, 128, 256, 2048)
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 

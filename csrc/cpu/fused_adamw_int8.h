@@ -1,5 +1,5 @@
 // cpu::fused_adamw_int8: one fused AdamW step over a shard whose moments are block-quantized to
-// int8 (csrc/fused_adamw_int8_math.h, zero_ext/blockwise_int8.py). Torch-free, like kernels.h.
+// int8 (csrc/fused_adamw_int8_math.h, tests/helpers/int8_reference.py). Torch-free, like kernels.h.
 //
 // Per block of `block` elements: dequantize exp_avg / exp_avg_sq with the block's old scales, run
 // adamw_update (adamw_math.h, the fp32 kernels' formula) into a stack buffer while taking the

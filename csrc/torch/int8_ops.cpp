@@ -1,6 +1,6 @@
 // zero_ext::fused_adamw_int8_: the schema (a fragment of the zero_ext library, so registration.cpp
 // is untouched) and its CPU backend. The CUDA backend is cuda_int8_ops.cpp (CUDA builds only).
-// Python wrapper and fake: zero_ext/ops_int8.py; reference: zero_ext/blockwise_int8.py.
+// Python wrapper and fake: zero_ext/ops/int8.py; reference: tests/helpers/int8_reference.py.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

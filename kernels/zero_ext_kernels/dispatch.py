@@ -91,8 +91,8 @@ def accumulate_into(acc: torch.Tensor, src: torch.Tensor) -> None:
         # iteration (bench_offload.py's in-memory contender ran slower than offload="cpu"). Blocks of CPU_BLOCK
         # elements keep the temporaries small enough for the allocator to reuse; the sums are the same (the cast is
         # exact). Each block is cast into one fp32 scratch per call rather than by add_ itself: the per-block
-        # temporaries left 12-20 MiB in glibc's heap (one 64M-element bf16 gradient, tests/test_fragment_memory.py's
-        # nvme case), the scratch 4 MiB.
+        # temporaries left 12-20 MiB in glibc's heap (one 64M-element bf16 gradient,
+        # tests/engine/test_fragment_memory.py's nvme case), the scratch 4 MiB.
         scratch = torch.empty(min(CPU_BLOCK, src.numel()), dtype=torch.float32)
         for start in range(0, src.numel(), CPU_BLOCK):
             block = src[start : start + CPU_BLOCK]

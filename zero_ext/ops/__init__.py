@@ -55,7 +55,7 @@ def fused_adamw_(
     exp_avg_sq)``, NaN-propagating, and divides instead of ``exp_avg_sq``); ``maximize=True`` negates the gradient.
 
     bf16 moments (``moment_dtype=torch.bfloat16``): each loads exactly to fp32, the update is the fp32 one, and
-    the new moments are stored with stochastic rounding (``zero_ext.update.stochastic_rounding``): element ``i`` of the
+    the new moments are stored with stochastic rounding (csrc/stochastic_rounding.h): element ``i`` of the
     call takes the random bits of the hash of (``rounding_seed``, ``step``, ``element_offset + i``), exp_avg the low
     16, exp_avg_sq and max_exp_avg_sq the high 16. ``element_offset`` (>= 0) is the canonical index of the call's
     first element, so an element rounds the same way however the state is sharded. Both are ignored for fp32

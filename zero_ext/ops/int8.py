@@ -1,6 +1,6 @@
 """The fused AdamW step with int8 block-quantized moments: a thin documented wrapper over
 ``torch.ops.zero_ext.fused_adamw_int8_`` and its fake (meta) impl. The maps, the block layout and the plain-torch
-reference of the same arithmetic are in :mod:`zero_ext.update.blockwise_int8`.
+reference of the same arithmetic are in :mod:`zero_ext.update.blockwise_int8` and tests/helpers/int8_reference.py.
 
 How the engine uses it (``ZeroAdamW(moment_dtype=torch.int8)``; zero_ext/update/rule.py):
 
@@ -98,7 +98,7 @@ def fused_adamw_int8_(
     ``maximum(max_exp_avg_sq, new exp_avg_sq)`` (NaN-propagating; torch.optim.AdamW's amsgrad, as
     :func:`zero_ext.ops.fused_adamw_`'s ``max_exp_avg_sq``), divides instead of exp_avg_sq, and is requantized with
     its own new block absmax; bit 7 of its codes is ignored when read and written 0. On the CPU the result is
-    bitwise :func:`zero_ext.update.blockwise_int8.fused_adamw_int8_reference`'s.
+    bitwise tests/helpers/int8_reference.py's ``fused_adamw_int8_reference``.
     """
     values = (lr, beta1, beta2, eps, weight_decay, step, grad_scale)
     floats, tensors = zip(*(split_scalar(f"zero_ext.{_OP}", n, v) for n, v in zip(_ADAMW_SCALARS, values)))

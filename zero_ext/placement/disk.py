@@ -250,7 +250,7 @@ class DiskState(HostGradients):
         # mapping, unmapped when freed). A per-bucket fp32 temporary (16 MiB at the default 4M-element buckets) goes
         # to glibc's heap once its dynamic mmap threshold has risen past it, and the heap kept 32-80 MiB of them
         # after reset_master (construction), varying run to run: RSS grew 67-163 MiB past the grad shard and the
-        # window, one 64M-element bf16 parameter at one rank (tests/test_fragment_memory.py).
+        # window, one 64M-element bf16 parameter at one rank (tests/engine/test_fragment_memory.py).
         self.files.write_range(kind, shard_range.start, values.detach())
 
     def _clear_ties(self) -> None:

@@ -97,7 +97,7 @@ class HostGradients(DeviceState):
 
     resident = False  # the reduced gradient lands in the ring first
     # One process without a GPU adds the gradients straight into the grad shard (see _init_gradients); False keeps
-    # the landing ring there too (tests/test_offload_stream_order.py walks the CUDA path's copies on the CPU).
+    # the landing ring there too (tests/offload/test_offload_stream_order.py walks the CUDA path's copies on the CPU).
     IN_PLACE_WITHOUT_GPU = True
 
     def _init_gradients(self, layout: Layout, params, device: torch.device, rule: UpdateRule) -> None:

@@ -1,5 +1,7 @@
-"""Block-quantized 8-bit AdamW moments (``moment_dtype=torch.int8``), in plain torch: the maps, quantize /
-dequantize, and the reference of the fused step the kernels (``zero_ext.ops.int8``) compute.
+"""Block-quantized 8-bit AdamW moments (``moment_dtype=torch.int8``), in plain torch: the maps and quantize /
+dequantize, which the engine uses to save and load int8 moments (the fused step is ``zero_ext.ops.int8``'s kernel;
+its plain-torch reference is tests/helpers/int8_reference.py, the maps' C++ header comes from
+scripts/gen_int8_maps_header.py).
 
 The maps are the dynamic ("dynamic tree") quantization of Dettmers et al. 2022, *8-bit Optimizers via Block-wise
 Quantization*, as bitsandbytes' ``create_dynamic_map`` defines it (torchao's AdamW8bit uses the same maps); the
@@ -41,9 +43,7 @@ from typing import Optional
 
 import torch
 
-from .. import ops
 from ..ops.int8 import BLOCK, num_blocks  # noqa: F401  (part of this module's API: the engine and tests read them here)
-from . import master_split
 
 
 def dynamic_map(
@@ -79,26 +79,14 @@ def dynamic_map(
     return torch.tensor(sorted(data), dtype=torch.float64).to(torch.float32)
 
 
-def linear_map(signed: bool, total_bits: int = 8) -> torch.Tensor:
-    """A linear grid over [-1, 1] (signed; ``2**total_bits - 1`` values, 0 included, padded with one more 0) or
-    [0, 1] (unsigned): the baseline the dynamic maps are measured against."""
-    n = 2**total_bits
-    if signed:
-        grid = torch.linspace(-1.0, 1.0, n - 1, dtype=torch.float64)
-        grid = torch.cat([grid, torch.zeros(1, dtype=torch.float64)]).sort().values
-    else:
-        grid = torch.linspace(0.0, 1.0, n, dtype=torch.float64)
-    return grid.to(torch.float32)
-
-
 def with_minus_one(qmap: torch.Tensor) -> torch.Tensor:
     """A signed map whose smallest positive value gives way to -1. bitsandbytes' signed map has +1 but not -1, so
     a block whose largest-magnitude element is negative decodes it as -0.993 x absmax, and quantizing the decoded
     block again finds a smaller absmax and moves every code of the block: a checkpoint (which holds the moments
     dequantized) would not load back into the same codes. With -1 a block's absmax element decodes to +-scale
     exactly, so ``quantize(dequantize(codes, scales))`` gives back ``codes, scales`` and a checkpoint resumes
-    bitwise (tests/test_moment_dtype_int8.py). The value given up, 5.5e-7, is the smallest positive one: positive
-    values below 1.9e-6 x absmax round to 0 or 3.25e-6 instead."""
+    bitwise (tests/precision/test_moment_dtype.py). The value given up, 5.5e-7, is the smallest positive one:
+    positive values below 1.9e-6 x absmax round to 0 or 3.25e-6 instead."""
     smallest = qmap[qmap > 0].min()
     return torch.cat([qmap[qmap != smallest], torch.tensor([-1.0])]).sort().values
 
@@ -149,107 +137,3 @@ def dequantize(
     """The fp32 values of int8 ``codes`` (flat) with per-block ``scales``; bit 7 is ignored for a 128-value map."""
     idx = codes.reshape(-1).view(torch.uint8).to(torch.int64) & (len(qmap) - 1)
     return qmap[idx] * scales.repeat_interleave(block)[: idx.numel()]
-
-
-def fused_adamw_int8_reference(
-    master: torch.Tensor,
-    grad: torch.Tensor,
-    m_codes: torch.Tensor,
-    m_scales: torch.Tensor,
-    v_codes: torch.Tensor,
-    v_scales: torch.Tensor,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: float,
-    grad_scale: float = 1.0,
-    param_out: Optional[torch.Tensor] = None,
-    found_inf: Optional[torch.Tensor] = None,
-    maximize: bool = False,
-    remainder: Optional[torch.Tensor] = None,
-    block: int = BLOCK,
-    max_codes: Optional[torch.Tensor] = None,
-    max_scales: Optional[torch.Tensor] = None,
-) -> None:
-    """What ``zero_ext.ops.int8.fused_adamw_int8_`` does, in place, one tensor at a time: dequantize exp_avg
-    (``m_codes``, ``m_scales``, :data:`EXP_AVG_MAP`) and exp_avg_sq (``v_codes``, ``v_scales``,
-    :data:`EXP_AVG_SQ_MAP`), one fp32 AdamW update (the fp32 op ``zero_ext.ops.fused_adamw_`` on the dequantized
-    copies: csrc/adamw_math.h's formula, so the arithmetic is the kernel's by construction), requantize both with the
-    new block absmax, write the master (fp32, or with ``remainder`` the bf16 ``master`` + int16 remainder + the tie
-    bit in bit 7 of ``v_codes``, SPEC A) and ``param_out`` (bf16/fp16, round to nearest even).
-
-    amsgrad: ``max_codes`` (int8) and ``max_scales`` (fp32, one per block) hold max_exp_avg_sq with
-    :data:`EXP_AVG_SQ_MAP`; its dequantized copy goes to the fp32 op as ``max_exp_avg_sq`` (so it becomes
-    ``maximum(old max, new exp_avg_sq)``, NaN-propagating, and divides), then is requantized with its own new block
-    absmax. Bit 7 of ``max_codes`` is ignored when read and written 0 (the tie bit lives in ``v_codes`` only)."""
-    if (max_codes is None) != (max_scales is None):
-        raise ValueError("fused_adamw_int8_reference: `max_codes` and `max_scales` must be given together (amsgrad)")
-    if found_inf is not None and float(found_inf) != 0.0:
-        return
-    n = master.numel()
-    m = dequantize(m_codes, m_scales, block, EXP_AVG_MAP)
-    v = dequantize(v_codes, v_scales, block, EXP_AVG_SQ_MAP)
-    v_max = dequantize(max_codes, max_scales, block, EXP_AVG_SQ_MAP) if max_codes is not None else None
-    p = master_split.join(master, remainder, master_split.tie_of(v_codes)) if remainder is not None else master.clone()
-    out = param_out.clone() if param_out is not None else None
-    ops.fused_adamw_(p, grad, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                     step=step, grad_scale=grad_scale, param_out=out, maximize=maximize,
-                     max_exp_avg_sq=v_max)  # fmt: skip
-    new_m_codes, new_m_scales = quantize(m, block, EXP_AVG_MAP)
-    new_v_codes, new_v_scales = quantize(v, block, EXP_AVG_SQ_MAP)
-    if remainder is not None:
-        param, rem, tie = master_split.split(p)
-        master.copy_(param)
-        remainder.copy_(rem)
-        new_v_codes = master_split.with_tie(new_v_codes, tie)
-    else:
-        master.copy_(p)
-    if out is not None:
-        param_out.copy_(out)
-    m_codes.view(-1).copy_(new_m_codes[:n])
-    m_scales.copy_(new_m_scales)
-    v_codes.view(-1).copy_(new_v_codes[:n])
-    v_scales.copy_(new_v_scales)
-    if v_max is not None:
-        new_max_codes, new_max_scales = quantize(v_max, block, EXP_AVG_SQ_MAP)
-        max_codes.view(-1).copy_(new_max_codes[:n])
-        max_scales.copy_(new_max_scales)
-
-
-def _c_array(name: str, values: torch.Tensor) -> str:
-    items = []
-    for v in values.tolist():
-        mantissa, exponent = float(v).hex().split("p")
-        items.append(mantissa.rstrip("0").rstrip(".") + "p" + exponent + "f")
-    rows = [", ".join(items[i : i + 4]) for i in range(0, len(items), 4)]
-    return f"#define {name} \\\n  {{" + ", \\\n   ".join(rows) + "}\n"
-
-
-def cpp_maps_header() -> str:
-    """The text of csrc/fused_adamw_int8_maps.h: the maps and thresholds as exact hex-float literals, so the C++
-    and CUDA kernels use these very fp32 values (tests/test_blockwise_int8.py checks the file against this)."""
-    return (
-        "// GENERATED by zero_ext.update.blockwise_int8.cpp_maps_header(); do not edit. Regenerate with\n"
-        "//   PYTHONPATH=$PWD python -m zero_ext.update.blockwise_int8 > csrc/fused_adamw_int8_maps.h\n"
-        "// The int8 moment maps (zero_ext/blockwise_int8.py) and the midpoints between neighbouring\n"
-        "// values: a code is the number of thresholds below x / scale. Initialiser lists, so the CPU\n"
-        "// kernels can make them constexpr arrays and the CUDA kernels __constant__ ones.\n"
-        "#pragma once\n// clang-format off\n\n"
-        f"#define ZERO_EXT_INT8_EXP_AVG_CODES {len(EXP_AVG_MAP)}\n"
-        f"#define ZERO_EXT_INT8_EXP_AVG_SQ_CODES {len(EXP_AVG_SQ_MAP)}\n\n"
-        + _c_array("ZERO_EXT_INT8_EXP_AVG_MAP", EXP_AVG_MAP)
-        + "\n"
-        + _c_array("ZERO_EXT_INT8_EXP_AVG_THRESHOLDS", thresholds(EXP_AVG_MAP))
-        + "\n"
-        + _c_array("ZERO_EXT_INT8_EXP_AVG_SQ_MAP", EXP_AVG_SQ_MAP)
-        + "\n"
-        + _c_array("ZERO_EXT_INT8_EXP_AVG_SQ_THRESHOLDS", thresholds(EXP_AVG_SQ_MAP))
-        + "// clang-format on\n"
-    )
-
-
-if __name__ == "__main__":
-    print(cpp_maps_header(), end="")

@@ -13,8 +13,8 @@ raw bits M of the master:
 :func:`split` then :func:`join` gives back every fp32 bit pattern but NaNs (a NaN stays a NaN, its payload is not
 kept), and the parameter is exactly the fp32-master run's. The 17th bit is needed: an even bf16 value is the
 rounding of 2^16 + 1 masters (both ends are ties to even), whose two ends share the remainder 0x8000; tie = 1 is the
-upper one (a tie that rounding to even took down). tests/test_master_split.py and csrc/cpu/tests/test_master_split.cpp
-(all 2^32 patterns) check it.
+upper one (a tie that rounding to even took down). tests/kernels/test_master_split.py and
+csrc/cpu/tests/test_master_split.cpp (all 2^32 patterns) check it.
 
 The tie bit is kept in the sign bit of exp_avg_sq's storage (fp32: bit 31, bf16: bit 15, int8 codes: bit 7), free
 because exp_avg_sq is >= +0 or NaN: :func:`tie_of`, :func:`without_tie` and :func:`with_tie` read and write it.
