@@ -11,14 +11,16 @@ CLANG_FORMAT ?= $(SCRIPTS)/clang-format
 .PHONY: install reinstall run test test-fast test-cuda ctest lint format cuda-link
 
 # The install is skipped when nothing it depends on changed since the last one for this interpreter: the stamp
-# records the interpreter's prefix and is older than no build input.
+# records the interpreter's prefix and is older than no build input, and zero_ext imported from outside the tree is
+# this checkout's (an editable install made by another clone of the repository points elsewhere).
 STAMP := build/.install-stamp
 PREFIX := $(shell $(PYTHON) -c "import sys; print(sys.prefix)")
 INPUTS := setup.py pyproject.toml csrc
 
 install:
 	@if [ -f $(STAMP) ] && [ "$$(cat $(STAMP))" = "$(PREFIX)" ] \
-		&& [ -z "$$(find $(INPUTS) -newer $(STAMP) -print -quit)" ] && $(PYTHON) -c "import zero_ext" 2>/dev/null; then \
+		&& [ -z "$$(find $(INPUTS) -newer $(STAMP) -print -quit)" ] \
+		&& (cd / && $(PYTHON) -c "import sys, zero_ext; sys.exit(zero_ext.__file__ != '$(CURDIR)/zero_ext/__init__.py')") 2>/dev/null; then \
 		echo "== zero_ext is installed and up to date for $(PYTHON) (make reinstall forces a rebuild)"; \
 	else \
 		$(PYTHON) -c "import torch" 2>/dev/null || { echo "== torch is not importable: installing $(TORCH_SPEC)"; \

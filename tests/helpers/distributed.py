@@ -119,6 +119,9 @@ class _Pool:
         for p in self.procs:
             if p.is_alive():
                 p.kill()
+        # Reaped before the next pool spawns: a killed rank's sockets and queue locks are gone by then.
+        for p in self.procs:
+            p.join(timeout=10)
         _POOLS.pop(self.world_size, None)
 
 
