@@ -92,6 +92,12 @@ class Contender:
                                     "param_dtype": "float32" if fp32 else "bfloat16", "autocast": not fp32,
                                     "reshard_after_forward": not recipe.endswith("_keep")})  # fmt: skip
             self.model, self.net, self.opt = build(self.cfg, cfg.model, device)
+        self.call = None  # forward's callable when compiled: the DDP wrapper, the FSDP2 root, ZeroAdamW's model
+        if cfg.compile_backend:
+            if self.peer is not None:
+                self.peer.call = torch.compile(self.peer.net, backend=cfg.compile_backend)
+            else:
+                self.call = torch.compile(self.net, backend=cfg.compile_backend)
         self.memory = None  # model state after the measured step, grads still allocated
         self.steps = 0
         self.losses: list[torch.Tensor] = []  # this rank's loss at every step (all contenders see the same batches)
@@ -109,7 +115,7 @@ class Contender:
             if self.peer.naive is not None:
                 self.comm_s.append(self.peer.naive.comm_s - before)
         else:
-            loss = forward_backward(self.cfg, self.model, self.net, x, y, self.device).detach()
+            loss = forward_backward(self.cfg, self.model, self.net, x, y, self.device, self.call).detach()
             self.opt.step()
             led = model_state(self.model, self.net, self.opt) if measure else None
             self.opt.zero_grad(set_to_none=True)
@@ -165,6 +171,12 @@ def main(argv=None) -> int:
     p.add_argument("--batch-per-rank", type=int, default=4)
     add_model_args(p)
     p.add_argument("--bucket-size", type=int, default=None, help="ZeroAdamW bucket size (default: the engine's)")
+    p.add_argument(
+        "--compile",
+        default=None,
+        choices=["eager", "inductor"],
+        help="torch.compile every contender's model with this backend (the two untimed steps compile)",
+    )
     p.add_argument("--out-dir", default=str(harness.RESULTS))
     p.add_argument("--name", default=None, help="result file stem (default: engine_step_<device>)")
     args = p.parse_args(argv)
@@ -178,7 +190,8 @@ def main(argv=None) -> int:
         if not any(CONTENDERS[n][0] == comp and n.startswith("ddp") for n in names):
             p.error(f"comparison {comp!r} needs its DDP baseline among --contenders")
     model = model_config(args)
-    cfg = RunConfig(model=model, global_batch=args.batch_per_rank * world, bucket_size=args.bucket_size)
+    cfg = RunConfig(model=model, global_batch=args.batch_per_rank * world, bucket_size=args.bucket_size,
+                    compile_backend=args.compile)  # fmt: skip
 
     meta = harness.meta(torch.device(device))  # at the start: the commit that ran
     result = harness.launch(bench, world, device, cfg, names, args.rounds, args.warmup_rounds, args.steps_per_turn)
@@ -189,7 +202,12 @@ def main(argv=None) -> int:
         f"thread(s) per rank; Psi = {psi:,} params (d_model {args.d_model}, {args.layers} layers, {args.heads} "
         f"heads, vocab {args.vocab}, seq {args.seq_len}); {args.batch_per_rank} x {args.seq_len} tokens per rank "
         f"per step; ZeroAdamW bucket size {args.bucket_size or 'engine default'}; DDP defaults (25 MB buckets, "
-        "gradient_as_bucket_view=False).",
+        "gradient_as_bucket_view=False)"
+        + (
+            f"; every model torch.compile'd (backend {args.compile!r}; compiled during the untimed steps)."
+            if args.compile
+            else "."
+        ),
         f"interleaved round-robin in one launch: {args.warmup_rounds} warm-up round(s), then {args.rounds} rounds "
         f"x {args.steps_per_turn} steps per contender; times are the slowest rank's per step.",
         "vs DDP (medians): median step time / the DDP median of the same comparison (the targets' statistic); "

@@ -346,6 +346,7 @@ class RunConfig:
     param_remainders: bool = False  # ZeroAdamW: the fp32 master kept as the bf16 param + an int16 remainder
     moment_dtype: str = "float32"  # ZeroAdamW's moment_dtype, a torch dtype name ("float32", "bfloat16", "int8")
     progress: str = ""  # rank 0 shows a progress bar with this label ("": none)
+    compile_backend: Optional[str] = None  # torch.compile the model (what forward calls) with this backend
 
 
 def build(cfg: RunConfig, model_cfg: GPTConfig, device: torch.device):
@@ -385,9 +386,10 @@ def build(cfg: RunConfig, model_cfg: GPTConfig, device: torch.device):
     return model, model, opt
 
 
-def forward_backward(cfg: RunConfig, model, net, x, y, device: torch.device) -> torch.Tensor:
+def forward_backward(cfg: RunConfig, model, net, x, y, device: torch.device, call=None) -> torch.Tensor:
+    """``call``: what runs forward instead of ``net`` (``torch.compile(net)``)."""
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast):
-        loss = net(x, y)
+        loss = (net if call is None else call)(x, y)
     loss.backward()
     if net is not model:  # DDP: clip here; ZeroAdamW clips inside step()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)

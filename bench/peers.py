@@ -101,6 +101,7 @@ class Peer:
         hyper = dict(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         self.model = model = _model(cfg, model_cfg, device)
         self.net, self.naive, self.window = model, None, None
+        self.call = None  # forward's callable instead of net (torch.compile(net))
         if name.startswith("fsdp2"):
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -128,7 +129,7 @@ class Peer:
         if measure and self.name.startswith("fsdp2"):
             self.window = FSDPWindow(self.model)  # attached for this step only (sampling costs time)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.name != "fsdp2_fp32"):
-            loss = self.net(x, y)
+            loss = (self.net if self.call is None else self.call)(x, y)
         loss.backward()
         if self.naive is None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)

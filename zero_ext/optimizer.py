@@ -87,6 +87,12 @@ class ZeroAdamW(torch.optim.Optimizer):
             kept) or keep it until its gradients are reduced (False: 2 Psi, every bucket gathered at the end of
             forward).
         prefetch: stage 3: buckets gathered ahead of use, in the execution order of the previous step.
+        gather_units: stage 3: which modules' forward hooks gather parameters (:mod:`zero_ext.engine.gather_units`).
+            ``"auto"`` (default): each parameterised element of an ``nn.ModuleList`` / ``ModuleDict`` / ``Sequential``
+            (a transformer's blocks) gathers its whole subtree, and every other module owning parameters its own, so
+            ``torch.compile(model)`` compiles each block as one graph (one graph break per block, in its caller);
+            a tuple of module classes: their instances are the units; ``"modules"``: every module owning parameters
+            (the finest window; torch.compile then breaks the graph at each).
         param_init: stage 3, for a model built on the ``meta`` device (larger than one rank's memory): a function
             ``init(module)`` that initialises one module's own parameters and buffers in place (like
             ``reset_parameters``); only this rank's shard is ever materialised (see :mod:`zero_ext.build.meta_init`).
@@ -178,6 +184,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         sync_module_states: bool = True,
         reshard_after_forward: bool = True,
         prefetch: int = 1,
+        gather_units="auto",
         param_init: Optional[Callable[[torch.nn.Module], None]] = None,
         param_device: Optional[torch.device] = None,
         defer_all_gather_to: Optional[torch.nn.Module] = None,
@@ -198,7 +205,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             defaults, stage=stage, process_group=process_group, communicator=communicator, bucket_size=bucket_size,
             reduce_dtype=reduce_dtype, grad_accum_dtype=grad_accum_dtype, max_grad_norm=max_grad_norm, module=module,
             sync_module_states=sync_module_states, reshard_after_forward=reshard_after_forward, prefetch=prefetch,
-            param_init=param_init, param_device=param_device, defer_all_gather_to=defer_all_gather_to,
+            gather_units=gather_units, param_init=param_init, param_device=param_device, defer_all_gather_to=defer_all_gather_to,
             staging_buffers=staging_buffers, offload=offload, offload_dir=offload_dir, offload_window=offload_window,
             param_remainders=param_remainders, moment_dtype=moment_dtype, collective_timeout=collective_timeout,
             default_rule=self.default_rule,

@@ -2,6 +2,7 @@
 
     python bench/investigations/stage3_saved_memory.py                # 2 gloo ranks
     python bench/investigations/stage3_saved_memory.py --worlds 2,3
+    python bench/investigations/stage3_saved_memory.py --gather-units modules  # the finest window (before units)
 
 For each model (``linear_stack``: 8 bf16 ``nn.Linear(1024, 1024)``, one layer per bucket, the issue's model;
 ``gpt``: the main job's GPT in bf16) and ``reshard_after_forward`` True / False, on the third step: the parameter
@@ -69,10 +70,10 @@ def saved_param_bytes(model: nn.Module, forward):
     return out, sum(alive.values())
 
 
-def measure(rank: int, world: int, device, name: str, reshard: bool) -> dict:
+def measure(rank: int, world: int, device, name: str, reshard: bool, units: str = "auto") -> dict:
     model, bucket, first_in_backward = MODELS[name]()
     opt = ZeroAdamW(model.named_parameters(), lr=1e-3, stage=3, bucket_size=bucket, module=model,
-                    reshard_after_forward=reshard)  # fmt: skip
+                    reshard_after_forward=reshard, gather_units=units)  # fmt: skip
     g = torch.Generator().manual_seed(rank)
     for step in range(3):
         if name == "gpt":
@@ -105,6 +106,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worlds", default="2")
     p.add_argument("--name", default="stage3_saved_memory")
+    p.add_argument(
+        "--gather-units",
+        default="auto",
+        choices=["auto", "modules"],
+        help="ZeroAdamW's gather_units (auto: blocks gather as one; modules: the finest window)",
+    )
     p.add_argument("--out-dir", default=str(harness.RESULTS))
     args = p.parse_args()
     meta = harness.meta(torch.device("cpu"))
@@ -115,7 +122,7 @@ def main() -> None:
     for world in [int(w) for w in args.worlds.split(",")]:
         for name in MODELS:
             for reshard in (True, False):
-                rows.append(harness.launch(measure, world, "cpu", name, reshard))
+                rows.append(harness.launch(measure, world, "cpu", name, reshard, args.gather_units))
                 print(rows[-1], flush=True)
     ok = all(
         r["saved_param_bytes_end_of_forward"] <= r["window_peak"] <= r["window_bound"]

@@ -14,6 +14,7 @@ from ..comm import Communicator
 from ..placement.offload import check_offload_options
 from ..update.registry import DEFAULT_RULE
 from ..update.rule import check_flag, check_moment_dtype
+from .gather_units import check_gather_units
 from .options import check_collective_timeout, check_options, check_process_group, check_stage3_options
 from .stages import Stage, stage_for
 
@@ -33,6 +34,7 @@ class EngineConfig:
     sync_module_states: bool = True
     reshard_after_forward: bool = True
     prefetch: int = 1
+    gather_units: Any = "auto"  # stage 3: the modules that gather (gather_units.py)
     param_init: Optional[Callable] = None
     param_device: Optional[torch.device] = None
     defer_all_gather_to: Optional[torch.nn.Module] = None
@@ -56,6 +58,7 @@ class EngineConfig:
         check_options(o.stage, defaults, o.max_grad_norm, o.bucket_size, o.staging_buffers, o.reduce_dtype,
                       o.grad_accum_dtype, o.default_rule)  # fmt: skip
         check_stage3_options(o.stage, o.module, o.reshard_after_forward, o.prefetch, o.defer_all_gather_to)
+        check_gather_units(o.gather_units)
         check_process_group(o.process_group, o.communicator)
         check_collective_timeout(o.collective_timeout)
         if o.defer_all_gather_to is not None and o.module is not None and o.defer_all_gather_to is not o.module:

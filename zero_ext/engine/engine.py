@@ -28,9 +28,7 @@ class Engine:
         self.runtimes = BucketRuntimes(state, config.staging_buffers)
         strategy = self.stage.grads(state, self.runtimes.staging, config.reduce_dtype, config.grad_accum_dtype)
         self.grad_sync = GradSync(state, self.runtimes, strategy)
-        self.param_sync = self.stage.param_sync(
-            state, self.runtimes, self.grad_sync, config.module, config.reshard_after_forward, config.prefetch
-        )
+        self.param_sync = self.stage.param_sync(state, self.runtimes, self.grad_sync, config)
         self.stepper = Stepper(state, self.grad_sync, self.param_sync, config.max_grad_norm)
 
     def defer_gathers(self) -> None:

@@ -71,7 +71,6 @@ class ModelState:
         """The model's tensors the optimizer does not hold (frozen parameters, persistent buffers), by name."""
         return {name: t for name, t in self.tensor_of.items() if id(t) not in managed}
 
-    @torch.compiler.disable
     def _refuse_ddp(self, _module, _args) -> None:
         active = getattr(DistributedDataParallel, "_get_active_ddp_module", lambda: None)()
         if active is not None and active.module is self.module:

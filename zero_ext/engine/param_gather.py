@@ -5,8 +5,9 @@ GATHERING (``start_param_sync``: the bucket's one storage gets its bytes back, t
 GATHERED (``finish_param_sync``: the parameters become plain tensors again) -> SHARDED (``reshard``: the storage
 shrinks to zero bytes; autograd's saved views of it hold nothing until it is refilled). This file decides when.
 
-Forward: a pre-hook on every module that owns parameters gathers their buckets (waiting for those already in
-flight) and counts itself among their ``forward_users`` while it runs; it then prefetches up to ``prefetch``
+Forward: a pre-hook on every gather unit (:mod:`zero_ext.engine.gather_units`: by default each block of a
+``ModuleList`` with its whole subtree, and every other module that owns parameters, so that torch.compile traces a
+block as one graph) gathers their buckets (waiting for those already in flight) and counts itself among their ``forward_users`` while it runs; it then prefetches up to ``prefetch``
 buckets ahead (hold AHEAD), in the execution order learned from the previous forward. The post-hook releases a
 bucket once the uses the previous forward made of it are done (the first forward releases after every use; a
 module met again gathers again), except the first ``prefetch + 1`` buckets backward needs (the root's, then the
@@ -76,6 +77,7 @@ from ..state.sharded_params import shard_class
 from ..state.sharded_state import ShardedState
 from .backward_hooks import Call, hook_outputs, in_backward, refuse_backward, wrap_inputs
 from .bucket_runtime import BucketRuntime, Hold, Key, ParamState
+from .gather_units import hooked_modules, own_params
 from .model_state import wrapping_in_ddp
 from .runtime import BucketRuntimes
 
@@ -94,7 +96,7 @@ class ParamGather:
 
     def __init__(
         self, state: ShardedState, runtimes: BucketRuntimes, module: torch.nn.Module, reshard_after_forward: bool,
-        prefetch: int,
+        prefetch: int, gather_units="auto",
     ):  # fmt: skip
         self.state, self.comm, self.module = state, state.comm, module
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
@@ -136,8 +138,8 @@ class ParamGather:
         self._hooks = []
         self.position = self.comm.position  # where this rank is, for the divergence check (divergence.py)
         self.names = {id(m): name for name, m in module.named_modules()}
-        for m in module.modules():
-            own = {key for p in m.parameters(recurse=False) if id(p) in where for key in where[id(p)]}
+        for m, members in hooked_modules(module, gather_units):  # (gather_units.py: what one hook gathers)
+            own = {key for p in own_params(members) if id(p) in where for key in where[id(p)]}
             if own or m is module:
                 self.keys[id(m)] = own
                 self._hooks.append(m.register_forward_pre_hook(self._pre_forward, with_kwargs=True))

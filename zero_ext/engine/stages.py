@@ -50,9 +50,8 @@ class Stage:
         direct = not state.comm.communicates and all(g.state.adds_in_place for g in state.groups)
         return (ShardGrads if direct else StagedGrads)(state, pool, reduce_dtype)
 
-    def param_sync(self, state: ShardedState, runtimes: BucketRuntimes, grad_sync: GradSync, module,
-                   reshard_after_forward: bool, prefetch: int):  # fmt: skip
-        """What brings the updated parameters back to every rank."""
+    def param_sync(self, state: ShardedState, runtimes: BucketRuntimes, grad_sync: GradSync, config):
+        """What brings the updated parameters back to every rank (``config``: the engine's EngineConfig)."""
         return ParamSync(state, runtimes)
 
     def gathered(self, param_sync):
@@ -97,8 +96,10 @@ class Stage3(Stage):
     number = 3
     params_storage = ShardedParams
 
-    def param_sync(self, state, runtimes, grad_sync, module, reshard_after_forward, prefetch):
-        gather = ParamGather(state, runtimes, module, reshard_after_forward, prefetch)
+    def param_sync(self, state, runtimes, grad_sync, config):
+        gather = ParamGather(
+            state, runtimes, config.module, config.reshard_after_forward, config.prefetch, config.gather_units
+        )
         grad_sync.on_ready = gather.bucket_ready
         grad_sync.on_round_end = gather.backward_done
         return gather
