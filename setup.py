@@ -88,8 +88,11 @@ setup(
     # transformers 5.x, whose Trainer needs accelerate; neither pulls another torch). dev includes both: `make test`
     # installs .[dev], tests/tooling/test_bench_smoke.py runs the benchmarks and
     # tests/integrations/test_integration_transformers.py the Trainer (about 20 s of installing and 20 s of tests).
+    # expecttest: torch.testing._internal.common_optimizers (torch's own optimizer test inputs, which
+    # tests/torch_compat/test_torch_optim_db.py runs ZeroAdamW through) imports it.
     extras_require={
-        "dev": ["pytest>=7", "hypothesis>=6", "triton>=3.0", "ruff>=0.5", "clang-format>=18", "import-linter>=2.16"]
+        "dev": ["pytest>=7", "hypothesis>=6", "triton>=3.0", "ruff>=0.5", "clang-format>=18", "import-linter>=2.16",
+                "expecttest>=0.2"]
         + BENCH_REQUIRES
         + HF_REQUIRES,
         "bench": BENCH_REQUIRES,
