@@ -91,8 +91,15 @@ setup(
     # expecttest: torch.testing._internal.common_optimizers (torch's own optimizer test inputs, which
     # tests/torch_compat/test_torch_optim_db.py runs ZeroAdamW through) imports it.
     extras_require={
-        "dev": ["pytest>=7", "hypothesis>=6", "triton>=3.0", "ruff>=0.5", "clang-format>=18", "import-linter>=2.16",
-                "expecttest>=0.2"]
+        "dev": [
+            "pytest>=7",
+            "hypothesis>=6",
+            "triton>=3.0",
+            "ruff>=0.5",
+            "clang-format>=18",
+            "import-linter>=2.16",
+            "expecttest>=0.2",
+        ]
         + BENCH_REQUIRES
         + HF_REQUIRES,
         "bench": BENCH_REQUIRES,
