@@ -35,10 +35,13 @@ class GradSync:
         workspace = 0
         if self.comm.communicates:
             workspace = max(
-                self.comm.workspace_bytes(
-                    gb.bucket.numel, strategy.wire_dtype(gb.group), strategy.reduce_dtype, strategy.accumulate
-                )
-                for gb in self.buckets
+                (
+                    self.comm.workspace_bytes(
+                        gb.bucket.numel, strategy.wire_dtype(gb.group), strategy.reduce_dtype, strategy.accumulate
+                    )
+                    for gb in self.buckets
+                ),
+                default=0,  # no trainable parameter: no bucket
             )
         self.pool = runtimes.staging
         self.pool.size(send, workspace)
