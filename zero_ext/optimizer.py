@@ -24,6 +24,7 @@ from .engine.param_sync import write_back
 from .engine.runtime import BucketRuntimes
 from .placement.offload import warn_if_one_thread
 from .state.sharded_state import ShardedState
+from .torch_compat.duplicates import dedupe_new_group, drop_duplicates
 from .update.registry import rule_for_group
 
 
@@ -266,12 +267,14 @@ class ZeroAdamW(torch.optim.Optimizer):
         optimizer from the trainable parameters only, then ``p.requires_grad_(True)`` for a block and
         ``opt.add_param_group({"params": block.parameters(), "lr": lr / 10})`` on every rank."""
         if getattr(self, "_constructing", False):
-            super().add_param_group(param_group)
+            super().add_param_group(param_group)  # (torch's warning for a parameter listed twice)
             g = self.param_groups[-1]
+            drop_duplicates(g)  # one entry per parameter (torch.optim would update it once per entry)
             where = f"zero_ext.ZeroAdamW: param group {len(self.param_groups) - 1}"
             rule_for_group(torch.float32, g, default=self.default_rule).check_group(where, g)
             return
         self._check_open()
+        dedupe_new_group(param_group, stacklevel=2)
         self.finish_sync()
         busy = self._engine.stage.busy(self._engine.runtimes)
         # collective; raises on every rank
