@@ -364,7 +364,10 @@ class ZeroAdamW(torch.optim.Optimizer):
     def step(self, closure=None, grad_scaler=None):
         """One AdamW step on the mean of the ranks' gradients, with torch's semantics: a parameter with no gradient
         on any rank is left alone (no decay, no moment update, its own step count unchanged); a step with no
-        gradient at all does nothing. Every rank fails together: a check that fails on one rank (e.g. a bad ``lr``)
+        gradient at all does nothing. A ``.grad`` assigned by hand (``p.grad = g``, with or without a backward) is
+        applied as torch applies it, as the mean over the ranks like any gradient: assign it on every rank (a rank
+        that assigns none for that parameter counts as zero, as a rank whose backward gave it none); the tensor stays
+        ``.grad``, unwritten, until ``zero_grad()`` (:mod:`zero_ext.engine.hand_grads`). Every rank fails together: a check that fails on one rank (e.g. a bad ``lr``)
         raises on every rank before anything changes anywhere (see :mod:`zero_ext.engine.step`). ``grad_scaler`` is what
         ``torch.amp.GradScaler.step`` passes: fp16 loss scaling is not supported (bf16 needs none), so it raises."""
         self._check_open()
