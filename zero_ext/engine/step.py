@@ -71,16 +71,17 @@ class Stepper:
         except (ValueError, RuntimeError) as e:  # raised below, once every rank knows
             error = e
         self.grad_sync.finish_grad_sync()
-        # built on the host, one tensor (not one index per parameter): failed, parameters edited, got gradients,
-        # got a gradient assigned by hand (hand_grads.py)
-        count = len(self._flag_of)
-        values = [0.0] * (2 + 2 * count)
+        # built on the host, one tensor (not one index per parameter): failed, parameters edited, and per parameter
+        # got a gradient (1) plus, assigned by hand (hand_grads.py), `hand` (world + 1: the sum over the ranks tells
+        # both counts apart, exactly in fp32, in the same elements)
+        hand_unit = float(state.world_size + 1)
+        values = [0.0] * (2 + len(self._flag_of))
         values[0] = float(error is not None)
         values[1] = float(edited)
         for gidx in self.grad_sync.strategy.got_grads():
             values[2 + self._flag_of[gidx]] = 1.0
         for group_index, slot_index in hand:
-            values[2 + count + self._flag_of[state.groups[group_index].param_indices[slot_index]]] = 1.0
+            values[2 + self._flag_of[state.groups[group_index].param_indices[slot_index]]] += hand_unit
         agreed = state.comm.reduce_step_stats(torch.tensor(values, dtype=torch.float32), self._measure())
         if error is not None:
             raise error
@@ -98,7 +99,7 @@ class Stepper:
                 "`with opt.gathered_params(modifier_rank=r):`. Nothing was changed on any rank"
             )
         active = {gidx for gidx, i in self._flag_of.items() if summed[2 + i] > 0}
-        by_hand = {gidx for gidx, i in self._flag_of.items() if summed[2 + count + i] > 0}
+        by_hand = {gidx for gidx, i in self._flag_of.items() if summed[2 + i] >= hand_unit}
         if by_hand:  # every rank, the same buckets: then the norm again, of the shards that now hold them
             self.grad_sync.reduce_hand_grads(hand, by_hand)
             state.comm.reduce_step_stats(torch.zeros(1), self._measure())
