@@ -24,6 +24,9 @@ from .engine.param_sync import write_back
 from .engine.runtime import BucketRuntimes
 from .placement.offload import warn_if_one_thread
 from .state.sharded_state import ShardedState
+from .torch_compat.adamw_arguments import check_adamw_arguments
+from .torch_compat.duplicates import dedupe_new_group, drop_duplicates
+from .torch_compat.failed_construction import tell_other_ranks
 from .update.registry import rule_for_group
 
 
@@ -200,21 +203,28 @@ class ZeroAdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps,
                         weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, foreach=foreach,
                         capturable=capturable, differentiable=differentiable, fused=fused)  # fmt: skip
-        # 1. every argument checked, before anything is built or any rank is waited for
-        config = EngineConfig.checked(
-            defaults, stage=stage, process_group=process_group, communicator=communicator, bucket_size=bucket_size,
-            reduce_dtype=reduce_dtype, grad_accum_dtype=grad_accum_dtype, max_grad_norm=max_grad_norm, module=module,
-            sync_module_states=sync_module_states, reshard_after_forward=reshard_after_forward, prefetch=prefetch,
-            gather_units=gather_units, param_init=param_init, param_device=param_device, defer_all_gather_to=defer_all_gather_to,
-            staging_buffers=staging_buffers, offload=offload, offload_dir=offload_dir, offload_window=offload_window,
-            param_remainders=param_remainders, moment_dtype=moment_dtype, collective_timeout=collective_timeout,
-            default_rule=self.default_rule,
-        )  # fmt: skip
-        module = config.module
-        # 2. torch's param groups (each group's hyperparameters checked as it is added)
-        self._constructing = True
-        super().__init__(params, defaults)
-        self._constructing = False
+        # 1. every argument checked (torch.optim.AdamW's checks and words first), before anything is built; one
+        # that fails on some ranks only fails every rank (torch_compat/failed_construction.py)
+        try:
+            check_adamw_arguments(lr, betas, eps, weight_decay, foreach=foreach, capturable=capturable,
+                                  differentiable=differentiable, fused=fused)  # fmt: skip
+            config = EngineConfig.checked(
+                defaults, stage=stage, process_group=process_group, communicator=communicator, bucket_size=bucket_size,
+                reduce_dtype=reduce_dtype, grad_accum_dtype=grad_accum_dtype, max_grad_norm=max_grad_norm,
+                module=module, sync_module_states=sync_module_states, reshard_after_forward=reshard_after_forward,
+                prefetch=prefetch, gather_units=gather_units, param_init=param_init, param_device=param_device,
+                defer_all_gather_to=defer_all_gather_to, staging_buffers=staging_buffers, offload=offload,
+                offload_dir=offload_dir, offload_window=offload_window, param_remainders=param_remainders,
+                moment_dtype=moment_dtype, collective_timeout=collective_timeout, default_rule=self.default_rule,
+            )  # fmt: skip
+            module = config.module
+            # 2. torch's param groups (each group's hyperparameters checked as it is added)
+            self._constructing = True
+            super().__init__(params, defaults)
+            self._constructing = False
+        except (TypeError, ValueError, RuntimeError):
+            tell_other_ranks(process_group, communicator, collective_timeout)
+            raise
         self.stage, self.max_grad_norm, self.reduce_dtype, self.offload = stage, max_grad_norm, reduce_dtype, offload
         # 3. every rank plans its flat groups and agrees on them (collective; a failure anywhere fails every rank)
         builder = StateBuilder(self.param_groups, config)
@@ -273,12 +283,14 @@ class ZeroAdamW(torch.optim.Optimizer):
         optimizer from the trainable parameters only, then ``p.requires_grad_(True)`` for a block and
         ``opt.add_param_group({"params": block.parameters(), "lr": lr / 10})`` on every rank."""
         if getattr(self, "_constructing", False):
-            super().add_param_group(param_group)
+            super().add_param_group(param_group)  # (torch's warning for a parameter listed twice)
             g = self.param_groups[-1]
+            drop_duplicates(g)  # one entry per parameter (torch.optim would update it once per entry)
             where = f"zero_ext.ZeroAdamW: param group {len(self.param_groups) - 1}"
             rule_for_group(torch.float32, g, default=self.default_rule).check_group(where, g)
             return
         self._check_open()
+        dedupe_new_group(param_group, stacklevel=2)
         self.finish_sync()
         busy = self._engine.stage.busy(self._engine.runtimes)
         # collective; raises on every rank
@@ -359,7 +371,10 @@ class ZeroAdamW(torch.optim.Optimizer):
     def step(self, closure=None, grad_scaler=None):
         """One AdamW step on the mean of the ranks' gradients, with torch's semantics: a parameter with no gradient
         on any rank is left alone (no decay, no moment update, its own step count unchanged); a step with no
-        gradient at all does nothing. Every rank fails together: a check that fails on one rank (e.g. a bad ``lr``)
+        gradient at all does nothing. A ``.grad`` assigned by hand (``p.grad = g``, with or without a backward) is
+        applied as torch applies it, as the mean over the ranks like any gradient: assign it on every rank (a rank
+        that assigns none for that parameter counts as zero, as a rank whose backward gave it none); the tensor stays
+        ``.grad``, unwritten, until ``zero_grad()`` (:mod:`zero_ext.engine.hand_grads`). Every rank fails together: a check that fails on one rank (e.g. a bad ``lr``)
         raises on every rank before anything changes anywhere (see :mod:`zero_ext.engine.step`). ``grad_scaler`` is what
         ``torch.amp.GradScaler.step`` passes: fp16 loss scaling is not supported (bf16 needs none), so it raises."""
         self._check_open()

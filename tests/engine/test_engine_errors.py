@@ -44,9 +44,11 @@ def test_bad_stage_and_hyperparameters():
 
 
 def _param_listed_twice(rank, world):
+    """torch warns (and tests/torch_compat/test_duplicate_params.py trains it once); the same parameter in two groups
+    raises, as in torch."""
     model = build()
-    p = list(model.named_parameters())
-    return _expect(ValueError, "listed twice", lambda: ZeroAdamW(p + [p[2]]))
+    p = list(model.parameters())
+    return _expect(ValueError, "more than one parameter group", lambda: ZeroAdamW([{"params": p}, {"params": [p[2]]}]))
 
 
 def _different_devices(rank, world):
@@ -62,10 +64,10 @@ def _integer_param(rank, world):
 
 
 def _only_one_rank_bad(rank, world):
-    """Rank 1 lists a param twice, rank 0 doesn't: both must fail (rank 0 learns of it), neither hangs."""
+    """Rank 1 gives a float64 parameter, rank 0 doesn't: both must fail (rank 0 learns of it), neither hangs."""
     p = list(build().parameters())
-    params = p + [p[0]] if rank == 1 else p
-    match = "listed twice" if rank == 1 else r"construction failed on rank\(s\) \[1\]"
+    params = p + [torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))] if rank == 1 else p
+    match = "dtype torch.float64" if rank == 1 else r"construction failed on rank\(s\) \[1\]"
     return _expect(ValueError, match, lambda: ZeroAdamW(params))
 
 
@@ -166,8 +168,8 @@ def test_failed_construction_leaves_model_untouched():
 
 def _one_bad_rank_of_three(rank, world):
     p = list(build().parameters())
-    params = p + [p[0]] if rank == 1 else p
-    match = "listed twice" if rank == 1 else r"construction failed on rank\(s\) \[1\]"
+    params = p + [torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))] if rank == 1 else p
+    match = "dtype torch.float64" if rank == 1 else r"construction failed on rank\(s\) \[1\]"
     return _expect(ValueError, match, lambda: ZeroAdamW(params))
 
 

@@ -146,7 +146,8 @@ def _keywords_on_every_rank(rank, world):
     with pytest.raises(ValueError, match="`differentiable`"):
         ZeroAdamW(build(torch.bfloat16).named_parameters(), differentiable=True)
     model = build(torch.bfloat16)
-    opt = ZeroAdamW(model.named_parameters(), amsgrad=True, maximize=True, foreach=True, fused=True, capturable=True,
+    # (foreach=True with fused=True is torch's RuntimeError: tests/torch_compat/test_adamw_arguments.py)
+    opt = ZeroAdamW(model.named_parameters(), amsgrad=True, maximize=True, foreach=False, fused=True, capturable=True,
                     bucket_size=1500)  # fmt: skip
     _train(opt, model, 2)
     return opt.step_count

@@ -56,11 +56,12 @@ def plan_groups(param_groups: Sequence[dict]) -> Plan:
         devices |= group_devices
     if not plan.error and len(devices) > 1:
         plan.error = f"parameters are on different devices {sorted(map(str, devices))}; all must be on one device"
-    if not plan.error and not devices:
-        plan.error = "no trainable parameters (every parameter has requires_grad=False)"
     if plan.error:
         return plan
-    plan.device = devices.pop()
+    # with no trainable parameter (torch builds such an optimizer, and its step() is a no-op) there is no flat
+    # group: the device is the first parameter's, for the communicator and the step's scalars
+    everything = [p for group in param_groups for p in group["params"]]
+    plan.device = devices.pop() if devices else everything[0].device if everything else None
     base = 0
     for gi, group in enumerate(param_groups):
         for dtype in SUPPORTED_DTYPES:

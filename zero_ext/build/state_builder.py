@@ -123,7 +123,7 @@ class StateBuilder:
         groups = build_flat_groups(comm, o, self.directory, plan.names, plan.device, specs, first_index=0)
         frozen = [(plan.names[i], p) for i, p in enumerate(self.everything) if not p.requires_grad]
         return ShardedState(
-            Mesh(comm), o.stage, self.bucket_size, groups, plan.names, plan.device,
+            Mesh(comm), o.stage, self.bucket_size, groups, plan.names, self.device,
             model=self.model, frozen=frozen, default_rule=o.default_rule,
         )  # fmt: skip
 

@@ -30,6 +30,7 @@ from ..layout import Slot
 from ..state.sharded_state import FlatGroup, ShardedState
 from .bucket_runtime import BucketRuntime
 from .grad_hold import Arrival, GradHold, take_grads
+from .hand_grads import zero_hand_grads
 from .staging import StagingPool
 
 
@@ -77,6 +78,15 @@ class GradStrategy:
 
     def check_no_foreign_grads(self) -> None:
         """Raise if gradients arrived where this stage never puts them (another reducer is in the loop)."""
+
+    def owns_grad(self, group: FlatGroup, slot: Slot, grad: torch.Tensor) -> bool:
+        """Whether ``grad``, the parameter's ``.grad`` outside backward, is the engine's own (else it was assigned by
+        hand: ``hand_grads.py``). Stages 2 and 3 free every gradient they take: any ``.grad`` there is the user's."""
+        return False
+
+    def load_hand(self, gb: BucketRuntime, hand: dict) -> None:
+        """Before ``gb`` is reduced again for gradients assigned by hand (``hand``: (group, slot) -> tensor, this
+        rank's): put them where :meth:`send` sends them from, without writing into them or replacing ``.grad``."""
 
     def end_round(self) -> None:
         """A backward pass's reductions were all launched."""
@@ -151,17 +161,6 @@ class ShardedGradStrategy(GradStrategy):
         self._hold.end_round()
         self._split_seen.clear()
 
-    def check_no_foreign_grads(self) -> None:
-        for group in self.state.groups:
-            for name, p in zip(group.names, group.params):
-                if p.grad is not None:
-                    raise RuntimeError(
-                        f"zero_ext.ZeroAdamW: parameter {name!r} has a .grad at step(), but at stage {self.state.stage} "
-                        "gradients live only in the sharded grad shard (every .grad is freed as it is reduced). "
-                        "Something else writes .grad: a model wrapped in DistributedDataParallel (do not wrap it: "
-                        "ZeroAdamW reduces gradients itself) or code assigning .grad, which would be ignored."
-                    )
-
     def arrived(self, group: FlatGroup, slot: Slot) -> None:
         self._clean = False
         self._got.add(group.param_indices[slot.index])
@@ -182,6 +181,7 @@ class ShardedGradStrategy(GradStrategy):
         self._got |= old.got_grads()
 
     def zero_grad(self, set_to_none: bool) -> None:
+        zero_hand_grads(self.state, self, set_to_none)  # a .grad assigned by hand, as torch zeroes it
         if set_to_none:  # (zeroed in place, a gradient is still applied, as zero: torch's decay and moments move)
             self._got.clear()
         if not self._clean:  # after step() there is nothing to zero: no second pass over the shards
@@ -261,13 +261,17 @@ class BufferedGrads(GradStrategy):
             self._unreduced = True
         return syncing
 
+    def owns_grad(self, group, slot, grad) -> bool:
+        return grad.data_ptr() == slot.param_range.of(group.grad_buffer).data_ptr()
+
     def send(self, gb) -> torch.Tensor:
         group, bucket = gb.group, gb.bucket
         if gb.arrived < len(bucket.slots):
             # Launched before all its parameters got a gradient this round: the slots of those parameters may hold
-            # old gradients; make each hold what its .grad says (None: zero).
+            # old gradients; make each hold what its .grad says (None: zero; a gradient assigned by hand is copied,
+            # and stays the user's .grad: hand_grads.py).
             for i in bucket.slots:
-                self._adopt(group, group.layout.slots[i], group.params[i], group.params[i].grad)
+                self._adopt(group, group.layout.slots[i], group.params[i], group.params[i].grad, keep=True)
         grads = bucket.bucket_range.of(group.grad_buffer)
         if gb.staging is None:
             gb.staging = self.pool.acquire(gb)  # for the communicator's workspace, and the send buffer if staged
@@ -289,17 +293,7 @@ class BufferedGrads(GradStrategy):
     def check_no_foreign_grads(self) -> None:
         """A .grad changed in place after backward had reduced it (through a reference kept from before: ``.grad``
         itself is then a placeholder, grad_placeholders.py) would be silently ignored: the step applies the
-        reduction. So would a ``.grad`` replaced by another tensor after backward (torch would apply that tensor)."""
-        for group, slot in self._forgotten.values():
-            p = group.params[slot.index]
-            if p.grad is not None and p.grad.data_ptr() != slot.param_range.of(group.grad_buffer).data_ptr():
-                raise ValueError(
-                    f"zero_ext.ZeroAdamW.step: the `.grad` of parameter {group.names[slot.index]!r} was replaced by "
-                    "another tensor after backward; the mean gradient lives in the optimizer's gradient shard, so the "
-                    "new tensor would be silently ignored. Set `.grad` to None to drop a gradient, scale it with "
-                    "torch.nn.utils.clip_grad_norm_ or opt.clip_grad_norm_, or change it in a hook "
-                    "(param.register_hook) before it is reduced"
-                )
+        reduction. (A ``.grad`` replaced by another tensor is a gradient assigned by hand: hand_grads.py.)"""
         if self._reduced_at is None:
             return
         for group, version in zip(self.state.groups, self._reduced_at):
@@ -326,7 +320,9 @@ class BufferedGrads(GradStrategy):
         if self._reduced_at is not None:  # the engine's own change: the reduction still stands for the buffers
             self._reduced_at = [g.grad_buffer._version for g in self.state.groups]
 
-    def _adopt(self, group: FlatGroup, slot: Slot, param: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
+    def _adopt(
+        self, group: FlatGroup, slot: Slot, param: torch.Tensor, grad: Optional[torch.Tensor], keep: bool = False
+    ) -> None:
         """Make ``param``'s slot of the flat grad buffer hold ``grad`` and ``param.grad`` a view of it. A slot
         holds the parameter's gradient only while ``param.grad`` is that view: after zero_grad() (or the user's
         own set-to-None) autograd hands over a fresh tensor, meaning "the previous value was zero", so it is copied
@@ -339,9 +335,14 @@ class BufferedGrads(GradStrategy):
             view.zero_()
         elif grad.data_ptr() != view.data_ptr():
             view.copy_(grad)
-            param.grad = view
+            if not keep:  # (``keep``: a gradient assigned by hand stays the user's tensor)
+                param.grad = view
+
+    def load_hand(self, gb, hand) -> None:
+        gb.arrived = 0  # send() copies every slot's .grad, hand-assigned ones included
 
     def zero_grad(self, set_to_none: bool) -> None:
+        zero_hand_grads(self.state, self, set_to_none)  # a .grad assigned by hand, as torch zeroes it
         super().zero_grad(set_to_none)
         self._reduced_at = None
         self._forgotten.clear()
@@ -385,8 +386,15 @@ class Fp32GradBuffer(BufferedGrads):
         super().keep_grads(old)
         self._got |= old.got_grads()
 
-    def check_no_foreign_grads(self) -> None:
-        ShardedGradStrategy.check_no_foreign_grads(self)
+    def owns_grad(self, group, slot, grad) -> bool:
+        return False  # (its gradients live in the fp32 buffer; .grad is freed as they are added there)
+
+    def load_hand(self, gb, hand) -> None:
+        group = gb.group
+        for i in gb.bucket.slots:
+            grad = hand.get((group.index, i))
+            if grad is not None:  # overwrites: a hand .grad replaced what the slot held (dropped placeholders zero it)
+                group.layout.slots[i].param_range.of(group.grad_buffer).copy_(grad.reshape(-1))
 
     def on_grad(self, gb, slot, param, syncing) -> bool:
         grad = param.grad
@@ -424,6 +432,7 @@ class Fp32GradBuffer(BufferedGrads):
         return send
 
     def zero_grad(self, set_to_none: bool) -> None:
+        zero_hand_grads(self.state, self, set_to_none)
         GradStrategy.zero_grad(self, set_to_none)
         if set_to_none:  # (zeroed in place, a gradient is still applied, as zero)
             self._got.clear()
@@ -480,6 +489,17 @@ class StagedGrads(ShardedGradStrategy):
         cast_scale_into(scaled, values, self.prescale(gb.group))
         view.add_(scaled)
 
+    def load_hand(self, gb, hand) -> None:
+        group = gb.group
+        for i in gb.bucket.slots:
+            grad = hand.get((group.index, i))
+            if grad is None:
+                continue
+            slot = group.layout.slots[i]
+            flat = grad.reshape(-1) if grad.is_contiguous() else grad.contiguous().view(-1)  # (a copy, or a view read)
+            at = gb.bucket.slot_range(slot).of(self._send_buffer(gb))
+            cast_scale_into(at, gb.bucket.fragment_range(slot).of(flat), self.prescale(group))
+
     def send(self, gb) -> torch.Tensor:
         self._hold.flush(gb)
         for at, values, add in self._fragments.pop(gb.key, ()):
@@ -521,6 +541,15 @@ class ShardGrads(ShardedGradStrategy):
     def _split_arrived(self, gbs, slot, grad, first) -> None:
         start = self._start(gbs[0].group, slot)  # one process: the parameter is contiguous in the grad shard too
         accumulate_into(gbs[0].group.state.grad[start : start + slot.numel], grad)
+
+    def load_hand(self, gb, hand) -> None:
+        group = gb.group
+        for i in gb.bucket.slots:
+            grad = hand.get((group.index, i))
+            slot = group.layout.slots[i]
+            if grad is not None and gb.bucket.index == slot.bucket:  # (a split parameter: once, with its first)
+                start = self._start(group, slot)  # one process: the parameter is contiguous in the grad shard
+                accumulate_into(group.state.grad[start : start + slot.numel], grad)
 
     def send(self, gb) -> None:
         self._hold.flush(gb)

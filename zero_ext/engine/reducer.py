@@ -35,10 +35,13 @@ class GradSync:
         workspace = 0
         if self.comm.communicates:
             workspace = max(
-                self.comm.workspace_bytes(
-                    gb.bucket.numel, strategy.wire_dtype(gb.group), strategy.reduce_dtype, strategy.accumulate
-                )
-                for gb in self.buckets
+                (
+                    self.comm.workspace_bytes(
+                        gb.bucket.numel, strategy.wire_dtype(gb.group), strategy.reduce_dtype, strategy.accumulate
+                    )
+                    for gb in self.buckets
+                ),
+                default=0,  # no trainable parameter: no bucket
             )
         self.pool = runtimes.staging
         self.pool.size(send, workspace)
@@ -163,6 +166,19 @@ class GradSync:
         self._next = 0
         self._launch_ready()
         self.strategy.end_round()
+
+    def reduce_hand_grads(self, hand: dict, union: set[int]) -> None:
+        """Collective: reduce the gradients assigned by hand (``hand``: this rank's, (group, slot) -> tensor; ``union``:
+        the global indices of the parameters with one on some rank, agreed) into the grad shards, every bucket
+        holding one in launch order (``hand_grads.py``). Nothing is in flight (the step finished every sync)."""
+        chosen = [gb for gb in self.buckets if any(gb.group.param_indices[i] in union for i in gb.bucket.slots)]
+        for gb in chosen:
+            gb.move_grad(GradState.READY)
+            self.strategy.load_hand(gb, hand)
+            self.start_grad_sync(gb)
+        self.wait_inflight()
+        self.strategy.end_round()
+        self.epoch += 1
 
     def wait_inflight(self) -> None:
         self.pool.wait_all()  # in launch order: each entry is reused only once its collective is done

@@ -27,6 +27,7 @@ from ..layout import Range
 from ..state.sharded_state import ShardedState
 from ..state.step_counts import update_runs
 from ..update.registry import rule_for_group
+from .hand_grads import find_hand_grads
 from .param_sync import ParamSync
 from .reducer import GradSync
 
@@ -59,30 +60,29 @@ class Stepper:
         if self._agreed is not None and self._agreed[0] == epoch:
             return self._agreed[1], self._agreed[2]
         state = self.state
-        error, scalars, edited = None, None, False
+        error, scalars, edited, hand = None, None, False, {}
         try:
             scalars = resolve_scalars(state, param_groups)
             self.grad_sync.strategy.check_no_foreign_grads()
+            hand = find_hand_grads(state, self.grad_sync.strategy)
             check_params_in_place(state)
             check_still_frozen(state)
             edited = state.param_edits is not None and state.param_edits.changed()
         except (ValueError, RuntimeError) as e:  # raised below, once every rank knows
             error = e
         self.grad_sync.finish_grad_sync()
-        # built on the host, one tensor (not one index per parameter): failed, parameters edited, got gradients
+        # built on the host, one tensor (not one index per parameter): failed, parameters edited, and per parameter
+        # got a gradient (1) plus, assigned by hand (hand_grads.py), `hand` (world + 1: the sum over the ranks tells
+        # both counts apart, exactly in fp32, in the same elements)
+        hand_unit = float(state.world_size + 1)
         values = [0.0] * (2 + len(self._flag_of))
         values[0] = float(error is not None)
         values[1] = float(edited)
         for gidx in self.grad_sync.strategy.got_grads():
             values[2 + self._flag_of[gidx]] = 1.0
-        flags = torch.tensor(values, dtype=torch.float32)
-        stats = self._norm_stats
-        stats.zero_()
-        for group in state.groups:
-            sumsq, nonfinite = ops.sum_squares(group.state.grad)
-            stats[0] += sumsq
-            stats[1] += nonfinite
-        agreed = state.comm.reduce_step_stats(flags, stats)
+        for group_index, slot_index in hand:
+            values[2 + self._flag_of[state.groups[group_index].param_indices[slot_index]]] += hand_unit
+        agreed = state.comm.reduce_step_stats(torch.tensor(values, dtype=torch.float32), self._measure())
         if error is not None:
             raise error
         if agreed[0] > 0:
@@ -99,10 +99,26 @@ class Stepper:
                 "`with opt.gathered_params(modifier_rank=r):`. Nothing was changed on any rank"
             )
         active = {gidx for gidx, i in self._flag_of.items() if summed[2 + i] > 0}
+        by_hand = {gidx for gidx, i in self._flag_of.items() if summed[2 + i] >= hand_unit}
+        if by_hand:  # every rank, the same buckets: then the norm again, of the shards that now hold them
+            self.grad_sync.reduce_hand_grads(hand, by_hand)
+            state.comm.reduce_step_stats(torch.zeros(1), self._measure())
+            active |= by_hand
+        stats = self._norm_stats
         torch.sqrt(stats[0], out=self.grad_norm)
         torch.clamp(stats[1], max=1.0, out=self.found_inf)
         self._agreed = (epoch, active, scalars)
         return active, scalars
+
+    def _measure(self) -> torch.Tensor:
+        """This rank's part of the norm: the sum of squares and the non-finite count of its grad shards."""
+        stats = self._norm_stats
+        stats.zero_()
+        for group in self.state.groups:
+            sumsq, nonfinite = ops.sum_squares(group.state.grad)
+            stats[0] += sumsq
+            stats[1] += nonfinite
+        return stats
 
     def clip_grad_norm_(self, param_groups: Sequence[dict], max_norm: float) -> torch.Tensor:
         self.grad_sync.placeholders.settle(defer=False)  # after torch's clipping: the norm of the clipped gradients
