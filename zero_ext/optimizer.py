@@ -24,6 +24,8 @@ from .engine.param_sync import write_back
 from .engine.runtime import BucketRuntimes
 from .placement.offload import warn_if_one_thread
 from .state.sharded_state import ShardedState
+from .torch_compat.param_ids import to_positions, to_torch_ids
+from .torch_compat.state_dict_hooks import hooked_load_state_dict, hooked_state_dict
 from .update.registry import rule_for_group
 
 
@@ -443,16 +445,29 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard in torch.optim's format: see :mod:`zero_ext.checkpoint.local_state_dict`."""
-        self.finish_sync()
-        return local_state_dict(self._engine.state, self.param_groups)
+        """This rank's shard in torch.optim's format (:mod:`zero_ext.checkpoint.local_state_dict`; parameter ids by
+        identity, as torch numbers them: :mod:`zero_ext.torch_compat.param_ids`), with torch's state-dict pre and
+        post hooks run around it (:mod:`zero_ext.torch_compat.state_dict_hooks`)."""
+
+        def make() -> dict[str, Any]:
+            self.finish_sync()
+            return to_torch_ids(local_state_dict(self._engine.state, self.param_groups), self.param_groups)
+
+        return hooked_state_dict(self, make)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a dict from :meth:`state_dict` saved by the same rank of the same layout (use
         ``zero_ext.checkpoint`` to load at another world size). Collective: every rank must call it; a dict that
-        fails to load on any rank changes nothing on any rank."""
-        self.finish_sync()
-        load_local_state_dict(self._engine.state, self.param_groups, state_dict)
+        fails to load on any rank (a load pre hook raising included) changes nothing on any rank. The saved param
+        groups replace the optimizer's as in torch (``param_names`` kept when the dict has none); torch's load pre
+        and post hooks run around it."""
+
+        def load(sd: Any, failed: Optional[BaseException]) -> None:
+            self.finish_sync()
+            sd = to_positions(sd, self.param_groups)
+            load_local_state_dict(self._engine.state, self.param_groups, sd, failed)
+
+        hooked_load_state_dict(self, state_dict, load)
 
 
 def _take_over(params, new: "ZeroAdamW") -> None:
