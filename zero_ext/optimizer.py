@@ -24,8 +24,10 @@ from .engine.param_sync import write_back
 from .engine.runtime import BucketRuntimes
 from .placement.offload import warn_if_one_thread
 from .state.sharded_state import ShardedState
+from .torch_compat import no_copy
 from .torch_compat.param_ids import to_positions, to_torch_ids
 from .torch_compat.state_dict_hooks import hooked_load_state_dict, hooked_state_dict
+from .torch_compat.state_view import StateAttribute
 from .update.registry import rule_for_group
 
 
@@ -444,6 +446,12 @@ class ZeroAdamW(torch.optim.Optimizer):
         )
 
     # ------------------------------------------------------------------ state
+    # opt.state[p]: this rank's piece of p's state, read-only (zero_ext.torch_compat.state_view)
+    state = StateAttribute()
+    # a copy would share the model's hooks, the flat buffers and the process group, or lack them: refused
+    __deepcopy__, __copy__ = no_copy.deepcopy_refused, no_copy.copy_refused
+    __getstate__, __reduce_ex__ = no_copy.getstate_refused, no_copy.reduce_refused
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard in torch.optim's format (:mod:`zero_ext.checkpoint.local_state_dict`; parameter ids by
         identity, as torch numbers them: :mod:`zero_ext.torch_compat.param_ids`), with torch's state-dict pre and
