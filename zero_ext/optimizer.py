@@ -194,9 +194,11 @@ class ZeroAdamW(torch.optim.Optimizer):
         moment_dtype: torch.dtype = torch.float32,
         collective_timeout: Optional[float] = 300.0,
     ):
+        # decoupled_weight_decay: in torch.optim.AdamW's groups, always True (False, Adam's L2 decay, is refused)
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps,
                         weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, foreach=foreach,
-                        capturable=capturable, differentiable=differentiable, fused=fused)  # fmt: skip
+                        capturable=capturable, differentiable=differentiable, fused=fused,
+                        decoupled_weight_decay=True)  # fmt: skip
         # 1. every argument checked, before anything is built or any rank is waited for
         config = EngineConfig.checked(
             defaults, stage=stage, process_group=process_group, communicator=communicator, bucket_size=bucket_size,
