@@ -24,9 +24,13 @@ from .engine.param_sync import write_back
 from .engine.runtime import BucketRuntimes
 from .placement.offload import warn_if_one_thread
 from .state.sharded_state import ShardedState
+from .torch_compat import no_copy
 from .torch_compat.adamw_arguments import check_adamw_arguments
 from .torch_compat.duplicates import dedupe_new_group, drop_duplicates
 from .torch_compat.failed_construction import tell_other_ranks
+from .torch_compat.param_ids import to_positions, to_torch_ids
+from .torch_compat.state_dict_hooks import hooked_load_state_dict, hooked_state_dict
+from .torch_compat.state_view import StateAttribute
 from .update.registry import rule_for_group
 
 
@@ -200,9 +204,11 @@ class ZeroAdamW(torch.optim.Optimizer):
         moment_dtype: torch.dtype = torch.float32,
         collective_timeout: Optional[float] = 300.0,
     ):
+        # decoupled_weight_decay: in torch.optim.AdamW's groups, always True (False, Adam's L2 decay, is refused)
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps,
                         weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, foreach=foreach,
-                        capturable=capturable, differentiable=differentiable, fused=fused)  # fmt: skip
+                        capturable=capturable, differentiable=differentiable, fused=fused,
+                        decoupled_weight_decay=True)  # fmt: skip
         # 1. every argument checked (torch.optim.AdamW's checks and words first), before anything is built; one
         # that fails on some ranks only fails every rank (torch_compat/failed_construction.py)
         try:
@@ -464,17 +470,36 @@ class ZeroAdamW(torch.optim.Optimizer):
         )
 
     # ------------------------------------------------------------------ state
+    # opt.state[p]: this rank's piece of p's state, read-only (zero_ext.torch_compat.state_view)
+    state = StateAttribute()
+    # a copy would share the model's hooks, the flat buffers and the process group, or lack them: refused
+    __deepcopy__, __copy__ = no_copy.deepcopy_refused, no_copy.copy_refused
+    __getstate__, __reduce_ex__ = no_copy.getstate_refused, no_copy.reduce_refused
+
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard in torch.optim's format: see :mod:`zero_ext.checkpoint.local_state_dict`."""
-        self.finish_sync()
-        return local_state_dict(self._engine.state, self.param_groups)
+        """This rank's shard in torch.optim's format (:mod:`zero_ext.checkpoint.local_state_dict`; parameter ids by
+        identity, as torch numbers them: :mod:`zero_ext.torch_compat.param_ids`), with torch's state-dict pre and
+        post hooks run around it (:mod:`zero_ext.torch_compat.state_dict_hooks`)."""
+
+        def make() -> dict[str, Any]:
+            self.finish_sync()
+            return to_torch_ids(local_state_dict(self._engine.state, self.param_groups), self.param_groups)
+
+        return hooked_state_dict(self, make)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a dict from :meth:`state_dict` saved by the same rank of the same layout (use
         ``zero_ext.checkpoint`` to load at another world size). Collective: every rank must call it; a dict that
-        fails to load on any rank changes nothing on any rank."""
-        self.finish_sync()
-        load_local_state_dict(self._engine.state, self.param_groups, state_dict)
+        fails to load on any rank (a load pre hook raising included) changes nothing on any rank. The saved param
+        groups replace the optimizer's as in torch (``param_names`` kept when the dict has none); torch's load pre
+        and post hooks run around it."""
+
+        def load(sd: Any, failed: Optional[BaseException]) -> None:
+            self.finish_sync()
+            sd = to_positions(sd, self.param_groups)
+            load_local_state_dict(self._engine.state, self.param_groups, sd, failed)
+
+        hooked_load_state_dict(self, state_dict, load)
 
 
 def _take_over(params, new: "ZeroAdamW") -> None:

@@ -11,6 +11,10 @@ consolidate offline.
   param groups in the metadata) and
   ``OUT/model.safetensors`` (weights in the param dtype, for ``model.load_state_dict``).
 - The file layout: :mod:`zero_ext.checkpoint.format`.
+
+:func:`save` and :func:`load` write and read files, not a torch state dict: torch.optim's state-dict hooks
+(``register_state_dict_pre_hook`` and the three others) run around ``opt.state_dict()`` / ``opt.load_state_dict()``
+only (:mod:`zero_ext.torch_compat.state_dict_hooks`); state of your own goes in ``extra``.
 """
 
 from .consolidate import adamw_state_dict, consolidate

@@ -15,8 +15,9 @@ and parameter indices); ``zero`` records the layout so that loading into a diffe
 
 from __future__ import annotations
 
+import copy
 import math
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -26,9 +27,11 @@ from ..state.sharded_state import ShardedState
 from ..update.protocol import MASTER
 from ..update.registry import DEFAULT_RULE
 
-# Restored from a saved state dict: the scalars of the step (``amsgrad`` must match, it decides the kinds kept; the
-# implementation selectors stay as the optimizer has them).
-_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "maximize")
+# A saved param group replaces the optimizer's, as in torch.optim.Optimizer.load_state_dict: every key but
+# ``params`` (a deep copy; ``amsgrad`` and the rule must match, they decide the kinds kept), ``param_names`` only when
+# the saved group has them (a dict saved without names leaves the optimizer's). A key the saved group lacks (one
+# added since, e.g. ``decoupled_weight_decay``) keeps the optimizer's value, as torch's __setstate__ defaults do.
+_NOT_RESTORED = ("params",)
 _WHERE = "zero_ext.ZeroAdamW.load_state_dict"
 _CHECKPOINT_HINT = (
     "Save with zero_ext.checkpoint.save(path, opt) and resume with zero_ext.checkpoint.load(path, opt), on every rank "
@@ -49,9 +52,9 @@ def _layout_record(state: ShardedState) -> dict[str, Any]:
     }
 
 
-def _owned_runs(state: ShardedState) -> dict[int, tuple[Any, list[tuple[Range, Range]]]]:
-    """Each parameter this rank owns elements of: its first piece's ref and its runs, ``(param_range, shard_range)``
-    in order, adjacent pieces (a split parameter's on one rank) merged into one run."""
+def owned_runs(state: ShardedState) -> dict[int, tuple[Any, list[tuple[Range, Range]]]]:
+    """Each parameter this rank owns elements of, by its index: its first piece's ref and its runs,
+    ``(param_range, shard_range)`` in order, adjacent pieces (a split parameter's on one rank) merged into one run."""
     out: dict[int, tuple[Any, list[tuple[Range, Range]]]] = {}
     for ref in state.pieces():
         piece = ref.piece
@@ -65,24 +68,32 @@ def _owned_runs(state: ShardedState) -> dict[int, tuple[Any, list[tuple[Range, R
     return out
 
 
-def _ranges_record(runs: list[tuple[Range, Range]]) -> dict[str, Any]:
+def ranges_record(runs: list[tuple[Range, Range]]) -> dict[str, Any]:
+    """The entry naming the elements of the flattened parameter a piece holds: ``shard_range`` (start, end), or
+    ``shard_ranges``, a list of them, for runs that are not adjacent."""
     if len(runs) == 1:
         return {"shard_range": tuple(runs[0][0])}
     return {"shard_ranges": [tuple(r) for r, _ in runs]}
+
+
+def read_piece(ref, runs: list[tuple[Range, Range]], kind: str) -> torch.Tensor:
+    """This rank's piece of one kind of a parameter's state: fp32 values (decoded from the placement's encoding),
+    a new tensor holding the runs one after the other."""
+    parts = [ref.group.state.read(kind, shard) for _, shard in runs]
+    return parts[0].clone() if len(parts) == 1 else torch.cat(parts)
 
 
 def local_state_dict(state: ShardedState, param_groups: Sequence[dict]) -> dict[str, Any]:
     step = state.step_count.detach().to("cpu", copy=True)
     steps = state.step_counts.values()  # each parameter's own count, as torch keeps it
     out: dict[int, dict[str, Any]] = {}
-    for gidx, (ref, runs) in _owned_runs(state).items():
+    for gidx, (ref, runs) in owned_runs(state).items():
         own_step = torch.tensor(steps[gidx], dtype=torch.float32)
-        entry: dict[str, Any] = {"step": own_step, **_ranges_record(runs)}
+        entry: dict[str, Any] = {"step": own_step, **ranges_record(runs)}
         # fp32 parameters are their own master in every placement (an offloaded copy equals them after each step):
         # the model's state dict holds them, so the state dict is the same with and without offload.
         for kind in ref.group.rule.state_dict_names():
-            parts = [ref.group.state.read(kind, shard) for _, shard in runs]
-            entry[kind] = parts[0].clone() if len(parts) == 1 else torch.cat(parts)
+            entry[kind] = read_piece(ref, runs, kind)
         out[gidx] = entry
     groups, base = [], 0
     for g in param_groups:
@@ -141,16 +152,16 @@ def _validate(state: ShardedState, param_groups: Sequence[dict], sd: Any) -> lis
             )
     rules = {g.group_index: g.rule for g in state.groups}
     for gi, (group, saved) in enumerate(zip(param_groups, sd["param_groups"])):
-        merged = {**group, **{k: saved[k] for k in (*_HYPERPARAMETERS, "amsgrad") if k in saved}}
+        merged = {**group, **_restored(saved)}
         if gi in rules:
             rules[gi].check_group(f"{_WHERE}: saved param group {gi}", merged, device=state.device)
     writes, expected = [], set()
-    for gidx, (ref, runs) in _owned_runs(state).items():
+    for gidx, (ref, runs) in owned_runs(state).items():
         expected.add(gidx)
         entry = sd["state"].get(gidx)
         if entry is None:
             raise ValueError(f"{_WHERE}: no state for parameter {ref.name!r} (index {gidx})")
-        want = _ranges_record(runs)
+        want = ranges_record(runs)
         ((key, value),) = want.items()
         saved = entry.get(key)
         if saved is None or [tuple(r) for r in (saved if key == "shard_ranges" else [saved])] != (
@@ -189,6 +200,10 @@ def _validate(state: ShardedState, param_groups: Sequence[dict], sd: Any) -> lis
     return writes
 
 
+def _restored(saved: dict) -> dict:
+    return {k: v for k, v in saved.items() if k not in _NOT_RESTORED}
+
+
 def _is_count(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
@@ -199,11 +214,16 @@ def _is_count(value: Any) -> bool:
     return ok and 0 <= value <= 3.4028234663852886e38 and value == int(value)
 
 
-def load_local_state_dict(state: ShardedState, param_groups: Sequence[dict], sd: Any) -> None:
-    """Collective: validate on every rank, agree, then write (a failure anywhere changes nothing anywhere)."""
-    error, writes = None, []
+def load_local_state_dict(
+    state: ShardedState, param_groups: Sequence[dict], sd: Any, failed: Optional[BaseException] = None
+) -> None:
+    """Collective: validate on every rank, agree, then write (a failure anywhere changes nothing anywhere).
+    ``failed``: an error this rank met before (a load_state_dict pre hook's), raised after the agreement, so that
+    the other ranks fail too instead of waiting."""
+    error, writes = failed, []
     try:
-        writes = _validate(state, param_groups, sd)
+        if failed is None:
+            writes = _validate(state, param_groups, sd)
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         error = e if isinstance(e, ValueError) else ValueError(f"{_WHERE}: malformed state dict ({e!r})")
     failed = [r for r, f in enumerate(state.comm.agree(int(error is not None))) if f]
@@ -220,9 +240,7 @@ def load_local_state_dict(state: ShardedState, param_groups: Sequence[dict], sd:
         for group, kind, shard_range, src in writes:
             group.state.write(kind, shard_range, src)
         for group, saved in zip(param_groups, sd["param_groups"]):
-            for key in _HYPERPARAMETERS:
-                if key in saved:
-                    group[key] = saved[key]
+            group.update(copy.deepcopy(_restored(saved)))
         if theirs.get("step") is not None:
             state.step_count.copy_(torch.as_tensor(theirs["step"], dtype=torch.float32).reshape(()))
         # Each parameter's own count: from its entry where this rank owns some of it, else from `param_steps` (every

@@ -101,6 +101,19 @@ def check_implementation_keywords(where: str, group: Mapping[str, Any]) -> None:
         )
 
 
+def check_decoupled_weight_decay(where: str, group: Mapping[str, Any]) -> None:
+    """torch.optim.AdamW's groups say ``decoupled_weight_decay=True`` (torch.optim.Adam's may say False: L2 decay added
+    to the gradient, a different update). This rule is AdamW's: False is refused, not silently decoupled."""
+    value = group.get("decoupled_weight_decay", True)
+    check_flag(where, "decoupled_weight_decay", value)
+    if not value:
+        raise ValueError(
+            f"{where}: `decoupled_weight_decay` must be True: ZeroAdamW is AdamW (decay applied to the weights, "
+            "p *= 1 - lr * weight_decay); Adam's coupled L2 decay (decoupled_weight_decay=False) is not implemented. "
+            "Use weight_decay=0 and add the L2 term to the loss for Adam's semantics"
+        )
+
+
 class AdamW(ElementwiseRule):
     """``torch.optim.AdamW``'s update on a flat group's shard (see the module docstring).
 
@@ -178,6 +191,7 @@ class AdamW(ElementwiseRule):
                 "optimizer to change it"
             )
         check_implementation_keywords(where, group)
+        check_decoupled_weight_decay(where, group)
 
     def scalars(self, group: Mapping[str, Any]) -> AdamWScalars:
         beta1, beta2 = group["betas"]
