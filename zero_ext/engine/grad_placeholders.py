@@ -133,6 +133,9 @@ class GradPlaceholders:
         # stage 1: a coefficient the step applied in its kernel that the gradients (kept until zero_grad) still owe
         self._owed: Optional[torch.Tensor] = None
         self._norms: Optional[tuple[int, torch.Tensor]] = None  # (gradient epoch, every parameter's norm)
+        # a reduced gradient was dropped on this rank since the last step or zero_grad(): the step checks that every
+        # rank dropped (zeroing its own pieces of the shards), or none did
+        self.dropped = False
 
     # ---------------------------------------------------------------- life
     @property
@@ -186,6 +189,7 @@ class GradPlaceholders:
         leaves a parameter whose ``.grad`` is None. At stages 2 and 3 the shard is the only copy of the gradient:
         without this the step applied it anyway. (A ``.grad`` the user put in its place instead is refused at
         ``step()`` at stages 2 and 3; before the next backward it is that backward's starting value, as in torch.)"""
+        self.dropped = True
         for gidx in gone:
             self._pending[gidx] = [_ZERO]
         self.grad_sync.strategy.forget(gone)
@@ -223,9 +227,11 @@ class GradPlaceholders:
             self._owed = self.deferred
             self.install()
         self.deferred = None
+        self.dropped = False
 
     def zero_grad(self) -> None:
         self.drop()
+        self.dropped = False  # (every gradient goes now, on every rank that calls it)
         self._pending.clear()
         self.deferred = self._owed = None
 

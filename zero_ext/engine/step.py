@@ -77,7 +77,9 @@ class Stepper:
         hand_unit = float(state.world_size + 1)
         values = [0.0] * (2 + len(self._flag_of))
         values[0] = float(error is not None)
-        values[1] = float(edited)
+        # parameters edited in place (1) plus, reduced gradients dropped (`model.zero_grad()`, `p.grad = None` or a
+        # `.grad` replaced between backward and step: grad_placeholders.py), `hand_unit`: both rank counts in one
+        values[1] = float(edited) + hand_unit * float(self.grad_sync.placeholders.dropped)
         for gidx in self.grad_sync.strategy.got_grads():
             values[2 + self._flag_of[gidx]] = 1.0
         for group_index, slot_index in hand:
@@ -91,6 +93,16 @@ class Stepper:
                 "changed on any rank"
             )
         summed = agreed.tolist()  # one host read, not one tensor index per parameter
+        dropped = int(summed[1] // hand_unit)
+        summed[1] -= dropped * hand_unit
+        if 0 < dropped < state.world_size:
+            raise ValueError(
+                f"zero_ext.ZeroAdamW.step: gradients of the last backward were dropped on {dropped} of "
+                f"{state.world_size} ranks only (`model.zero_grad()`, `p.grad = None` or a `.grad` replaced between "
+                "backward and step): the mean gradient is sharded, so each of those ranks dropped only its own piece "
+                "of it and the ranks would update differently. Drop or replace gradients on every rank, or on none. "
+                "Nothing was changed by this step; `opt.zero_grad()` on every rank starts clean"
+            )
         if 0 < summed[1] < state.world_size:
             raise ValueError(
                 f"zero_ext.ZeroAdamW.step: parameters were changed in place on {int(summed[1])} of "
