@@ -175,7 +175,10 @@ def _outside_forward(rank, world):
     model = Net("plain", torch.bfloat16)
     opt = ZeroAdamW(model.named_parameters(), **HYPER, stage=3, bucket_size=BUCKET, module=model)
     w = model.gpt.blocks[0].fc.weight
-    assert w.shape == (93, 24) and w.dtype == torch.bfloat16  # metadata is fine
+    assert w.shape == (93, 24) and w.dtype == torch.bfloat16  # metadata is fine, and tensors made like it
+    for like in (torch.randn_like(w), torch.zeros_like(w), torch.full_like(w, 2.0), w.new_zeros(3, 4)):
+        assert type(like) is torch.Tensor and like.dtype == torch.bfloat16
+    assert torch.randn_like(w).shape == (93, 24) and bool((torch.ones_like(w) == 1).all())
     for read in (lambda: w.sum(), lambda: w * 2, lambda: w.clone(), lambda: model.state_dict()):
         with pytest.raises(RuntimeError, match=r"is sharded here .*opt\.gathered_params"):
             read()
