@@ -82,21 +82,26 @@ class Contender:
                     f.result()
 
     def iteration(self) -> tuple[float, float]:
-        t0 = time.perf_counter()
-        # bf16 parameters, fp32 matmuls: on a CPU without AVX-512 torch's bf16 matmul has no fast path and took
-        # 6.3 s of a 128M-param iteration whose step() took 0.14 s, drowning what offload changes.
-        h = self.x
-        for layer in self.model:
-            h = torch.nn.functional.linear(h, layer.weight.float())
-        h.pow(2).mean().backward()
-        t1 = time.perf_counter()
-        self.opt.step()
-        t2 = time.perf_counter()
-        self.opt.zero_grad()
-        return time.perf_counter() - t0, t2 - t1
+        return timed_iteration(self.model, self.x, self.opt)
 
     def params(self) -> list[torch.Tensor]:
         return [p.detach().clone() for p in self.model.parameters()]
+
+
+def timed_iteration(model, x, opt) -> tuple[float, float]:
+    """One iteration of ``model`` (built by :func:`build_model`) on ``x``: (iteration s, of which ``step()`` s)."""
+    t0 = time.perf_counter()
+    # bf16 parameters, fp32 matmuls: on a CPU without AVX-512 torch's bf16 matmul has no fast path and took
+    # 6.3 s of a 128M-param iteration whose step() took 0.14 s, drowning what offload changes.
+    h = x
+    for layer in model:
+        h = torch.nn.functional.linear(h, layer.weight.float())
+    h.pow(2).mean().backward()
+    t1 = time.perf_counter()
+    opt.step()
+    t2 = time.perf_counter()
+    opt.zero_grad()
+    return time.perf_counter() - t0, t2 - t1
 
 
 class AddedCopies:

@@ -19,13 +19,12 @@ import os
 import shutil
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: bench_offload, harness
 
 import torch  # noqa: E402
-from bench_offload import build_model, parse_and_start  # noqa: E402
+from bench_offload import build_model, parse_and_start, timed_iteration  # noqa: E402
 from harness import MIB, cores, markdown_table, round_robin, summary, write_results  # noqa: E402
 
 from zero_ext import ZeroAdamW  # noqa: E402
@@ -53,16 +52,7 @@ class Contender:
                              param_remainders=remainders, **kw)  # fmt: skip
 
     def iteration(self) -> tuple[float, float]:
-        t0 = time.perf_counter()
-        h = self.x
-        for layer in self.model:  # fp32 matmuls (bench_offload.py says why)
-            h = torch.nn.functional.linear(h, layer.weight.float())
-        h.pow(2).mean().backward()
-        t1 = time.perf_counter()
-        self.opt.step()
-        t2 = time.perf_counter()
-        self.opt.zero_grad()
-        return time.perf_counter() - t0, t2 - t1
+        return timed_iteration(self.model, self.x, self.opt)
 
     def turn(self) -> tuple[float, float]:
         """An untimed iteration (its step reads the next step's first chunks ahead), a timed one, then the wait for

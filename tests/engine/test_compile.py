@@ -44,6 +44,19 @@ class _RecompileLimit(logging.Handler):
             self.hits.append(record.getMessage())
 
 
+def _losses(net, opt, rank, after_step=lambda: None) -> list:
+    """STEPS training steps of ``net`` on this rank's batches; their losses."""
+    losses = []
+    for step in range(STEPS):
+        loss = loss_fn(net, batch(step, rank))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        after_step()
+    return losses
+
+
 def _train(rank, world, stage, backend, gather_units="auto"):
     """Losses of STEPS steps, and with ``backend`` dynamo's counts: graphs compiled after each step, graph breaks,
     recompile-limit warnings."""
@@ -58,14 +71,8 @@ def _train(rank, world, stage, backend, gather_units="auto"):
     logging.getLogger("torch._dynamo.convert_frame").addHandler(catch)
     try:
         net = torch.compile(model, backend=backend) if backend else model
-        losses, graphs = [], []
-        for step in range(STEPS):
-            loss = loss_fn(net, batch(step, rank))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-            graphs.append(counters["stats"]["unique_graphs"])
+        graphs = []
+        losses = _losses(net, opt, rank, after_step=lambda: graphs.append(counters["stats"]["unique_graphs"]))
     finally:
         logging.getLogger("torch._dynamo.convert_frame").removeHandler(catch)
     report = opt.memory_report()
@@ -178,16 +185,8 @@ def _train_ddp(rank, world, backend):
     model = _model()
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    net = torch.compile(ddp, backend=backend) if backend else ddp
     torch._dynamo.reset()
-    losses = []
-    for step in range(STEPS):
-        loss = loss_fn(net, batch(step, rank))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return _losses(torch.compile(ddp, backend=backend) if backend else ddp, opt, rank)
 
 
 @pytest.mark.slow

@@ -33,37 +33,39 @@ def plain_params():
     return torch._C.DisableTorchFunctionSubclass()
 
 
+def _user_grads(state: ShardedState, strategy):
+    """``(group, slot, param, grad)`` for every ``.grad`` the engine does not own (``strategy.owns_grad`` tells its
+    own apart); the caller holds :func:`plain_params`."""
+    for group in state.groups:
+        for slot, p in zip(group.layout.slots, group.params):
+            grad = p.grad
+            if grad is not None and not strategy.owns_grad(group, slot, grad):
+                yield group, slot, p, grad
+
+
 def find_hand_grads(state: ShardedState, strategy) -> HandGrads:
-    """This rank's hand-assigned gradients (``strategy.owns_grad`` tells the engine's own ``.grad`` apart)."""
+    """This rank's hand-assigned gradients."""
     found: HandGrads = {}
     with plain_params():
-        for group in state.groups:
-            for slot, p in zip(group.layout.slots, group.params):
-                grad = p.grad
-                if grad is None or strategy.owns_grad(group, slot, grad):
-                    continue
-                if grad.layout is not torch.strided:
-                    raise RuntimeError(
-                        f"zero_ext.ZeroAdamW: parameter {group.names[slot.index]!r} has a {grad.layout} gradient; only "
-                        "dense gradients are supported"
-                    )
-                found[(group.index, slot.index)] = grad
+        for group, slot, _, grad in _user_grads(state, strategy):
+            if grad.layout is not torch.strided:
+                raise RuntimeError(
+                    f"zero_ext.ZeroAdamW: parameter {group.names[slot.index]!r} has a {grad.layout} gradient; only "
+                    "dense gradients are supported"
+                )
+            found[(group.index, slot.index)] = grad
     return found
 
 
 def zero_hand_grads(state: ShardedState, strategy, set_to_none: bool) -> None:
     """``zero_grad()`` on the gradients the engine does not own, as torch's: None, or zeroed in place."""
     with plain_params():
-        for group in state.groups:
-            for slot, p in zip(group.layout.slots, group.params):
-                grad = p.grad
-                if grad is None or strategy.owns_grad(group, slot, grad):
-                    continue
-                if set_to_none:
-                    p.grad = None
-                else:  # torch.optim.Optimizer.zero_grad's in-place branch
-                    if grad.grad_fn is not None:
-                        grad.detach_()
-                    else:
-                        grad.requires_grad_(False)
-                    grad.zero_()
+        for _, _, p, grad in _user_grads(state, strategy):
+            if set_to_none:
+                p.grad = None
+            else:  # torch.optim.Optimizer.zero_grad's in-place branch
+                if grad.grad_fn is not None:
+                    grad.detach_()
+                else:
+                    grad.requires_grad_(False)
+                grad.zero_()
