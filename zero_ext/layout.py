@@ -217,6 +217,37 @@ class Layout:
         self.fragment_numel = max(granule, bucket_size // granule * granule)
         # The most elements any bucket holds, whatever the parameters: every buffer sized from a bucket is a multiple.
         self.bucket_limit = max(granule, round_up(bucket_size, granule))
+        slots, buckets, self.numel, self.shard_numel = self._place()
+        # Only a layout of whole parameters (:mod:`zero_ext.owner_layout`) lets a bucket exceed it.
+        self.bucket_limit = max(self.bucket_limit, max((b.numel for b in buckets), default=0))
+        self.slots: tuple[Slot, ...] = tuple(slots)  # type: ignore[arg-type]
+        self.buckets: tuple[Bucket, ...] = tuple(buckets)
+        self.real_numel = sum(self.numels)
+        self._pieces: dict[int, tuple[OwnedPiece, ...]] = {}
+        runs: list[Run] = []
+        self.run_of: list[int] = []  # bucket index -> its run's index
+        for b in self.buckets:
+            split = [self.slots[i] for i in b.slots if self.slots[i].split]
+            if split and split[0].bucket != b.index:  # a later fragment: the run started at the parameter's first
+                self.run_of.append(len(runs) - 1)
+                continue
+            last = split[0].last_bucket if split else b.index
+            numel = sum(self.buckets[i].numel for i in range(b.index, last + 1))
+            runs.append(Run(len(runs), b.index, last, b.offset, numel, b.slots))
+            self.run_of.append(len(runs) - 1)
+        self.runs: tuple[Run, ...] = tuple(runs)
+        # each parameter's canonical index of its first element (a rule of whole parameters is handed it)
+        canonical = canonical_offsets(self.numels, param_align)
+        self.canonical: tuple[int, ...] = canonical
+        # flat offset + shift = canonical index, for every element of a bucket (see the module docstring)
+        self.canonical_shift: tuple[int, ...] = tuple(
+            canonical[b.slots[0]] - self.slots[b.slots[0]].offset for b in self.buckets
+        )
+
+    def _place(self) -> tuple[list[Slot], list[Bucket], int, int]:
+        """Every parameter's slot and every bucket, in placement order; the flat and the shard numel."""
+        world_size, bucket_size, param_align = self.world_size, self.bucket_size, self.param_align
+        granule = world_size * BUCKET_ALIGN
         slots: list[Slot | None] = [None] * len(self.numels)
         buckets: list[Bucket] = []
         members: list[int] = []
@@ -254,29 +285,7 @@ class Layout:
             fill = at + numel
         if members:
             close_bucket()
-        self.slots: tuple[Slot, ...] = tuple(slots)  # type: ignore[arg-type]
-        self.buckets: tuple[Bucket, ...] = tuple(buckets)
-        self.numel = start
-        self.shard_numel = shard_offset
-        self.real_numel = sum(self.numels)
-        self._pieces: dict[int, tuple[OwnedPiece, ...]] = {}
-        runs: list[Run] = []
-        self.run_of: list[int] = []  # bucket index -> its run's index
-        for b in self.buckets:
-            split = [self.slots[i] for i in b.slots if self.slots[i].split]
-            if split and split[0].bucket != b.index:  # a later fragment: the run started at the parameter's first
-                self.run_of.append(len(runs) - 1)
-                continue
-            last = split[0].last_bucket if split else b.index
-            numel = sum(self.buckets[i].numel for i in range(b.index, last + 1))
-            runs.append(Run(len(runs), b.index, last, b.offset, numel, b.slots))
-            self.run_of.append(len(runs) - 1)
-        self.runs: tuple[Run, ...] = tuple(runs)
-        canonical = canonical_offsets(self.numels, param_align)
-        # flat offset + shift = canonical index, for every element of a bucket (see the module docstring)
-        self.canonical_shift: tuple[int, ...] = tuple(
-            canonical[b.slots[0]] - self.slots[b.slots[0]].offset for b in self.buckets
-        )
+        return slots, buckets, start, shard_offset  # type: ignore[return-value]
 
     def canonical_start(self, bucket: Bucket, rank: int) -> int:
         """The canonical index (see the module docstring) of the first element of ``rank``'s slice of ``bucket``;

@@ -209,20 +209,31 @@ class ZeroAdamW(torch.optim.Optimizer):
                         weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, foreach=foreach,
                         capturable=capturable, differentiable=differentiable, fused=fused,
                         decoupled_weight_decay=True)  # fmt: skip
-        # 1. every argument checked (torch.optim.AdamW's checks and words first), before anything is built; one
-        # that fails on some ranks only fails every rank (torch_compat/failed_construction.py)
-        try:
+
+        def check_arguments() -> None:  # torch.optim.AdamW's checks and words first
             check_adamw_arguments(lr, betas, eps, weight_decay, foreach=foreach, capturable=capturable,
                                   differentiable=differentiable, fused=fused)  # fmt: skip
-            config = EngineConfig.checked(
-                defaults, stage=stage, process_group=process_group, communicator=communicator, bucket_size=bucket_size,
-                reduce_dtype=reduce_dtype, grad_accum_dtype=grad_accum_dtype, max_grad_norm=max_grad_norm,
-                module=module, sync_module_states=sync_module_states, reshard_after_forward=reshard_after_forward,
-                prefetch=prefetch, gather_units=gather_units, param_init=param_init, param_device=param_device,
-                defer_all_gather_to=defer_all_gather_to, staging_buffers=staging_buffers, offload=offload,
-                offload_dir=offload_dir, offload_window=offload_window, param_remainders=param_remainders,
-                moment_dtype=moment_dtype, collective_timeout=collective_timeout, default_rule=self.default_rule,
-            )  # fmt: skip
+
+        self._construct(params, defaults, check_arguments, dict(
+            stage=stage, process_group=process_group, communicator=communicator, bucket_size=bucket_size,
+            reduce_dtype=reduce_dtype, grad_accum_dtype=grad_accum_dtype, max_grad_norm=max_grad_norm,
+            module=module, sync_module_states=sync_module_states, reshard_after_forward=reshard_after_forward,
+            prefetch=prefetch, gather_units=gather_units, param_init=param_init, param_device=param_device,
+            defer_all_gather_to=defer_all_gather_to, staging_buffers=staging_buffers, offload=offload,
+            offload_dir=offload_dir, offload_window=offload_window, param_remainders=param_remainders,
+            moment_dtype=moment_dtype, collective_timeout=collective_timeout,
+        ))  # fmt: skip
+
+    def _construct(self, params: Iterable, defaults: dict, check_arguments: Callable[[], None], options: dict) -> None:
+        """Construction after the rule's defaults are known (ZeroAdamW's, or a subclass's: ``zero_ext.ZeroMuon``):
+        ``check_arguments`` raises for the rule's bad arguments; ``options`` are the keyword options."""
+        stage, process_group, communicator = options["stage"], options["process_group"], options["communicator"]
+        collective_timeout, module = options["collective_timeout"], options["module"]
+        # 1. every argument checked, before anything is built; one that fails on some ranks only fails every rank
+        # (torch_compat/failed_construction.py)
+        try:
+            check_arguments()
+            config = EngineConfig.checked(defaults, default_rule=self.default_rule, **options)
             module = config.module
             # 2. torch's param groups (each group's hyperparameters checked as it is added)
             self._constructing = True
@@ -231,6 +242,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         except (TypeError, ValueError, RuntimeError):
             tell_other_ranks(process_group, communicator, collective_timeout)
             raise
+        max_grad_norm, reduce_dtype, offload = options["max_grad_norm"], options["reduce_dtype"], options["offload"]
+        param_init = options["param_init"]
         self.stage, self.max_grad_norm, self.reduce_dtype, self.offload = stage, max_grad_norm, reduce_dtype, offload
         # 3. every rank plans its flat groups and agrees on them (collective; a failure anywhere fails every rank)
         builder = StateBuilder(self.param_groups, config)

@@ -26,9 +26,10 @@ from typing import Any, Optional
 import torch
 
 from ..engine.config import EngineConfig
-from ..layout import Layout, fingerprint
+from ..layout import fingerprint
 from ..state.sharded_state import FlatGroup, ShardedState
 from ..update.registry import rule_for_group
+from .layouts import layout_for, shape_error
 from .module_sync import broadcast_from_rank0
 from .planning import SUPPORTED_DTYPES
 from .state_builder import build_flat_groups
@@ -138,8 +139,10 @@ class GroupAdder:
                                       moment_dtype=self.options.moment_dtype, group_index=self.index,
                                       default=self.options.default_rule)  # fmt: skip
                 rule.check_group(f"param group {self.index}", self.group)
-                layout = Layout([p.numel() for _, p in members], state.world_size, state.bucket_size,
-                                rule.param_align)  # fmt: skip
+                error = shape_error(rule, f"param group {self.index}", members, self.names)
+                if error:
+                    raise ValueError(error)
+                layout = layout_for(rule, [p for _, p in members], state.world_size, state.bucket_size)
                 self.specs.append((self.index, members, layout, rule))
 
     # ---------------------------------------------------------------- 2. agree

@@ -23,11 +23,11 @@ from ..comm import communicator_for, fallback_device
 from ..comm.mesh import Mesh
 from ..engine.config import EngineConfig
 from ..engine.model_state import ModelState
-from ..layout import Layout
 from ..placement.offload import placement_factory, prepare_offload
 from ..state.sharded_state import FlatGroup, ShardedState
 from ..update.protocol import UpdateRule
 from ..update.registry import rule_for_group
+from .layouts import layout_for, shape_error
 from .meta_init import default_device
 from .module_sync import broadcast_from_rank0, describe, tensors_to_sync
 from .planning import Plan, agree_on_plan, default_bucket_size, name_by_model, plan_groups
@@ -90,6 +90,7 @@ class StateBuilder:
             except ValueError as e:  # an unknown or refused rule: every rank raises at the agreement, none hangs
                 plan.error = plan.error or str(e).removeprefix("zero_ext: ")
                 rule = rule_for_group(dtype, {}, remainders, o.moment_dtype, gi)
+            plan.error = plan.error or shape_error(rule, f"param group {gi}", members, plan.names)
             self.rules.append(rule)
         return plan
 
@@ -107,7 +108,7 @@ class StateBuilder:
         )
         agree_on_plan(self.comm, self.plan, settings)
         self.layouts = [
-            Layout([p.numel() for _, p in members], self.comm.world_size, self.bucket_size, rule.param_align)
+            layout_for(rule, [p for _, p in members], self.comm.world_size, self.bucket_size)
             for (_, members), rule in zip(self.plan.groups, self.rules)
         ]
         # nvme: the directory and its free space, agreed before anything is built

@@ -26,6 +26,7 @@ from .. import ops
 from ..layout import Range
 from ..state.sharded_state import ShardedState
 from ..state.step_counts import update_runs
+from ..update.protocol import PARAMETERS
 from ..update.registry import rule_for_group
 from .hand_grads import find_hand_grads
 from .param_sync import ParamSync
@@ -199,6 +200,8 @@ class Stepper:
     def _update(self, group, unit, s, active: set[int], grad_scale) -> list:
         """The group's update rule (one fused kernel) on every run of ``unit`` whose parameters update (one step
         counter per run); returns those runs, in the unit's coordinates."""
+        if group.rule.unit == PARAMETERS:
+            return self._update_parameters(group, unit, s, active, grad_scale)
         state, updated = self.state, []
         # the canonical index of the bucket slice's first element (bf16 moments' rounding: layout.py)
         canonical = group.layout.canonical_start(unit.bucket, group.rank)
@@ -216,6 +219,30 @@ class Stepper:
             v = unit.views.run(r)
             group.rule.apply(v.state, v.grad, v.param_out, s, state.step_counts.steps[cls], grad_scale, self.found_inf,
                              element_offset=canonical + part.start)  # fmt: skip
+        return updated
+
+    def _update_parameters(self, group, unit, s, active: set[int], grad_scale) -> list:
+        """A rule of whole parameters (owner layout: each of this rank's pieces is a whole parameter) on every
+        parameter of ``unit`` that updates, one at a time, its views shaped as the parameter."""
+        updated = []
+        for piece in group.pieces_by_bucket[unit.bucket.index]:
+            gidx = group.param_indices[piece.index]
+            if gidx not in active:
+                continue
+            whole = piece.shard_range.shifted(-unit.bucket.shard_offset)
+            part = whole.intersect(unit.rows)
+            if not part.numel:
+                continue
+            if part != whole:  # placements cut units at parameter boundaries for such rules (disk.py)
+                raise RuntimeError(f"zero_ext: a unit of the step cuts parameter {group.names[piece.index]!r}")
+            r = part.shifted(-unit.rows.start)
+            updated.append(r)
+            v = unit.views.run(r)
+            shape = group.params[piece.index].shape
+            views = {k: t.view(shape) for k, t in v.state.items()}
+            out = None if v.param_out is None else v.param_out.view(shape)
+            group.rule.apply_parameter(views, v.grad.view(shape), out, s, self.state.step_counts.step_of(gidx),
+                                       grad_scale, self.found_inf, element_offset=group.layout.canonical[piece.index])  # fmt: skip
         return updated
 
 

@@ -2,4 +2,5 @@
 (:mod:`.registry`), AdamW (:mod:`.rule`, registered as "adamw" on import of this package), and the math of the
 state's encodings (remainders, int8 maps)."""
 
+from . import muon as _muon  # noqa: F401  (registers "muon")
 from . import rule as _adamw  # noqa: F401  (registers "adamw")

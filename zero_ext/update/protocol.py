@@ -6,7 +6,9 @@ state dicts, checkpoint sections, consolidation, the memory ledger and the offlo
 them), which param-group hyperparameters it reads (:meth:`UpdateRule.check_group`, :meth:`UpdateRule.scalars`), how
 it updates a contiguous run of a rank's shard (:meth:`UpdateRule.apply`) and what *unit* it needs: ``"elements"``
 (any run of a flat shard: an elementwise rule such as AdamW or SGD) or ``"parameters"`` (whole parameters on one
-rank: Muon's orthogonalisation; the owner layout it needs is not built yet, so the engine refuses it).
+rank: Muon's orthogonalisation). A rule of whole parameters (:class:`WholeParameterRule`) gets an owner layout
+(:mod:`zero_ext.owner_layout`: every parameter whole in one rank's shard) and is handed one parameter at a time,
+shaped, through :meth:`WholeParameterRule.apply_parameter`, with ``cost`` telling the layout what to balance.
 
 The members past ``apply`` describe how a kind is *encoded* (an int16 remainder standing for the master, int8 codes
 with block scales, a tie bit in a sign bit); a rule that stores every kind as it is (``StateKind.dtype``, one item
@@ -182,4 +184,35 @@ class ElementwiseRule(abc.ABC):
               element_offset: int = 0) -> None: ...  # fmt: skip
 
 
-__all__ = ["MASTER", "ELEMENTS", "PARAMETERS", "Unit", "StateKind", "UpdateRule", "ElementwiseRule"]
+class WholeParameterRule(ElementwiseRule):
+    """A rule that updates whole parameters (``unit = "parameters"``): subclasses write :meth:`apply_parameter`
+    (each kind's view, the gradient and ``param_out`` come shaped as the parameter) and may weigh parameters by
+    :meth:`cost` (the owner layout balances it across ranks). ``apply`` is not used."""
+
+    unit: Unit = PARAMETERS
+
+    def cost(self, shape: tuple[int, ...]) -> int:
+        """What updating a parameter of ``shape`` costs, in any unit (the owners balance the sum): its size."""
+        n = 1
+        for d in shape:
+            n *= int(d)
+        return max(1, n)
+
+    def check_shape(self, where: str, name: str, shape: tuple[int, ...]) -> None:
+        """Raise ``ValueError`` naming ``where`` and ``name`` unless this rule can update a parameter of ``shape``."""
+
+    def apply(self, state, grad, param_out, scalars, step, grad_scale, found_inf, element_offset=0) -> None:
+        raise TypeError(f"{type(self).__name__} updates whole parameters: the engine calls apply_parameter")
+
+    @abc.abstractmethod
+    def apply_parameter(self, state: Mapping[str, torch.Tensor], grad: torch.Tensor, param_out: Optional[torch.Tensor],
+                        scalars: Any, step, grad_scale, found_inf: Optional[torch.Tensor],
+                        element_offset: int = 0) -> None:  # fmt: skip
+        """One update of one whole parameter, in place: as :meth:`UpdateRule.apply`, every view shaped as the
+        parameter (``state`` each kind's, ``grad`` the mean gradient, ``param_out`` the parameter's low-precision
+        copy or None); ``element_offset`` the canonical index of its first element."""
+
+
+__all__ = [
+    "MASTER", "ELEMENTS", "PARAMETERS", "Unit", "StateKind", "UpdateRule", "ElementwiseRule", "WholeParameterRule",
+]  # fmt: skip

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 import torch
 
-from .protocol import PARAMETERS, UpdateRule
+from .protocol import UpdateRule
 
 RULE_KEY = "rule"  # the param-group key that names a group's rule
 DEFAULT_RULE = "adamw"  # the rule of a group that names none (ZeroAdamW's) and of checkpoints that record none
@@ -88,17 +88,10 @@ def rule_for_group(param_dtype: torch.dtype, group: Mapping[str, Any], param_rem
                    default: str = DEFAULT_RULE) -> UpdateRule:  # fmt: skip
     """The rule a flat group of ``param_dtype`` parameters of param group ``group`` (``group_index``: its position)
     keeps; ``param_remainders`` and ``moment_dtype``: the optimizer's options (a ValueError naming them unless
-    the rule takes them). A rule whose unit is whole parameters is refused: the owner layout it needs is not built
-    yet."""
+    the rule takes them)."""
     where = f"zero_ext: param group {group_index}"
     options = RuleOptions(param_remainders, moment_dtype, group_index)
-    rule = rule_named(rule_name_of(group, default), param_dtype, group, options, where)
-    if rule.unit == PARAMETERS:
-        raise ValueError(
-            f"{where}: update rule {rule.name!r} updates whole parameters (unit='parameters'), which needs an owner "
-            "layout this version does not build; only element-wise rules (unit='elements') are supported"
-        )
-    return rule
+    return rule_named(rule_name_of(group, default), param_dtype, group, options, where)
 
 
 def rule_for_saved_group(saved_group: Mapping[str, Any], param_dtype: torch.dtype = torch.bfloat16) -> UpdateRule:
