@@ -206,8 +206,7 @@ class Layout:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if bucket_size < 1:
             raise ValueError(f"bucket_size must be >= 1 element, got {bucket_size}")
-        if param_align not in (PARAM_ALIGN, BUCKET_ALIGN):
-            raise ValueError(f"param_align must be {PARAM_ALIGN} or {BUCKET_ALIGN} elements, got {param_align}")
+        self._check_align(param_align)
         self.world_size = world_size
         self.bucket_size = bucket_size
         self.param_align = param_align
@@ -243,6 +242,11 @@ class Layout:
         self.canonical_shift: tuple[int, ...] = tuple(
             canonical[b.slots[0]] - self.slots[b.slots[0]].offset for b in self.buckets
         )
+
+    @staticmethod
+    def _check_align(param_align: int) -> None:
+        if param_align not in (PARAM_ALIGN, BUCKET_ALIGN):
+            raise ValueError(f"param_align must be {PARAM_ALIGN} or {BUCKET_ALIGN} elements, got {param_align}")
 
     def _place(self) -> tuple[list[Slot], list[Bucket], int, int]:
         """Every parameter's slot and every bucket, in placement order; the flat and the shard numel."""

@@ -12,7 +12,7 @@ buffer, inside one run (a bucket: nothing is split), and ``owned_pieces(r)`` lis
 Owners are chosen once, deterministically, from the parameter sizes and a cost per parameter (Muon: its
 Newton-Schulz work, about rows x cols x min(rows, cols): :func:`newton_schulz_cost`). Parameters go into buckets in
 placement order (reverse registration, as :class:`~zero_ext.layout.Layout`: about the order backward produces
-their gradients); inside a bucket, largest first, each goes to the rank whose slice is least filled, ties to the
+their gradients); inside a bucket, largest (then costliest) first, each goes to the rank whose slice is least filled, ties to the
 rank with the least cost so far (this bucket's and all before), then the lowest rank. So slices stay even (the
 padding, which every collective carries, stays small) and the cost rotates across ranks from bucket to bucket.
 A bucket closes when adding the next parameter would make its slices exceed ``bucket_size / world_size``, unless
@@ -48,7 +48,13 @@ class OwnerLayout(Layout):
     ``rank_costs`` the sum each rank got."""
 
     def __init__(self, numels: Sequence[int], world_size: int, bucket_size: int, param_align: int = PARAM_ALIGN,
-                 costs: Optional[Sequence[int]] = None):  # fmt: skip
+                 costs: Optional[Sequence[int]] = None, slot_align: Optional[int] = None):  # fmt: skip
+        # slot_align: where parameters start in a slice, and what slices are multiples of (offload="nvme": a file
+        # block, so that the disk placement's chunks start at a parameter: placement/disk.py); param_align still
+        # sets the canonical indices
+        self.slot_align = param_align if slot_align is None else slot_align
+        if self.slot_align % param_align:
+            raise ValueError(f"OwnerLayout: slot_align must be a multiple of {param_align}, got {slot_align}")
         self.costs = tuple(int(c) for c in (costs if costs is not None else numels))
         if len(self.costs) != len(numels):
             raise ValueError(f"OwnerLayout: {len(self.costs)} costs for {len(numels)} parameters")
@@ -57,8 +63,9 @@ class OwnerLayout(Layout):
         super().__init__(numels, world_size, bucket_size, param_align)
 
     def _place(self) -> tuple[list[Slot], list[Bucket], int, int]:
-        world, align = self.world_size, self.param_align
-        slice_limit = max(BUCKET_ALIGN, round_up(self.bucket_size, world * BUCKET_ALIGN) // world)
+        world, align = self.world_size, self.slot_align
+        step = max(BUCKET_ALIGN, align)  # every slice is a multiple of it
+        slice_limit = max(step, round_up(self.bucket_size, world * step) // world)
         totals = [0] * world  # cost per rank, buckets closed so far
         owners = [0] * len(self.numels)
         slots: list[Optional[Slot]] = [None] * len(self.numels)
@@ -68,11 +75,12 @@ class OwnerLayout(Layout):
         def pack(members: list[int]) -> tuple[dict[int, tuple[int, int]], int, list[int]]:
             """(index -> (rank, offset in its slice)), the slice size, the ranks' costs after this bucket."""
             fill, cost, where = [0] * world, list(totals), {}
-            for _, _, i in sorted((-self.numels[i], -i, i) for i in members):  # largest first, then placement order
+            # largest first, then costliest (to the rank with the least cost), then placement order
+            for *_, i in sorted((-self.numels[i], -self.costs[i], -i, i) for i in members):
                 r = min(range(world), key=lambda r: (fill[r], cost[r], r))
                 at = round_up(fill[r], align)
                 where[i], fill[r], cost[r] = (r, at), at + self.numels[i], cost[r] + self.costs[i]
-            return where, max(BUCKET_ALIGN, round_up(max(fill), BUCKET_ALIGN)), cost
+            return where, max(step, round_up(max(fill), step)), cost
 
         def close(members: list[int]) -> None:
             nonlocal start, shard_offset
@@ -91,7 +99,7 @@ class OwnerLayout(Layout):
         members: list[int] = []
         for index in reversed(range(len(self.numels))):
             if members:
-                largest = max(round_up(self.numels[i], BUCKET_ALIGN) for i in [*members, index])
+                largest = max(round_up(self.numels[i], step) for i in [*members, index])
                 if pack([*members, index])[1] > max(slice_limit, largest):
                     close(members)
                     members = []

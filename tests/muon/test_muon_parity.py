@@ -59,7 +59,7 @@ WORLDS = [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pyte
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("offload", [None, "cpu"])
+@pytest.mark.parametrize("offload", [None, "cpu", "nvme"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_muon_is_torch_muon(tmp_path, stage, offload, world):
     out = run_on_ranks(world, train, stage, offload, "float32", str(tmp_path))

@@ -10,15 +10,19 @@ import torch
 
 from ..layout import Layout
 from ..owner_layout import OwnerLayout
+from ..placement.disk import param_align_on_disk
 from ..update.protocol import PARAMETERS, UpdateRule
 
 
-def layout_for(rule: UpdateRule, params: Sequence[torch.Tensor], world_size: int, bucket_size: int) -> Layout:
-    """The layout of one flat group of ``params`` (in registration order) kept by ``rule``."""
+def layout_for(rule: UpdateRule, params: Sequence[torch.Tensor], world_size: int, bucket_size: int,
+               offload: Optional[str] = None) -> Layout:  # fmt: skip
+    """The layout of one flat group of ``params`` (in registration order) kept by ``rule``, its state placed by
+    ``offload`` (on disk a rule of whole parameters starts each at a file block: placement/disk.py)."""
     numels = [p.numel() for p in params]
     if rule.unit == PARAMETERS:
         costs = [rule.cost(tuple(p.shape)) for p in params]  # type: ignore[attr-defined]
-        return OwnerLayout(numels, world_size, bucket_size, rule.param_align, costs)
+        align = param_align_on_disk(rule) if offload == "nvme" else None
+        return OwnerLayout(numels, world_size, bucket_size, rule.param_align, costs, slot_align=align)
     return Layout(numels, world_size, bucket_size, rule.param_align)
 
 

@@ -108,7 +108,7 @@ class StateBuilder:
         )
         agree_on_plan(self.comm, self.plan, settings)
         self.layouts = [
-            layout_for(rule, [p for _, p in members], self.comm.world_size, self.bucket_size)
+            layout_for(rule, [p for _, p in members], self.comm.world_size, self.bucket_size, o.offload)
             for (_, members), rule in zip(self.plan.groups, self.rules)
         ]
         # nvme: the directory and its free space, agreed before anything is built

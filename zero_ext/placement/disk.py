@@ -27,6 +27,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from ..layout import Bucket, Layout, Range
+from ..update.protocol import PARAMETERS
 from ..update.rule import REMAINDER, UpdateRule
 from .device import BucketState, Unit, items_of, views_of
 from .files import ALIGN, StateFiles, aligned_buffer, granule
@@ -58,6 +59,26 @@ def host_kinds(rule: UpdateRule) -> list:
 def _granule(rule: UpdateRule) -> int:
     """Elements that are whole 4 KiB blocks of every file (1024 with fp32 files only, 2048 with bf16 ones)."""
     return granule([k.dtype for k in file_kinds(rule)])
+
+
+def param_align_on_disk(rule: UpdateRule) -> int:
+    """Where a rule of whole parameters needs its parameters to start in a shard on disk (a whole file block: the
+    chunks the step streams then start at a parameter, :func:`parameter_chunks`)."""
+    return _granule(rule)
+
+
+def parameter_chunks(layout: Layout, rank: int, chunk: int) -> list[Range]:
+    """The chunks of a shard of whole parameters (an owner layout whose parameters start at file blocks): cut only
+    where a parameter starts, each at most ``chunk`` elements unless one parameter is larger (it is a chunk of its
+    own). They tile the shard."""
+    n, starts, cuts = layout.shard_numel, [], [0]
+    for piece in layout.owned_pieces(rank):
+        starts.append((piece.shard_range.start, piece.shard_range.end))
+    for start, end in starts:
+        if start > cuts[-1] and end - cuts[-1] > chunk:
+            cuts.append(start)
+    cuts.append(n)
+    return [Range(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
 def chunk_numel(window_bytes: int, rule: UpdateRule, shard_numel: int) -> int:
@@ -138,8 +159,13 @@ class DiskState(HostGradients):
         self.window_budget = window  # bytes: SLOTS chunks of every kind fit it (memory_report's bound)
         try:
             self.chunk = chunk_numel(window, rule, n)
+            if rule.unit == PARAMETERS:  # chunks cut at parameters; the slots hold the largest
+                self.chunks = parameter_chunks(layout, params.rank, self.chunk)
+                self.chunk = max([self.chunk, *(self._blocks(c.numel) for c in self.chunks)])
+                self.window_budget = max(window, SLOTS * self.chunk * _window_bytes_per_element(rule))
+            else:
+                self.chunks = [Range(s, min(s + self.chunk, n)) for s in range(0, n, self.chunk)]
             self.slots = [_Slot(self.chunk, rule, self.cuda) for _ in range(SLOTS)]
-            self.chunks = [Range(s, min(s + self.chunk, n)) for s in range(0, n, self.chunk)]
             self._read_ahead = 0  # leading chunks already read (or being read) into their slots for the next step
             self._pristine = True  # the files were never written: they read as zeros (param_remainders: no tie bit)
             self.reset_master()
