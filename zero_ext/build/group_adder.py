@@ -142,8 +142,9 @@ class GroupAdder:
                 error = shape_error(rule, f"param group {self.index}", members, self.names)
                 if error:
                     raise ValueError(error)
-                layout = layout_for(rule, [p for _, p in members], state.world_size, state.bucket_size,
-                                    self.options.offload)
+                layout = layout_for(
+                    rule, [p for _, p in members], state.world_size, state.bucket_size, self.options.offload
+                )
                 self.specs.append((self.index, members, layout, rule))
 
     # ---------------------------------------------------------------- 2. agree
