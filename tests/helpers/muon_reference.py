@@ -67,12 +67,16 @@ class MuonReference:
 
     def step(self, means: dict, clip: float | None = None) -> None:
         """One step from ``means`` (name -> mean gradient, fp32, or None); ``clip``: torch's clip_grad_norm_ first."""
-        for n in self.muon_names:
-            self.master[n].grad = means[n].clone()
+        for n in self.muon_names:  # a matrix without a gradient: torch's Muon leaves it alone
+            self.master[n].grad = None if means[n] is None else means[n].clone()
         grads = {n: means[n].clone() for n in self.adam}
         if clip is not None:
-            every = [self.master[n].grad for n in self.muon_names] + list(grads.values())
-            torch.nn.utils.clip_grad_norm_(every, clip, foreach=False)
+            every = [self.master[n].grad for n in self.muon_names if self.master[n].grad is not None]
+            every += list(grads.values())
+            norm = torch.nn.utils.get_total_norm(every, foreach=False)
+            coef = torch.clamp(clip / (norm + 1e-6), max=1.0)  # torch.nn.utils.clip_grad_norm_'s coefficient
+            for g in every:
+                g.mul_(coef)
         self.muon.step()
         self.steps += 1
         beta1, beta2 = ADAM["betas"]

@@ -17,7 +17,7 @@ consolidate offline.
 only (:mod:`zero_ext.torch_compat.state_dict_hooks`); state of your own goes in ``extra``.
 """
 
-from .consolidate import adamw_state_dict, consolidate
+from .consolidate import adamw_state_dict, consolidate, torch_state_dicts
 from .format import FORMAT_VERSION, CheckpointError
 from .loading import load
 from .reader import Checkpoint, read_extra
@@ -29,6 +29,7 @@ __all__ = [
     "read_extra",
     "consolidate",
     "adamw_state_dict",
+    "torch_state_dicts",
     "Checkpoint",
     "CheckpointError",
     "FORMAT_VERSION",

@@ -162,3 +162,38 @@ def adamw_state_dict(out: str | os.PathLike) -> dict[str, Any]:
         groups.append({**hyper, "params": list(range(base, base + g["num_params"]))})
         base += g["num_params"]
     return {"state": state, "param_groups": groups}
+
+
+def torch_state_dicts(out: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """A consolidated ``out`` as one torch.optim state dict per update rule, keyed by the rule's name (ZeroMuon:
+    ``"muon"`` for ``torch.optim.Muon``, ``"adamw"`` for ``torch.optim.AdamW``): each holds that rule's param groups,
+    in order, with their parameters numbered from 0 in that order, and per parameter the rule's kinds (plus
+    ``step`` where the rule counts steps: AdamW's bias correction; torch's Muon keeps none). Build each torch
+    optimizer over the same parameters in the same group order, then ``load_state_dict``."""
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(os.fspath(out), "optimizer.safetensors"), framework="pt") as f:
+        meta = f.metadata()
+        saved_groups = json.loads(meta["param_groups"])
+        entries = json.loads(meta["params"])
+        by_group: dict[int, list[dict]] = {}
+        for e in sorted(entries, key=lambda e: e["index"]):
+            by_group.setdefault(e["group"], []).append(e)
+        dicts: dict[str, dict[str, Any]] = {}
+        for gi, g in enumerate(saved_groups):
+            rule = rule_for_saved_group(g)
+            sd = dicts.setdefault(rule.name, {"state": {}, "param_groups": []})
+            base = sum(len(x["params"]) for x in sd["param_groups"])
+            hyper = {
+                k: decode_value(v)
+                for k, v in g["hyperparameters"].items()
+                if not (isinstance(v, dict) and "unrestorable" in v)
+            }
+            members = by_group.get(gi, [])
+            for offset, e in enumerate(members):
+                n = e["name"]
+                entry = {"step": f.get_tensor(f"step/{n}")} if rule.counts_steps else {}
+                entry.update({k: f.get_tensor(f"{k}/{n}") for k in rule.moment_names})
+                sd["state"][base + offset] = entry
+            sd["param_groups"].append({**hyper, "params": list(range(base, base + len(members)))})
+    return dicts

@@ -79,6 +79,7 @@ def _number(where: str, key: str, value: Any, low: float = 0.0) -> None:
 
 class Muon(WholeParameterRule):
     name = "muon"
+    counts_steps = False  # torch.optim.Muon keeps only momentum_buffer per parameter
 
     def __init__(self, param_dtype: torch.dtype):
         super().__init__(param_dtype)

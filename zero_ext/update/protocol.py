@@ -123,6 +123,7 @@ class ElementwiseRule(abc.ABC):
     block = 1
     param_align = PARAM_ALIGN
     param_remainders = False
+    counts_steps = True  # a torch state dict of it holds a per-parameter "step" (AdamW's bias correction does)
     tie_kind: Optional[str] = None
     quantized: Mapping[str, tuple[str, torch.Tensor]] = {}
 
