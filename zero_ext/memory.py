@@ -17,13 +17,16 @@ bf16 parameter shard at stage 3 unless it is half of the master, with ``param_re
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
+from .owner_layout import OwnerLayout, newton_schulz_cost
 from .update import blockwise_int8
+from .update.muon import Muon
 from .update.rule import MOMENT_DTYPES, AdamW
 
 if TYPE_CHECKING:  # a type only: buffers.py never imports this module back
@@ -31,13 +34,14 @@ if TYPE_CHECKING:  # a type only: buffers.py never imports this module back
 
 __all__ = [
     "estimate", "estimate_breakdown", "state_bytes_per_element", "moment_bytes", "INT8_BLOCK", "MemoryReport",
-    "report", "human_bytes",
+    "report", "human_bytes", "muon_owner_bytes", "MUON_STATE_BYTES",
 ]  # fmt: skip
 
 # Elements per fp32 scale of int8 moments: the int8 kernels' block, chosen by measurement
 # (bench/investigations/int8_moments.md: median update error 1.13 % at 64 against 1.41 % at torchao's 256 and 2.01 %
 # at Dettmers et al.'s 2048; 64 also never straddles a shard slice). The scale adds 4/64 byte per element.
 INT8_BLOCK = blockwise_int8.BLOCK
+MUON_STATE_BYTES = Muon(torch.bfloat16).bytes_per_element()  # fp32 master + fp32 momentum buffer: 8
 GRAD_SHARD_BYTES = 4  # ZeroAdamW reduces every gradient into an fp32 shard (exact averaging, fp32 accumulation)
 
 
@@ -75,6 +79,7 @@ def estimate_breakdown(
     param_remainders: bool = False,
     moment_dtype: torch.dtype = torch.float32,
     engine: bool = False,
+    muon_params: int = 0,
 ) -> dict[str, Fraction]:
     """Per-rank bytes of params, grads and optimizer states under ZeRO ``stage`` (exact fractions).
 
@@ -88,7 +93,13 @@ def estimate_breakdown(
     ``grad_bytes``-wide gradients sharded like the stage: an fp32 gradient shard (4 Psi / N) at every stage, plus
     stage 1's full ``grad_bytes``-wide gradient buffer; at stage 3 with bf16/fp16 params no parameter shard (each
     gather rounds the fp32 master) unless ``param_remainders`` (the bf16 shard is half of the master).
+
+    ``muon_params`` (``zero_ext.ZeroMuon``): how many of the ``num_params`` are Muon matrices; their state is the Muon
+    rule's (:data:`MUON_STATE_BYTES`: an fp32 master and an fp32 momentum buffer, 8 bytes), the rest AdamW's. The
+    matrices are owned whole, so a rank's share is the average here; :func:`muon_owner_bytes` gives each rank's.
     """
+    if not isinstance(muon_params, int) or not 0 <= muon_params <= num_params:
+        raise ValueError(f"muon_params must be an int in [0, num_params], got {muon_params!r}")
     if optimizer_state_bytes is None:
         optimizer_state_bytes = state_bytes_per_element(param_remainders=param_remainders, moment_dtype=moment_dtype)
     elif moment_dtype != torch.float32:
@@ -107,7 +118,9 @@ def estimate_breakdown(
     psi, n = Fraction(num_params), world_size
     params = psi * param_bytes / (n if stage >= 3 else 1)
     grads = psi * grad_bytes / (n if stage >= 2 else 1)
-    states = psi * Fraction(optimizer_state_bytes) / (n if stage >= 1 else 1)
+    states = ((psi - muon_params) * Fraction(optimizer_state_bytes) + muon_params * MUON_STATE_BYTES) / (
+        n if stage >= 1 else 1
+    )
     if engine:
         grads = (psi * grad_bytes if stage == 1 else 0) + psi * GRAD_SHARD_BYTES / n
         if stage == 3 and param_bytes < 4 and not param_remainders:
@@ -126,6 +139,7 @@ def estimate(
     param_bytes: int = 2,
     grad_bytes: int = 2,
     optimizer_state_bytes: Optional[Union[int, Fraction]] = None,
+    muon_params: int = 0,
 ) -> float:
     """The ZeRO model-state bytes per rank for ``stage`` 0 (plain DDP), 1, 2 or 3 (see module docstring); the
     keywords are :func:`estimate_breakdown`'s.
@@ -137,8 +151,29 @@ def estimate(
     """
     parts = estimate_breakdown(num_params, world_size, stage, param_remainders=param_remainders,
                                moment_dtype=moment_dtype, engine=engine, param_bytes=param_bytes,
-                               grad_bytes=grad_bytes, optimizer_state_bytes=optimizer_state_bytes)  # fmt: skip
+                               grad_bytes=grad_bytes, optimizer_state_bytes=optimizer_state_bytes,
+                               muon_params=muon_params)  # fmt: skip
     return float(sum(parts.values()))
+
+
+def muon_owner_bytes(shapes, world_size: int, bucket_size: int = 2**22) -> dict:
+    """Where ZeroMuon's matrices of ``shapes`` go on ``world_size`` ranks (the owner layout it builds, at
+    ``bucket_size`` elements per bucket): each rank's Muon state bytes (:data:`MUON_STATE_BYTES` per owned element,
+    padding included), its Newton-Schulz cost, max / mean of both, and the matrices larger than the per-rank
+    average (each bounds the balance: its owner holds at least it)."""
+    layout = OwnerLayout([math.prod(s) for s in shapes], world_size, bucket_size,
+                         costs=[newton_schulz_cost(s) for s in shapes])  # fmt: skip
+    owned = [sum(p.numel for p in layout.owned_pieces(r)) for r in range(world_size)]
+    state = [int(MUON_STATE_BYTES * layout.shard_numel)] * world_size  # every rank's shard has the padded size
+    average = sum(owned) / world_size
+    return {
+        "state_bytes_per_rank": state,
+        "owned_elements_per_rank": owned,
+        "cost_per_rank": list(layout.rank_costs),
+        "cost_max_over_mean": layout.balance(),
+        "elements_max_over_mean": max(owned) / average if average else 1.0,
+        "larger_than_average": [tuple(s) for s in shapes if math.prod(s) > average],
+    }
 
 
 @dataclass(frozen=True)
@@ -191,6 +226,8 @@ class MemoryReport:
     buffers: dict[str, "Buffer"] = field(default_factory=dict)
     bucket_limit: int = 0  # the most elements a bucket holds (bucket_size in whole granules): what bounds them
     param_shard_not_kept: int = 0  # stage 3: the formula's param-dtype shard, not kept (the master is cast instead)
+    optimizer: str = "ZeroAdamW"  # the optimizer's class (its title line)
+    owners: str = ""  # ZeroMuon: how its matrices are spread over the ranks (owner layouts)
 
     def bytes_on(self, medium: str) -> int:
         """Bytes on ``medium``: "device" (the parameters' device; the host when that is the CPU), "host" (host
@@ -227,10 +264,11 @@ class MemoryReport:
             self.stage, ""
         ) + " B/param"
         lines = [
-            f"ZeroAdamW model state, rank {self.rank} of {self.world_size}, stage {self.stage}: "
+            f"{self.optimizer} model state, rank {self.rank} of {self.world_size}, stage {self.stage}: "
             f"{self.num_params:,} parameters, {self.owned_numel:,} in this rank's shard",
             f"  {'':<34}{'bytes':>11}{'B/param':>9}",
         ]
+        lines += [f"  {self.owners}"] if self.owners else []
         lines += [row(kind, nbytes, located(kind)) for kind, nbytes in self.allocated.items() if nbytes]
         lines += [row(kind, nbytes, "(disk)") for kind, nbytes in self.on_disk.items() if nbytes]
         media = [m for m in ("device", "host", "disk") if self.bytes_on(m)]
@@ -303,6 +341,14 @@ def report(state: "ShardedState", staging=None, window=None) -> MemoryReport:
     persistent."""
     stage, world, rank = state.stage, state.world_size, state.rank
     out = MemoryReport(stage, world, 0, 0, rank=rank)
+    owned = [g.layout for g in state.groups if isinstance(g.layout, OwnerLayout)]
+    if owned:
+        costs = [sum(layout.rank_costs[r] for layout in owned) for r in range(world)]
+        mine = sum(p.numel for layout in owned for p in layout.owned_pieces(rank))
+        out.owners = (
+            f"whole matrices: {sum(len(layout.numels) for layout in owned)}, {mine:,} elements on this rank; "
+            f"Newton-Schulz cost per rank max/mean {max(costs) / (sum(costs) / world or 1):.3f}"
+        )
     state_kinds = list(dict.fromkeys(k for g in state.groups for k in g.rule.kind_names))  # each once, master first
     alloc: dict[str, int] = dict.fromkeys(("params", "grads", *state_kinds, "grad_shard"), 0)
     where: dict[str, str] = {}

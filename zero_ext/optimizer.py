@@ -478,9 +478,11 @@ class ZeroAdamW(torch.optim.Optimizer):
     def memory_report(self) -> memory.MemoryReport:
         """Every persistent byte on this rank by kind; see :class:`zero_ext.memory.MemoryReport`."""
         engine = self._engine
-        return memory.report(
+        out = memory.report(
             engine.state, staging=engine.runtimes.staging, window=engine.stage.window(engine.param_sync)
         )
+        out.optimizer = type(self).__name__
+        return out
 
     # ------------------------------------------------------------------ state
     # opt.state[p]: this rank's piece of p's state, read-only (zero_ext.torch_compat.state_view)
