@@ -113,3 +113,28 @@ def _refused(rank, world, root):
 @pytest.mark.slow
 def test_bad_input_fails_on_every_rank(tmp_path):
     assert run_on_ranks(2, _refused, str(tmp_path)) == [True, True]
+
+
+def _compiled(rank, world, stage, root):
+    """torch.compile(model) (backend "eager": dynamo's graphs, no codegen) trains bitwise as the eager model."""
+    digests = []
+    for compile_ in (False, True):
+        model = model_for(torch.float32)
+        opt = optimizer(model, stage, None, root, rank, f"compile{compile_}")
+        run = torch.compile(model, backend="eager") if compile_ else model
+        for step in range(3):
+            loss_fn(run, batch(step, rank)).backward()
+            opt.step()
+            opt.zero_grad()
+        with opt.gathered_params():
+            digests.append([p.detach().clone() for p in model.parameters()])
+        opt.close()
+    assert all(torch.equal(a, b) for a, b in zip(*digests))
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_compiled_model(tmp_path, stage):
+    torch._dynamo.reset()
+    assert run_on_ranks(2, _compiled, stage, str(tmp_path)) == [True, True]
