@@ -102,7 +102,7 @@ class MuonReference:
         """Inside ``gathered_params()``: every parameter is its master in the param dtype, and this rank's pieces of
         every kind of state equal the reference's (bitwise, or at fp32 tolerance with ``exact=False``)."""
         for (name, p), dtype in zip(model.named_parameters(), self.dtypes):
-            expected = self.master[name].to(dtype)
+            expected = self.master[name].to(dtype).cpu()
             if exact:
                 assert torch.equal(p.detach().cpu(), expected), f"{what}: parameter {name}"
             else:
@@ -110,7 +110,7 @@ class MuonReference:
         for ref in opt.sharded_state.pieces():
             for kind, full in self.state(ref.name).items():
                 mine = ref.group.state.read(kind, ref.piece.shard_range).cpu()
-                expected = full.reshape(-1)[ref.piece.start : ref.piece.end]
+                expected = full.reshape(-1)[ref.piece.start : ref.piece.end].cpu()
                 if exact:
                     assert torch.equal(mine, expected), f"{what}: {kind} of {ref.name}"
                 else:

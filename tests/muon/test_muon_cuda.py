@@ -1,0 +1,126 @@
+"""ZeroMuon through NCCL on 1, 2 and 3 GPUs (torchrun), against the unsharded reference on the same GPU
+(tests/helpers/muon_reference.py: torch.optim.Muon + the fused AdamW kernel on the mean gradients). Written ahead:
+each skips unless the machine has that many GPUs, saying how many it needs and found.
+
+Where NCCL's mean is the reference's to the bit (1 and 2 ranks: the 1/N prescale is exact) every parameter, master
+and momentum buffer must be bitwise the reference's (Newton-Schulz in bf16 on the same GPU, cuBLAS in both); at 3
+ranks the mean differs by rounding, which Newton-Schulz's bf16 iterations can turn into bf16 roundings of an
+update, so the reference check is at 1e-3 there, and stages 1, 2 and 3 must still be bitwise equal to each other.
+What a GPU adds to the CPU tests: the owner's Newton-Schulz on the current stream while the previous bucket's
+all-gather runs on the communication stream (an all-gather that started before its update was queued would gather
+the old matrix: the bitwise check fails), found_inf read on the device without a sync, pinned offload copies.
+The same script runs on two gloo ranks here (test_the_script_runs_on_cpu_ranks), so it cannot rot unseen."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+HELPERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
+MUON_TESTS = os.path.dirname(os.path.abspath(__file__))
+VARIANTS = {
+    "stage1": dict(stage=1),
+    "stage2": dict(stage=2),
+    "stage3": dict(stage=3),
+    "cpu": dict(stage=2, offload="cpu"),
+}
+
+_SCRIPT = textwrap.dedent(
+    """
+    import hashlib, os, sys, torch, torch.distributed as dist
+    sys.path[:0] = [{helpers!r}, {tests!r}]
+    from engine_reference import mean_grads, rank_grads
+    from muon_reference import MUON, MuonReference, freeze, zero_muon_groups
+    from tiny_transformer import batch, build, loss_fn
+    from zero_ext import ZeroMuon
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if {backend!r} == "nccl":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    exact = world in (1, 2) or {backend!r} == "gloo"
+
+    def model_for():
+        model = build(torch.float32).to(device)
+        freeze(model)
+        return model
+
+    def means_at(ref, step):
+        model = model_for()
+        ref.load_into(model)
+        named = list(model.named_parameters())
+        params = [p for _, p in named]
+        batches = [batch(step, r).to(device) for r in range(world)]
+        means = mean_grads([[None if g is None else g.cpu() for g in gs] for gs in rank_grads(model, params, batches,
+                           loss_fn)], [p.cpu() for p in params])
+        return {{n: None if g is None else g.to(device) for (n, _), g in zip(named, means)}}
+
+    variants = {variants!r}
+    models, opts = {{}}, {{}}
+    for name, kw in variants.items():
+        models[name] = model = model_for()
+        opts[name] = ZeroMuon(zero_muon_groups(model), **MUON, module=model, bucket_size=1500, **kw)
+    ref = MuonReference(model_for())
+    for step in range(3):
+        ref.step(means_at(ref, step))
+        for name in variants:
+            loss_fn(models[name], batch(step, rank).to(device)).backward()
+            opts[name].step()
+            opts[name].zero_grad()
+            with opts[name].gathered_params():
+                if exact:
+                    ref.check(opts[name], models[name], f"{{name}} step {{step}}")
+                else:
+                    for pname, p in models[name].named_parameters():
+                        torch.testing.assert_close(p.detach(), ref.master[pname], atol=1e-3, rtol=1e-2)
+    digests = []
+    for name in variants:
+        with opts[name].gathered_params():
+            h = hashlib.sha256()
+            for p in models[name].parameters():
+                h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            digests.append(h.hexdigest()[:16])
+        opts[name].close()
+    assert len(set(digests[:3])) == 1, f"stages differ: {{digests}}"
+    dist.destroy_process_group()
+    os.write(1, ("ok " + ",".join(digests) + "\\n").encode())
+    """
+)
+
+
+def run_ranks(world: int, root, backend: str = "nccl") -> subprocess.CompletedProcess:
+    script = root / "muon_ranks.py"
+    script.write_text(_SCRIPT.format(helpers=HELPERS, tests=MUON_TESTS, variants=VARIANTS, backend=backend))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", str(script)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+def skip_unless_gpus(world: int) -> None:
+    found = torch.cuda.device_count()
+    if found < world:
+        pytest.skip(f"needs {world} GPUs, found {found}")
+
+
+def _check(proc, world):
+    assert proc.returncode == 0 and proc.stdout.count("ok") == world, proc.stdout[-2000:] + proc.stderr[-4000:]
+    outcomes = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("ok")}
+    assert len(outcomes) == 1, f"the ranks hold different parameters: {outcomes}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_zero_muon_through_nccl(world, tmp_path):
+    skip_unless_gpus(world)
+    _check(run_ranks(world, tmp_path), world)
+
+
+@pytest.mark.slow
+def test_the_script_runs_on_cpu_ranks(tmp_path):
+    _check(run_ranks(2, tmp_path, backend="gloo"), 2)
