@@ -72,7 +72,8 @@ class ZeroMuon(ZeroAdamW):
         lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn: ``torch.optim.Muon``'s,
             with its meaning, for the Muon groups.
         stage, module, offload, ...: every keyword option of :class:`zero_ext.ZeroAdamW`, with its meaning
-            (``param_remainders`` and ``moment_dtype`` other than fp32 are refused for Muon groups in this version).
+            (``moment_dtype=torch.bfloat16`` also stores the Muon momentum in bf16, with stochastic rounding;
+            ``param_remainders`` and int8 moments are refused when a Muon group exists).
 
     :meth:`owners` says which rank updates each Muon matrix and how even the Newton-Schulz work is.
     """

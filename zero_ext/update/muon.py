@@ -12,11 +12,17 @@ coefficient), in torch's operations and order, so that the bits are torch's:
 
 then the parameter is the master rounded to its dtype (nearest even). A step with a non-finite gradient anywhere
 changes nothing (the engine's found_inf, as for AdamW).
+
+``moment_dtype=torch.bfloat16`` stores the momentum buffer in bf16 (2 bytes per element instead of 4): read widened
+to fp32, updated in fp32 as above, stored with stochastic rounding whose 16 random bits hash (the group's seed, the
+step, the element's canonical index), as AdamW's bf16 moments do, so every stage, world size, bucket size and
+offload rounds an element alike (those runs stay bitwise equal to each other; not to torch's fp32 momentum).
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 from numbers import Real
 from typing import Any, Mapping, NamedTuple, Optional
 
@@ -77,13 +83,43 @@ def _number(where: str, key: str, value: Any, low: float = 0.0) -> None:
         raise ValueError(f"{where}: `{key}` must be a number >= {low:g}, got {value!r}")
 
 
+def _mix(h: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche (murmur3's finaliser) on int64 tensors holding 32-bit values."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+def round_stochastic_(out: torch.Tensor, x: torch.Tensor, seed: int, step: torch.Tensor, first: int) -> None:
+    """``out`` (bf16) := ``x`` (fp32, same shape) rounded stochastically: the dropped 16 bits are compared with random
+    bits that hash (``seed``, ``step``: a scalar tensor, element ``first + i``'s index), so the result depends on the
+    element, not on where it is stored. Plain torch ops on ``x``'s device, no host sync. Non-finite values keep their
+    class (inf stays inf, NaN stays NaN)."""
+    index = torch.arange(first, first + x.numel(), dtype=torch.int64, device=x.device).view(x.shape)
+    key = _mix((index & 0xFFFFFFFF) ^ _mix((index >> 32) + (seed & 0xFFFFFFFF)))
+    noise = _mix(key ^ (step.to(torch.int64) * 0x9E3779B1 & 0xFFFFFFFF)) & 0xFFFF
+    bits = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    magnitude = bits & 0x7FFFFFFF
+    finite = magnitude < 0x7F800000
+    rounded = torch.where(finite, (magnitude + noise) >> 16, (magnitude >> 16) | (magnitude > 0x7F800000) * 0x40)
+    half = (((bits >> 16) & 0x8000) | rounded).to(torch.int32).to(torch.int16)
+    out.copy_(half.view(torch.bfloat16))
+
+
 class Muon(WholeParameterRule):
     name = "muon"
     counts_steps = False  # torch.optim.Muon keeps only momentum_buffer per parameter
 
-    def __init__(self, param_dtype: torch.dtype):
+    def __init__(self, param_dtype: torch.dtype, moment_dtype: torch.dtype = torch.float32, group_index: int = 0):
         super().__init__(param_dtype)
-        self.kinds = (StateKind(MASTER), StateKind(MOMENTUM))
+        self.moment_dtype = moment_dtype
+        self.kinds = (StateKind(MASTER), StateKind(MOMENTUM, moment_dtype))
+        self.rounding_seed = zlib.crc32(f"muon/{group_index}/{param_dtype}".encode())
+
+    def describe(self) -> str:
+        return f"{super().describe()}(rounding_seed={self.rounding_seed})"
 
     def cost(self, shape) -> int:
         """Newton-Schulz's multiply-adds per iteration, about rows x cols x min(rows, cols) (what owners balance)."""
@@ -132,7 +168,8 @@ class Muon(WholeParameterRule):
 
     def apply_parameter(self, state, grad, param_out, s: MuonScalars, step, grad_scale, found_inf,
                         element_offset: int = 0) -> None:  # fmt: skip
-        master, buf = state[MASTER], state[MOMENTUM]
+        master, stored = state[MASTER], state[MOMENTUM]
+        buf = stored if stored.dtype == torch.float32 else stored.float()
         g = grad if isinstance(grad_scale, (int, float)) and grad_scale == 1 else torch.mul(grad, grad_scale)
         # On the host a skipped step never gets here (step.py); on a device, found_inf is read without a sync.
         guarded = found_inf is not None and found_inf.device.type != "cpu"
@@ -145,21 +182,25 @@ class Muon(WholeParameterRule):
         if guarded:
             skip = found_inf > 0
             new_buf, new_master = torch.where(skip, buf, new_buf), torch.where(skip, master, new_master)
-        buf.copy_(new_buf)
+        if stored.dtype == torch.float32:
+            buf.copy_(new_buf)
+        else:
+            round_stochastic_(stored, new_buf, self.rounding_seed, step, element_offset)
         master.copy_(new_master)
         if param_out is not None:
             param_out.copy_(master)  # round to nearest even
 
 
 def _muon(param_dtype: torch.dtype, group: Mapping[str, Any], options: RuleOptions) -> Muon:
-    """The registry's factory of "muon": an fp32 master and an fp32 momentum buffer."""
+    """The registry's factory of "muon": an fp32 master and an fp32 or bf16 momentum buffer."""
     if options.param_remainders:
         raise ValueError("the Muon rule keeps an fp32 master: `param_remainders=True` is for AdamW groups only")
-    if options.moment_dtype is not torch.float32:
+    if options.moment_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(
-            f"the Muon rule keeps an fp32 momentum buffer: `moment_dtype={options.moment_dtype}` is for AdamW groups"
+            f"the Muon rule keeps its momentum buffer in float32 or bfloat16: `moment_dtype={options.moment_dtype}` "
+            "is for AdamW groups only"
         )
-    return Muon(param_dtype)
+    return Muon(param_dtype, options.moment_dtype, options.group_index)
 
 
 register("muon", _muon, saved_kinds=(MASTER, MOMENTUM))
