@@ -282,20 +282,26 @@ def default_world(device: str) -> int:
 
 # ------------------------------------------------------------------------------------------------ recipes
 RECIPES = ("ddp", "zero1", "zero2", "zero3", "zero3_lean")
+# ZeroMuon at each stage: Muon (lr MUON_LR) on the blocks' matrices, AdamW (the run's lr) on the rest
+MUON_RECIPES = ("muon1", "muon2", "muon3")
+MUON_LR = 0.02
 LABELS = {
     "ddp": "DDP + torch AdamW(fused), fp32 params",
     "zero1": "ZeroAdamW stage 1, bf16 params",
     "zero2": "ZeroAdamW stage 2, bf16 params",
     "zero3": "ZeroAdamW stage 3, bf16 params",
     "zero3_lean": "ZeroAdamW stage 3, bf16 params, param_remainders + {moments} moments",
+    "muon1": "ZeroMuon stage 1, bf16 params, Muon + AdamW",
+    "muon2": "ZeroMuon stage 2, bf16 params, Muon + AdamW",
+    "muon3": "ZeroMuon stage 3, bf16 params, Muon + AdamW",
 }
 # The leanest moment dtypes first: zero3_lean takes the first one this build of ZeroAdamW accepts (issue 24).
 LEAN_MOMENTS = ("int8", "bfloat16", "float32")
 
 
 def recipe_stage(recipe: str) -> int:
-    """The ZeroAdamW stage of a recipe ("zero3_lean" -> 3)."""
-    return int(recipe.removeprefix("zero")[0])
+    """The ZeroAdamW / ZeroMuon stage of a recipe ("zero3_lean" -> 3, "muon2" -> 2)."""
+    return int(recipe.removeprefix("zero").removeprefix("muon")[0])
 
 
 def moment_dtype_supported(name: str) -> bool:
@@ -364,8 +370,8 @@ def build(cfg: RunConfig, model_cfg: GPTConfig, device: torch.device):
         model.to(device)
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
         return model, ddp, torch.optim.AdamW(model.parameters(), **hyper, fused=True)
-    if cfg.recipe not in RECIPES:
-        raise ValueError(f"unknown recipe {cfg.recipe!r}; expected one of {RECIPES}")
+    if cfg.recipe not in RECIPES + MUON_RECIPES:
+        raise ValueError(f"unknown recipe {cfg.recipe!r}; expected one of {RECIPES + MUON_RECIPES}")
     model.to(device=device, dtype=getattr(torch, cfg.param_dtype))
     stage = recipe_stage(cfg.recipe)
     # Stage 3 needs the model for its hooks; stages 1 and 2 run as before (no module=, as their results were taken).
@@ -381,6 +387,14 @@ def build(cfg: RunConfig, model_cfg: GPTConfig, device: torch.device):
     precision = dict(param_remainders=True) if cfg.param_remainders else {}
     if cfg.moment_dtype != "float32":
         precision["moment_dtype"] = getattr(torch, cfg.moment_dtype)
+    if cfg.recipe in MUON_RECIPES:
+        named = list(model.named_parameters())
+        matrices = [(n, p) for n, p in named if n.startswith("blocks.") and p.ndim == 2]
+        rest = [(n, p) for n, p in named if all(p is not q for _, q in matrices)]
+        groups = [{"params": matrices}, {"params": rest, "use_muon": False, **hyper, "eps": 1e-8}]
+        opt = zero_ext.ZeroMuon(groups, lr=MUON_LR, weight_decay=cfg.weight_decay, stage=stage,
+                                max_grad_norm=cfg.max_grad_norm, bucket_size=cfg.bucket_size, **s3, **off)  # fmt: skip
+        return model, model, opt
     opt = zero_ext.ZeroAdamW(model.named_parameters(), **hyper, stage=stage, max_grad_norm=cfg.max_grad_norm,
                              bucket_size=cfg.bucket_size, **s3, **off, **precision)  # fmt: skip
     return model, model, opt

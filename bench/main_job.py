@@ -52,6 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stages", default="1,2,3", help="ZeroAdamW stages to run, comma-separated (default: 1,2,3)")
     p.add_argument("--no-baseline", action="store_true", help="skip the DDP + torch AdamW run")
     p.add_argument("--no-lean", action="store_true", help="skip zero3_lean (stage 3, remainders, leanest moments)")
+    p.add_argument("--no-muon", action="store_true", help="skip the ZeroMuon rows (muon1/2/3 at the --stages)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch", type=int, default=16, help="global batch in sequences (split over the ranks)")
     add_model_args(p)
@@ -280,16 +281,18 @@ def agreement(runs: dict, tol: float) -> dict:
     ``tol`` nats."""
     checks = {}
     zero = [r for r in ("zero1", "zero2", "zero3") if r in runs]  # the same training run, bit for bit
-    for other in zero[1:]:
-        a, b = runs[zero[0]], runs[other]
-        same_loss, same_params = a["losses"] == b["losses"], a["param_digest"] == b["param_digest"]
-        checks[f"{zero[0]}_vs_{other}_bitwise"] = {
-            "ok": same_loss and same_params,
-            "losses_bitwise_equal": same_loss,
-            "final_params_bitwise_equal": same_params,
-            "max_abs_loss_diff": max(abs(x - y) for x, y in zip(a["losses"], b["losses"])),
-        }
-    for r in zero + [r for r in ("zero3_lean",) if r in runs]:
+    muon = [r for r in ("muon1", "muon2", "muon3") if r in runs]  # ZeroMuon's: the same run at every stage
+    for same in (zero, muon):
+        for other in same[1:]:
+            a, b = runs[same[0]], runs[other]
+            same_loss, same_params = a["losses"] == b["losses"], a["param_digest"] == b["param_digest"]
+            checks[f"{same[0]}_vs_{other}_bitwise"] = {
+                "ok": same_loss and same_params,
+                "losses_bitwise_equal": same_loss,
+                "final_params_bitwise_equal": same_params,
+                "max_abs_loss_diff": max(abs(x - y) for x, y in zip(a["losses"], b["losses"])),
+            }
+    for r in zero + [r for r in ("zero3_lean",) if r in runs]:  # (ZeroMuon runs another optimizer: not vs DDP)
         run = runs[r]
         # (zero3_lean keeps fewer bytes on disk by design: the disk-vs-window check is the stages' own)
         if run.get("offload") == "nvme" and run["config"]["offload_window"] is not None and r in zero:
@@ -377,8 +380,9 @@ def render(runs: dict, checks: dict, meta_: dict, matmul: dict, entropy: float, 
             )
         elif name.endswith("bitwise"):
             a, b = name.removesuffix("_bitwise").split("_vs_")
+            who = "ZeroMuon " if a.startswith("muon") else ""
             verdicts.append(
-                f"{v} stage {a[-1]} vs stage {b[-1]} bitwise: losses equal={c['losses_bitwise_equal']}, "
+                f"{v} {who}stage {a[-1]} vs stage {b[-1]} bitwise: losses equal={c['losses_bitwise_equal']}, "
                 f"final params equal={c['final_params_bitwise_equal']}"
             )
         else:
@@ -411,6 +415,7 @@ def render(runs: dict, checks: dict, meta_: dict, matmul: dict, entropy: float, 
         ),
         f"loss: mean over ranks of the global batch; best possible {entropy:.3f} nats (Markov chain entropy rate), "
         f"ln(vocab) = {math.log(args.vocab):.3f}.",
+        *muon_note(runs),
     ]
     text = "\n".join([head, "", harness.text_table(HEADERS, rows), "", *breakdown, "", *verdicts, "", *notes])
     md = "\n".join(
@@ -433,6 +438,21 @@ def render(runs: dict, checks: dict, meta_: dict, matmul: dict, entropy: float, 
         ]
     )
     return text, md
+
+
+def muon_note(runs: dict) -> list[str]:
+    """ZeroMuon's loss against ZeroAdamW's (another optimizer: compared, not checked against a tolerance)."""
+    muon = next((r for r in ("muon1", "muon2", "muon3") if r in runs), None)
+    adamw = next((r for r in ("zero1", "zero2", "zero3") if r in runs), None)
+    if muon is None:
+        return []
+    line = (
+        f"ZeroMuon rows: Muon (lr {harness.MUON_LR}) on the blocks' matrices, AdamW (the run's lr) on embedding, "
+        f"positions, norms and biases; final loss {runs[muon]['losses'][-1]:.4f}"
+    )
+    if adamw is not None:
+        line += f" against ZeroAdamW's {runs[adamw]['losses'][-1]:.4f}"
+    return [line + " (bench/muon_quality.py runs the longer comparison)."]
 
 
 def choose_matmul(args) -> dict:
@@ -506,6 +526,7 @@ def main(argv=None) -> int:
     recipes = ([] if args.no_baseline else ["ddp"]) + [f"zero{s}" for s in args.stages]
     lean = None if args.no_lean or 3 not in args.stages else harness.leanest_moment_dtype()
     recipes += ["zero3_lean"] if lean else []
+    recipes += [] if args.no_muon else [f"muon{s}" for s in args.stages]
     world, out = args.world_size, Path(args.out_dir)
     with torch.device("meta"):
         psi = num_params(GPT(model_config(args)))

@@ -22,13 +22,18 @@ COLORS = {
     "zero2": "tab:green",
     "zero3": "tab:purple",
     "zero3_lean": "tab:red",
+    "muon1": "tab:brown",
+    "muon2": "tab:pink",
+    "muon3": "tab:olive",
 }
 # Names under the bars and in the gap legend, the rest of each run's label wrapped below them (_tick): narrow
 # enough that five runs' labels do not run into each other at fontsize 8.
-SHORT = {"ddp": "DDP", "zero1": "stage 1", "zero2": "stage 2", "zero3": "stage 3", "zero3_lean": "stage 3 lean"}
+SHORT = {"ddp": "DDP", "zero1": "stage 1", "zero2": "stage 2", "zero3": "stage 3", "zero3_lean": "stage 3 lean",
+         "muon1": "Muon 1", "muon2": "Muon 2", "muon3": "Muon 3"}  # fmt: skip
 # Loss curves lie on top of each other: DDP wide underneath, the stages thinner and differently dashed over it.
 STYLES = {"ddp": dict(lw=5, alpha=0.45), "zero1": dict(lw=2.2), "zero2": dict(lw=1.6, ls="--"),
-          "zero3": dict(lw=1.2, ls=":"), "zero3_lean": dict(lw=1.2, ls="-.")}  # fmt: skip
+          "zero3": dict(lw=1.2, ls=":"), "zero3_lean": dict(lw=1.2, ls="-."), "muon1": dict(lw=2.2),
+          "muon2": dict(lw=1.6, ls="--"), "muon3": dict(lw=1.2, ls=":")}  # fmt: skip
 GAP_STYLES = {"zero1": dict(ls="-", marker="o", ms=3), "zero2": dict(ls="--"), "zero3": dict(ls=":", marker="x", ms=4),
               "zero3_lean": dict(ls="-.", marker="+", ms=5)}  # fmt: skip
 # Stacking order and colour of each kind of model state (kinds a run does not have are skipped).
@@ -37,6 +42,7 @@ KINDS = {
     "grads": "#a0cbe8",
     "master": "#f28e2b",
     "remainder": "#ffbe7d",  # param_remainders: the int16 low half of the master (the bf16 param is the rest)
+    "momentum_buffer": "#9c755f",  # ZeroMuon: Muon's momentum of the matrices a rank owns
     "exp_avg": "#59a14f",
     "exp_avg_sq": "#8cd17d",
     "max_exp_avg_sq": "#c7e9c0",  # amsgrad
@@ -71,7 +77,9 @@ def save_chart(runs: dict, checks: dict, entropy: float, meta: dict, path: Path)
     from matplotlib.ticker import MaxNLocator
 
     names = list(runs)
-    fig, ((ax_loss, ax_gap), (ax_mem, ax_time)) = plt.subplots(2, 2, figsize=(14, 9.5), layout="constrained")
+    # wider with more than five runs (the ZeroMuon rows), so that the bars' labels keep their room
+    width = 14 + 1.6 * max(0, len(names) - 5)
+    fig, ((ax_loss, ax_gap), (ax_mem, ax_time)) = plt.subplots(2, 2, figsize=(width, 9.5), layout="constrained")
     # "zero2 (= stage 1, bitwise)": each stage equal bit for bit to the lowest stage run
     same = {k.removesuffix("_bitwise").split("_vs_")[1]: k.split("_vs_")[0] for k, c in checks.items()
             if k.endswith("_bitwise") and c["ok"]}  # fmt: skip
@@ -93,7 +101,7 @@ def save_chart(runs: dict, checks: dict, entropy: float, meta: dict, path: Path)
     tol = next((c["tolerance_nats"] for k, c in checks.items() if k.endswith("_vs_ddp")), None)
     if "ddp" in runs and tol is not None:
         ref = runs["ddp"]["losses"]
-        for name in (n for n in names if n != "ddp"):
+        for name in (n for n in names if f"{n}_vs_ddp" in checks):  # (ZeroMuon is another optimizer: no gap)
             gap = [a - b for a, b in zip(runs[name]["losses"], ref)]
             worst = checks[f"{name}_vs_ddp"]["max_abs_loss_diff"]
             ax_gap.plot(

@@ -228,6 +228,7 @@ class MemoryReport:
     param_shard_not_kept: int = 0  # stage 3: the formula's param-dtype shard, not kept (the master is cast instead)
     optimizer: str = "ZeroAdamW"  # the optimizer's class (its title line)
     owners: str = ""  # ZeroMuon: how its matrices are spread over the ranks (owner layouts)
+    muon_numel: int = 0  # ZeroMuon: real elements of its Muon matrices, all ranks together
 
     def bytes_on(self, medium: str) -> int:
         """Bytes on ``medium``: "device" (the parameters' device; the host when that is the CPU), "host" (host
@@ -244,7 +245,7 @@ class MemoryReport:
     def estimate(self) -> float:
         """:func:`estimate` for this run (the average rank). Meaningful when every trainable param has one dtype:
         ``widths`` are those of the param dtype (``formula`` is exact for mixed dtypes too)."""
-        return estimate(self.num_params, self.world_size, self.stage, **self.widths)
+        return estimate(self.num_params, self.world_size, self.stage, muon_params=self.muon_numel, **self.widths)
 
     def table(self) -> str:
         """A readable ledger: every allocation, then the identity that splits the total into the ZeRO formula and
@@ -343,6 +344,7 @@ def report(state: "ShardedState", staging=None, window=None) -> MemoryReport:
     out = MemoryReport(stage, world, 0, 0, rank=rank)
     owned = [g.layout for g in state.groups if isinstance(g.layout, OwnerLayout)]
     if owned:
+        out.muon_numel = sum(layout.real_numel for layout in owned)
         costs = [sum(layout.rank_costs[r] for layout in owned) for r in range(world)]
         mine = sum(p.numel for layout in owned for p in layout.owned_pieces(rank))
         out.owners = (

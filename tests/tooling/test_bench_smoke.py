@@ -54,14 +54,21 @@ def test_main_job_and_memory_model(tmp_path, matmul):
         assert job["matmul"]["decided_by"] == "probe" and job["matmul"]["bf16_gemm_ms"] > 0
     else:
         assert job["matmul"] == {"matmul": "fp32", "decided_by": "--matmul"}
-    assert set(runs) == {"ddp", "zero1", "zero2", "zero3", "zero3_lean"}
+    assert set(runs) == {"ddp", "zero1", "zero2", "zero3", "zero3_lean", "muon1", "muon2", "muon3"}
     assert set(checks) == {"zero1_vs_zero2_bitwise", "zero1_vs_zero3_bitwise", "zero1_vs_ddp", "zero2_vs_ddp",
-                           "zero3_vs_ddp", "zero3_lean_vs_ddp"}  # fmt: skip
+                           "zero3_vs_ddp", "zero3_lean_vs_ddp", "muon1_vs_muon2_bitwise",
+                           "muon1_vs_muon3_bitwise"}  # fmt: skip
     assert all(c["ok"] for c in checks.values()), checks
-    for other in ("zero2", "zero3"):  # every stage bit for bit the same training run
-        assert checks[f"zero1_vs_{other}_bitwise"]["losses_bitwise_equal"]
-        assert runs["zero1"]["losses"] == runs[other]["losses"]
-        assert runs["zero1"]["param_digest"] == runs[other]["param_digest"]
+    for kind in ("zero", "muon"):  # every stage bit for bit the same training run, ZeroAdamW's and ZeroMuon's
+        for other in (f"{kind}2", f"{kind}3"):
+            assert checks[f"{kind}1_vs_{other}_bitwise"]["losses_bitwise_equal"]
+            assert runs[f"{kind}1"]["losses"] == runs[other]["losses"]
+            assert runs[f"{kind}1"]["param_digest"] == runs[other]["param_digest"]
+    for name in ("muon1", "muon2", "muon3"):  # the ledger's identity holds with Muon's state too
+        r = runs[name]
+        extras = r["padding"] + r["staging"] + r["grad_shard_fp32"] - r["param_shard_not_kept"]
+        assert r["formula_this_rank"] + extras == r["model_state_total"]
+        assert r["model_state"]["momentum_buffer"] > 0 and "ZeroMuon" in r["label"]
     for name in ("zero1", "zero2", "zero3", "zero3_lean"):
         r = runs[name]
         assert len(r["losses"]) == 2 and r["skipped_steps"] == 0
@@ -88,7 +95,7 @@ def test_main_job_and_memory_model(tmp_path, matmul):
     paper = mem["paper_table_7_5B"]
     assert paper["ok"] and paper["row64_ok"]
     assert [round(gb, 1) for gb in paper["row64_gb"]] == [120.0, 31.4, 16.6, 1.9]
-    assert mem["measured_vs_formula"]["ok"] and len(mem["measured_vs_formula"]["rows"]) == 5
+    assert mem["measured_vs_formula"]["ok"] and len(mem["measured_vs_formula"]["rows"]) == 8  # the 3 ZeroMuon rows too
 
 
 def test_main_job_with_the_optimizer_state_on_disk(tmp_path):
