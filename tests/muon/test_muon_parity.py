@@ -32,15 +32,16 @@ def means_at(ref: MuonReference, step: int, world: int, dtype) -> dict:
 
 
 def optimizer(model, stage, offload, root, rank, tag, **kw):
-    return ZeroMuon(zero_muon_groups(model), **MUON, stage=stage, module=model, bucket_size=1500,
-                    **offload_kwargs(offload, root, rank, tag, WINDOW), **kw)  # fmt: skip
+    return ZeroMuon(zero_muon_groups(model), **{**MUON, **kw}, stage=stage, module=model, bucket_size=1500,
+                    **offload_kwargs(offload, root, rank, tag, WINDOW))  # fmt: skip
 
 
-def train(rank, world, stage, offload, dtype_name, root, steps=3):
+def train(rank, world, stage, offload, dtype_name, root, steps=3, muon=None):
+    muon = muon or {}
     dtype = getattr(torch, dtype_name)
     model = model_for(dtype)
-    opt = optimizer(model, stage, offload, root, rank, f"s{stage}")
-    ref = MuonReference(model_for(dtype))
+    opt = optimizer(model, stage, offload, root, rank, f"s{stage}", **muon)
+    ref = MuonReference(model_for(dtype), **muon)
     for step in range(steps):
         ref.step(means_at(ref, step, world, dtype))
         loss_fn(model, batch(step, rank)).backward()
@@ -93,3 +94,13 @@ def _stages_agree(rank, world, root):
 def test_stages_give_the_same_bits(tmp_path):
     out = run_on_ranks(3, _stages_agree, str(tmp_path))
     assert len(set(out[0])) == 1, "stages 1, 2, 3 differ"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "muon",
+    [dict(adjust_lr_fn="match_rms_adamw"), dict(adjust_lr_fn="original", nesterov=False),
+     dict(ns_steps=3, ns_coefficients=(3.0, -3.2, 1.2), eps=1e-5, momentum=0.9)],
+)  # fmt: skip
+def test_torch_muons_options(tmp_path, muon):
+    run_on_ranks(2, train, 2, None, "float32", str(tmp_path), 3, muon)
