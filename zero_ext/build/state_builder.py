@@ -24,7 +24,7 @@ from ..comm.mesh import Mesh
 from ..engine.config import EngineConfig
 from ..engine.model_state import ModelState
 from ..layout import Layout
-from ..placement.offload import placement_factory, prepare_offload
+from ..placement.offload import placement_class, placement_factory, prepare_offload
 from ..state.sharded_state import FlatGroup, ShardedState
 from ..update.protocol import UpdateRule
 from ..update.registry import rule_for_group
@@ -125,6 +125,7 @@ class StateBuilder:
         return ShardedState(
             Mesh(comm), o.stage, self.bucket_size, groups, plan.names, self.device,
             model=self.model, frozen=frozen, default_rule=o.default_rule,
+            update_device=placement_class(o.offload).update_device_on(self.device),
         )  # fmt: skip
 
 

@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..placement.offload import placement_class
 from ..state.params import FullParams
 from ..state.sharded_params import ShardedParams
 from ..state.sharded_state import FlatGroup, ShardedState
@@ -45,10 +46,13 @@ class Stage:
         """The dtype of a flat group's persistent gradient buffer, or None: only stage 1 keeps one."""
         return None
 
-    def grads(self, state: ShardedState, pool: StagingPool, reduce_dtype: torch.dtype, grad_accum_dtype):
-        """The gradient strategy (how a gradient gets from autograd to the wire), staging through ``pool``."""
-        direct = not state.comm.communicates and all(g.state.adds_in_place for g in state.groups)
-        return (ShardGrads if direct else StagedGrads)(state, pool, reduce_dtype)
+    def grads(self, state: ShardedState, pool: StagingPool, config) -> GradStrategy:
+        """The gradient strategy (how a gradient gets from autograd to the wire), staging through ``pool``; chosen from
+        the configuration (``config``: the engine's EngineConfig), so it holds for flat groups added later too."""
+        direct = not state.comm.communicates and placement_class(config.offload).adds_in_place_on(
+            state.device, state.world_size
+        )
+        return (ShardGrads if direct else StagedGrads)(state, pool, config.reduce_dtype)
 
     def param_sync(self, state: ShardedState, runtimes: BucketRuntimes, grad_sync: GradSync, config):
         """What brings the updated parameters back to every rank (``config``: the engine's EngineConfig)."""
@@ -84,8 +88,9 @@ class Stage1(Stage):
         """``.grad``'s storage: the parameters' dtype, or fp32 with ``grad_accum_dtype=torch.float32``."""
         return torch.float32 if grad_accum_dtype == torch.float32 else param_dtype
 
-    def grads(self, state, pool, reduce_dtype, grad_accum_dtype) -> GradStrategy:
-        return (Fp32GradBuffer if grad_accum_dtype == torch.float32 else BufferedGrads)(state, pool, reduce_dtype)
+    def grads(self, state, pool, config) -> GradStrategy:
+        buffered = Fp32GradBuffer if config.grad_accum_dtype == torch.float32 else BufferedGrads
+        return buffered(state, pool, config.reduce_dtype)
 
 
 class Stage2(Stage):

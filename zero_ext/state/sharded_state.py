@@ -108,6 +108,7 @@ class ShardedState:
         model=None,
         frozen: Sequence[tuple[str, torch.nn.Parameter]] = (),
         default_rule: str = DEFAULT_RULE,
+        update_device: Optional[torch.device] = None,
     ):
         self.mesh = mesh  # the shard group (and, for HSDP, the replicate group: a single replica today)
         self.comm: Communicator = mesh.shard  # every collective of the layout runs on the shard group
@@ -117,9 +118,13 @@ class ShardedState:
         self.names = dict(names)  # global index -> name, for every parameter of the optimizer (frozen ones too)
         self.device = device
         self.default_rule = default_rule  # the update rule of a param group that names none (registry.RULE_KEY)
+        # Where the update runs and the step's scalars live (offload: the CPU): the placement's, given by the builder
+        # from the configuration, so that a state built without a flat group has the one its added groups will need.
+        if update_device is None:
+            update_device = self.groups[0].state.update_device if self.groups else device
+        self.update_device = torch.device(update_device)
         # Steps that updated something (skipped steps excluded) and steps skipped for a non-finite gradient, and
         # every parameter's own step count: device scalars, so that step() never has to read them on the host.
-        self.update_device = self.groups[0].state.update_device if self.groups else device  # offload: the CPU
         self.step_count = torch.zeros((), dtype=torch.float32, device=self.update_device)
         self.skipped = torch.zeros((), dtype=torch.float32, device=self.update_device)
         self.step_counts = StepCounts([gidx for _, gidx, _ in self.members()], self.update_device)
