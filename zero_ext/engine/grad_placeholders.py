@@ -124,8 +124,9 @@ class GradPlaceholders:
         self.members = list(state.members())  # (group, gidx, param)
         self._ph = {gidx: GradPlaceholder(p, self, gidx) for _, gidx, p in self.members}
         self._fp32_buffer = isinstance(grad_sync.strategy, Fp32GradBuffer)
-        # dropped without close(): no parameter keeps a placeholder of an optimizer that is gone
-        weakref.finalize(self, _drop_all, [(p, self._ph[gidx]) for _, gidx, p in self.members])
+        # dropped without close(): no parameter keeps a placeholder of an optimizer that is gone (added ones too)
+        self._pairs = [(p, self._ph[gidx]) for _, gidx, p in self.members]
+        weakref.finalize(self, _drop_all, self._pairs)
         self._restore: dict[int, Optional[torch.Tensor]] = {}  # gidx -> the .grad a placeholder stands in for
         self.installed = False
         self._pending: dict[int, list[torch.Tensor]] = {}  # gidx -> coefficients recorded, not applied yet
@@ -136,6 +137,19 @@ class GradPlaceholders:
         # a reduced gradient was dropped on this rank since the last step or zero_grad(): the step checks that every
         # rank dropped (zeroing its own pieces of the shards), or none did
         self.dropped = False
+
+    def extend(self, added) -> None:
+        """Flat groups ``added`` (``add_param_group``): placeholders for their parameters from the next synchronised
+        backward on (they have no reduced gradient yet). Scaling recorded so far is applied first to the gradients it
+        was recorded on (a clipping owed by all of them must not reach the new ones); installed placeholders stay."""
+        if self._pending or self.deferred is not None or self._owed is not None:
+            self._materialise()
+        new = [(group, gidx, p) for group in added for gidx, p in zip(group.param_indices, group.params)]
+        self.members += new
+        for _, gidx, p in new:
+            self._ph[gidx] = GradPlaceholder(p, self, gidx)
+            self._pairs.append((p, self._ph[gidx]))
+        self._norms = None
 
     # ---------------------------------------------------------------- life
     @property

@@ -70,13 +70,6 @@ class Stage:
         """Why ``add_param_group`` cannot run now, or None."""
         return None
 
-    def retire(self, param_sync) -> None:
-        """The parameter sync of an engine being replaced (``add_param_group``) lets go of the model."""
-        param_sync.remove_hooks()
-
-    def carry_over(self, old, new) -> None:
-        """What the replacing engine's parameter sync keeps of the old one's."""
-
     def after_build(self, groups: Sequence[FlatGroup]) -> None:
         """Flat groups just built (at construction or by ``add_param_group``), before the first forward."""
 
@@ -122,12 +115,6 @@ class Stage3(Stage):
                 "between steps"
             )
         return None
-
-    def retire(self, param_sync) -> None:
-        param_sync.hand_over()
-
-    def carry_over(self, old, new) -> None:
-        new.peak_bytes = old.peak_bytes
 
     def after_build(self, groups) -> None:
         """The parameter shards are cast from the fp32 master where it is on the device."""
