@@ -118,8 +118,9 @@ def _autograd_accumulates(args, kwargs) -> bool:
 class GradPlaceholders:
     """The placeholders of one optimizer's parameters, their norms and the scaling recorded on them."""
 
-    def __init__(self, state: ShardedState, grad_sync):
+    def __init__(self, state: ShardedState, grad_sync, stage):
         self.state, self.grad_sync = state, weakref.proxy(grad_sync)  # (its owner: no cycle)
+        self.stage = stage  # (engine.stages: whether .grad is the full gradient, kept across step())
         self.names = state.names
         self.members = list(state.members())  # (group, gidx, param)
         self._ph = {gidx: GradPlaceholder(p, self, gidx) for _, gidx, p in self.members}
@@ -160,13 +161,13 @@ class GradPlaceholders:
     def install(self) -> None:
         """End of a synchronised backward: every trainable parameter's ``.grad`` becomes its placeholder (a
         ``.grad`` some other code wrote at stages 2 and 3 is left for ``step()`` to refuse)."""
-        stage1 = self.state.stage == 1
+        full = self.stage.keeps_full_grads  # .grad is this rank's view of the flat grad buffer, not someone else's
         with _plain_params():
             for _, gidx, p in self.members:
                 grad = p.grad
                 if isinstance(grad, GradPlaceholder):
                     continue
-                if grad is not None and not stage1:
+                if grad is not None and not full:
                     continue
                 self._restore[gidx] = grad
                 ph = self._ph[gidx]
@@ -235,7 +236,7 @@ class GradPlaceholders:
         ``zero_grad()`` (as torch does), and they still owe it: the placeholders go back on, so that a backward
         without ``zero_grad()`` first applies it (in :meth:`_accumulate` or :meth:`on_backward`) and then adds.
         With the fp32 grad buffer they always go back on, so that ``model.zero_grad()`` drops what it holds."""
-        if self.state.stage == 1 and (self.deferred is not None or self._fp32_buffer):
+        if self.stage.keeps_full_grads and (self.deferred is not None or self._fp32_buffer):
             # (the fp32 buffer's .grad is None whatever it holds: without placeholders model.zero_grad() could not
             # reach it, and the gradients would accumulate across steps)
             self._owed = self.deferred

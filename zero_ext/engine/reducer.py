@@ -30,7 +30,8 @@ from .weak_hooks import remove_all, remove_with, weak_call
 class GradSync:
     """Hooks, rounds and the bucket launch order; what a gradient does on arrival is the strategy's business."""
 
-    def __init__(self, state: ShardedState, runtimes: BucketRuntimes, strategy: GradStrategy):
+    def __init__(self, state: ShardedState, runtimes: BucketRuntimes, strategy: GradStrategy, stage):
+        """``stage``: the stage object (``engine.stages``), which the placeholders ask what ``.grad`` is."""
         self.state, self.strategy, self.comm = state, strategy, state.comm
         self.buckets = runtimes.in_launch_order()
         self.pool = runtimes.staging
@@ -45,7 +46,7 @@ class GradSync:
         self._hook(state.groups, runtimes)
         remove_with(self, self._hooks)  # dropped without close(): the model's hooks go with it (added ones too)
         # .grad after a synchronised backward: placeholders of the sharded mean gradients (torch's clipping works)
-        self.placeholders = GradPlaceholders(state, self)
+        self.placeholders = GradPlaceholders(state, self, stage)
 
     def extend(self, added: Sequence[FlatGroup], runtimes: BucketRuntimes) -> None:
         """Flat groups ``added`` (``add_param_group``; ``runtimes`` already holds their buckets): their buckets take their

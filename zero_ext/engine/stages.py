@@ -36,11 +36,21 @@ from .staging import StagingPool
 
 
 class Stage:
-    """What differs between the stages. ``number``: 1, 2 or 3; ``params_storage``: where a flat group's parameters
-    live (the builder makes one per flat group)."""
+    """What differs between the stages. ``number``: 1, 2 or 3 (a label: saved in checkpoints, named in messages; no
+    layer branches on it); ``params_storage``: where a flat group's parameters live (the builder makes one per flat
+    group). The layers below ask the questions here instead of comparing stage numbers."""
 
     number: int
     params_storage: type = FullParams
+    # A persistent flat gradient buffer that ``.grad`` views, kept across ``step()`` until ``zero_grad()`` as torch
+    # keeps ``.grad`` (stage 1); else the gradients live only in the fp32 grad shard, which ``step()`` consumes.
+    keeps_full_grads = False
+    # Every rank holds the full parameters between steps, which a user may change in place; the fp32 master follows
+    # such changes (``state.param_edits``). Not at stage 3, whose parameters are shards outside forward.
+    tracks_param_edits = True
+    # Only this rank's shard of the parameters lives between uses: the model's hooks gather them (so ``module=`` is
+    # needed and ``defer_all_gather_to`` has nothing to defer), and a meta-device model materialises shard by shard.
+    shards_params = False
 
     def grad_buffer_dtype(self, grad_accum_dtype: Optional[torch.dtype], param_dtype: torch.dtype):
         """The dtype of a flat group's persistent gradient buffer, or None: only stage 1 keeps one."""
@@ -76,6 +86,7 @@ class Stage:
 
 class Stage1(Stage):
     number = 1
+    keeps_full_grads = True
 
     def grad_buffer_dtype(self, grad_accum_dtype, param_dtype):
         """``.grad``'s storage: the parameters' dtype, or fp32 with ``grad_accum_dtype=torch.float32``."""
@@ -93,6 +104,8 @@ class Stage2(Stage):
 class Stage3(Stage):
     number = 3
     params_storage = ShardedParams
+    tracks_param_edits = False
+    shards_params = True
 
     def param_sync(self, state, runtimes, grad_sync, config):
         gather = ParamGather(

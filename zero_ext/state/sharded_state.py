@@ -110,6 +110,7 @@ class ShardedState:
         frozen: Sequence[tuple[str, torch.nn.Parameter]] = (),
         default_rule: str = DEFAULT_RULE,
         update_device: Optional[torch.device] = None,
+        tracks_param_edits: bool,
     ):
         self.mesh = mesh  # the shard group (and, for HSDP, the replicate group: a single replica today)
         self.comm: Communicator = mesh.shard  # every collective of the layout runs on the shard group
@@ -133,8 +134,9 @@ class ShardedState:
         # Parameters given to the optimizer with requires_grad=False: left alone, and not sharded (step() refuses
         # to go on if one becomes trainable: it would never be updated).
         self.frozen: list[tuple[str, torch.nn.Parameter]] = list(frozen)
-        # Stages 1 and 2: in-place changes to the full parameters, which the master must follow (param_edits.py).
-        self.param_edits = ParamEdits(self.groups) if stage < 3 else None
+        # In-place changes to full parameters, which the master must follow (param_edits.py): where the stage keeps
+        # the parameters full on every rank (its ``tracks_param_edits``, which the builder passes).
+        self.param_edits = ParamEdits(self.groups) if tracks_param_edits else None
 
     def add_groups(self, added: Sequence[FlatGroup], names: dict[int, str]) -> None:
         """The flat groups ``added`` after these (``ZeroAdamW.add_param_group``; ``names``: their parameters'), in
