@@ -209,12 +209,14 @@ def _clip_then_add(rank, world, stage, how):
         for step in range(2):
             loss_fn(model, batch(step, rank)).backward()
             if step == 1:
+                if adds and how == "torch after adding":  # the .grad placeholders stay across the adding
+                    unfreeze(model, opt)
                 if how == "opt":
                     norm = opt.clip_grad_norm_(0.05)
                 else:
                     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
                 assert norm > 0.1  # the clipping scales
-                if adds:
+                if adds and how != "torch after adding":
                     unfreeze(model, opt)
             opt.step()
             opt.zero_grad()
@@ -226,7 +228,10 @@ def _clip_then_add(rank, world, stage, how):
         assert params_digest(added) == params_digest(plain)  # block 0 unchanged: no gradient when it was added
 
 
-@pytest.mark.parametrize(("stage", "how"), [(1, "opt"), (2, "opt"), (1, "torch"), (3, "torch")])
+@pytest.mark.parametrize(
+    ("stage", "how"),
+    [(1, "opt"), (2, "opt"), (1, "torch"), (3, "torch"), (1, "torch after adding"), (2, "torch after adding")],
+)
 def test_a_clipping_recorded_before_adding_applies(stage, how):
     run_on_ranks(2, _clip_then_add, stage, how)
 
