@@ -115,6 +115,8 @@ def estimate_breakdown(
         raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {stage!r}")
     if engine and stage == 0:
         raise ValueError("engine=True describes ZeroAdamW: stage must be 1, 2 or 3, got 0 (DDP)")
+    # The documented formula is arithmetic on the stage number (the paper's table: stage >= k shards the k-th kind),
+    # so it compares numbers on purpose; the engine's layers ask the stage object (engine/stages.py) instead.
     psi, n = Fraction(num_params), world_size
     params = psi * param_bytes / (n if stage >= 3 else 1)
     grads = psi * grad_bytes / (n if stage >= 2 else 1)
@@ -340,6 +342,8 @@ def report(state: "ShardedState", staging=None, window=None) -> MemoryReport:
     the engine's gradient staging pool (``engine.staging.StagingPool``), bounded, not per parameter; ``window``:
     stage 3's gather scheduler (``engine.param_gather.ParamGather``), whose gathered buckets are bounded, not
     persistent."""
+    # The ledger checks every byte against the formula, term by term, so it follows the formula's arithmetic on the
+    # stage number (estimate_breakdown) rather than the stage object's questions: the two must read alike.
     stage, world, rank = state.stage, state.world_size, state.rank
     out = MemoryReport(stage, world, 0, 0, rank=rank)
     owned = [g.layout for g in state.groups if isinstance(g.layout, OwnerLayout)]

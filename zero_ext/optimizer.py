@@ -315,7 +315,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         # collective; raises on every rank
         adder = GroupAdder(self, self._engine.state, self._config, param_group, busy)
         added = adder.build(self._offload_directory)
-        self._engine = self._engine.extended(added, adder.names)
+        self._engine.extend(added, adder.names)
         for _, p in adder.members:
             p._zero_ext_owner = weakref.ref(self)
         self.param_groups.append(adder.group)
@@ -323,7 +323,8 @@ class ZeroAdamW(torch.optim.Optimizer):
     @property
     def bucket_runtimes(self) -> BucketRuntimes:
         """The engine's in-flight state (:mod:`zero_ext.engine.runtime`): every bucket's runtime (its gradient and
-        parameter phases) and the gradient staging pool. Made anew by :meth:`add_param_group`; read, never assign."""
+        parameter phases) and the gradient staging pool. Extended in place by :meth:`add_param_group`; read, never
+        assign."""
         return self._engine.runtimes
 
     @property

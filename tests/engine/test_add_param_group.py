@@ -209,12 +209,14 @@ def _clip_then_add(rank, world, stage, how):
         for step in range(2):
             loss_fn(model, batch(step, rank)).backward()
             if step == 1:
+                if adds and how == "torch after adding":  # the .grad placeholders stay across the adding
+                    unfreeze(model, opt)
                 if how == "opt":
                     norm = opt.clip_grad_norm_(0.05)
                 else:
                     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
                 assert norm > 0.1  # the clipping scales
-                if adds:
+                if adds and how != "torch after adding":
                     unfreeze(model, opt)
             opt.step()
             opt.zero_grad()
@@ -226,9 +228,65 @@ def _clip_then_add(rank, world, stage, how):
         assert params_digest(added) == params_digest(plain)  # block 0 unchanged: no gradient when it was added
 
 
-@pytest.mark.parametrize(("stage", "how"), [(1, "opt"), (2, "opt"), (1, "torch"), (3, "torch")])
+@pytest.mark.parametrize(
+    ("stage", "how"),
+    [(1, "opt"), (2, "opt"), (1, "torch"), (3, "torch"), (1, "torch after adding"), (2, "torch after adding")],
+)
 def test_a_clipping_recorded_before_adding_applies(stage, how):
     run_on_ranks(2, _clip_then_add, stage, how)
+
+
+def _no_sync_then_add(rank, world, stage):
+    """Added inside ``no_sync()`` after a backward: the context stays on, and the accumulated gradients are applied by
+    the next step as without the new group (which got none); the engine is the same object."""
+    runs = []
+    for adds in (True, False):
+        model, opt = frozen_start(torch.bfloat16, stage, rank, world)
+        engine = opt._engine
+        with opt.no_sync():
+            for step in range(2):
+                loss_fn(model, batch(step, rank)).backward()
+            if adds:
+                unfreeze(model, opt)
+                assert opt._engine is engine and not engine.grad_sync.sync_enabled
+        assert engine.grad_sync.sync_enabled
+        opt.step()
+        opt.zero_grad()
+        runs.append((model, opt))
+    (added, opt), (plain, opt_plain) = runs
+    shards = state_shards(opt_plain)
+    assert all(torch.equal(a, b) for a, b in zip(shards, state_shards(opt)[: len(shards)]))
+    with opt.gathered_params(), opt_plain.gathered_params():
+        assert params_digest(added) == params_digest(plain)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_added_inside_no_sync(stage):
+    run_on_ranks(2, _no_sync_then_add, stage)
+
+
+def _stage3_window_carries_on(rank, world):
+    """Stage 3: the gathered window's peak so far stays across the adding, and the added block's parameters are
+    gathered by their unit from the next forward (hooked now: it had nothing to gather before)."""
+    model, opt = frozen_start(torch.bfloat16, 3, rank, world)
+    kref = KernelReference(torch.bfloat16)
+    kref.add_group([n for n, p in model.named_parameters() if p.requires_grad], HYPER["lr"])
+    for step in range(2):
+        train(model, opt, kref, step, rank, world)
+    peak = opt.memory_report().window_peak
+    assert peak > 0
+    unfreeze(model, opt)
+    kref.add_group(block0(model), HYPER["lr"] / 10)
+    assert opt.memory_report().window_peak == peak
+    for step in range(2, 4):
+        train(model, opt, kref, step, rank, world)
+    assert opt.memory_report().window_peak >= peak
+    with opt.gathered_params():
+        kref.check(opt, model)
+
+
+def test_stage3_window_carries_on():
+    run_on_ranks(2, _stage3_window_carries_on)
 
 
 # --------------------------------------------------------------------------------- rank 0's values, mixed dtypes
@@ -310,23 +368,37 @@ def test_a_group_of_two_dtypes_becomes_two_flat_groups(stage):
 
 
 # ----------------------------------------------------------------------------------------------------------- memory
+def _engine_objects():
+    """How many engine objects of each kind are alive in this process (after a collection)."""
+    import collections
+    import gc
+
+    from zero_ext.engine.engine import Engine
+    from zero_ext.engine.reducer import GradSync
+    from zero_ext.engine.runtime import BucketRuntimes
+    from zero_ext.engine.staging import StagingPool
+    from zero_ext.state.sharded_state import ShardedState
+
+    gc.collect()
+    kinds = (Engine, ShardedState, BucketRuntimes, StagingPool, GradSync)
+    return collections.Counter(type(o).__name__ for o in gc.get_objects() if isinstance(o, kinds))
+
+
 def _memory_after_adding(rank, world, stage):
     """After adding, the report counts the new group byte for byte (the storages alive in the flat groups and the
-    staging pool, the identity with the formula), and the replaced sharded state is gone with its staging pool (the
-    engine around it holds it: it is freed, not kept alive beside the new one)."""
-    import gc
-    import weakref
-
+    staging pool, the identity with the formula), and the engine grew in place: the same sharded state and staging
+    pool, and no second engine, state, pool or runtime kept alive beside them."""
     model, opt = frozen_start(torch.bfloat16, stage, rank, world)
     kref = KernelReference(torch.bfloat16)
     kref.add_group([n for n, p in model.named_parameters() if p.requires_grad], HYPER["lr"])
     train(model, opt, kref, 0, rank, world)
-    old = [weakref.ref(opt.sharded_state), weakref.ref(opt.bucket_runtimes.staging)]
+    before = (opt.sharded_state, opt.bucket_runtimes.staging)
+    alive = _engine_objects()
     unfreeze(model, opt)
     kref.add_group(block0(model), HYPER["lr"] / 10)
     train(model, opt, kref, 1, rank, world)
-    gc.collect()
-    assert [r() for r in old] == [None, None]
+    assert opt.sharded_state is before[0] and opt.bucket_runtimes.staging is before[1]
+    assert _engine_objects() == alive
     state, report = opt.sharded_state, opt.memory_report()
     alive = [t for g in state.groups for t in g.tensors().values()] + opt.bucket_runtimes.staging.tensors()
     assert report.total == sum(t.untyped_storage().nbytes() for t in alive)

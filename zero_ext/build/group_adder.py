@@ -10,8 +10,9 @@
    param groups, the parameters and the sharded state as they were).
 3. *Build*: rank 0's values broadcast (``sync_module_states``, as at construction: at stage 3 the shards are cut from
    them), the group's flat groups built (its parameters re-pointed into flat buffers, or sharded at stage 3; the
-   state allocated where ``offload`` puts it), numbered after the existing ones. The optimizer then makes its
-   sharded state and engine anew around the old and new flat groups (``ShardedState.with_groups``).
+   state allocated where ``offload`` puts it), numbered after the existing ones. The optimizer's engine then takes
+   them in, in place (``Engine.extend``: the sharded state, the buckets' runtimes, the gradient and parameter syncs
+   and the step each gain what the new groups need and keep what they hold).
 
 A parameter keeps one place for good: one frozen when the optimizer was built and given to it stays in its group
 untrained (``step()`` refuses it once it is trainable). Build the optimizer from the trainable parameters only, and

@@ -23,7 +23,7 @@ from ..comm import communicator_for, fallback_device
 from ..comm.mesh import Mesh
 from ..engine.config import EngineConfig
 from ..engine.model_state import ModelState
-from ..placement.offload import placement_factory, prepare_offload
+from ..placement.offload import placement_class, placement_factory, prepare_offload
 from ..state.sharded_state import FlatGroup, ShardedState
 from ..update.protocol import UpdateRule
 from ..update.registry import rule_for_group
@@ -57,7 +57,7 @@ class StateBuilder:
                 plan.error = plan.error or str(e).removeprefix("zero_ext.ZeroAdamW: ")
         self.on_meta = plan.device is not None and plan.device.type == "meta"
         if self.on_meta:
-            if o.stage != 3 or o.param_init is None:
+            if not o.strategy.shards_params or o.param_init is None:
                 plan.error = plan.error or (
                     "the parameters are on the meta device: build the optimizer with stage=3 and param_init= (a "
                     "function initialising one module's own parameters), which materialises only this rank's shard"
@@ -126,6 +126,8 @@ class StateBuilder:
         return ShardedState(
             Mesh(comm), o.stage, self.bucket_size, groups, plan.names, self.device,
             model=self.model, frozen=frozen, default_rule=o.default_rule,
+            update_device=placement_class(o.offload).update_device_on(self.device),
+            tracks_param_edits=o.strategy.tracks_param_edits,
         )  # fmt: skip
 
 

@@ -1,7 +1,7 @@
 """One bucket at run time: everything in flight or alive for it, in one object with an explicit state.
 
-A :class:`BucketRuntime` is made once per (flat group, bucket) by :class:`zero_ext.state.sharded_state.ShardedState`, which
-owns them; the reducer, the parameter all-gathers (stages 1 and 2) and stage 3's gather scheduler all act on these
+A :class:`BucketRuntime` is made once per (flat group, bucket) by :class:`zero_ext.engine.runtime.BucketRuntimes`,
+which owns them for the engine's whole life (``add_param_group`` adds those of its buckets); the reducer, the parameter all-gathers (stages 1 and 2) and stage 3's gather scheduler all act on these
 objects, never on private lists of their own. The object holds
 
 - its gradients: how many arrived this round, the staging-pool entry it leases (``staging``), its reduce-scatter

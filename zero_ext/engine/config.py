@@ -57,7 +57,7 @@ class EngineConfig:
         check_moment_dtype("zero_ext.ZeroAdamW", o.moment_dtype)
         check_options(o.stage, defaults, o.max_grad_norm, o.bucket_size, o.staging_buffers, o.reduce_dtype,
                       o.grad_accum_dtype, o.default_rule)  # fmt: skip
-        check_stage3_options(o.stage, o.module, o.reshard_after_forward, o.prefetch, o.defer_all_gather_to)
+        check_stage3_options(stage_for(o.stage), o.module, o.reshard_after_forward, o.prefetch, o.defer_all_gather_to)
         check_gather_units(o.gather_units)
         check_process_group(o.process_group, o.communicator)
         check_collective_timeout(o.collective_timeout)

@@ -1,12 +1,12 @@
 """The engine: one object around a rank's sharded state that reduces gradients, updates and brings parameters back.
 
-It is built from the sharded state and the frozen :class:`~zero_ext.engine.config.EngineConfig` (the stage object
-among it), and owns everything in flight: every bucket's runtime and the staging pool
+It is built once, from the sharded state and the frozen :class:`~zero_ext.engine.config.EngineConfig` (the stage
+object among it), and owns everything in flight: every bucket's runtime and the staging pool
 (:class:`~zero_ext.engine.runtime.BucketRuntimes`), the gradient sync (:mod:`.reducer`, with the stage's gradient
 strategy), the parameter sync (stages 1-2: :mod:`.param_sync`; stage 3: :mod:`.param_gather`) and the step
-(:mod:`.step`). ``ZeroAdamW`` holds one engine and delegates to it; ``add_param_group`` replaces it by
-:meth:`Engine.extended`, an engine around the old and new flat groups that carries on what the old one held
-(gradients not yet applied, ``no_sync``, clipping state, stage 3's peak), so nothing in flight is lost.
+(:mod:`.step`). ``ZeroAdamW`` holds one engine for its whole life and delegates to it; ``add_param_group`` extends
+it in place (:meth:`Engine.extend`): each part gains what the added flat groups need and keeps what it holds, so
+nothing is copied from one object to another.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ class Engine:
     def __init__(self, config: EngineConfig, state: ShardedState):
         self.config, self.state, self.stage = config, state, config.strategy
         self.runtimes = BucketRuntimes(state, config.staging_buffers)
-        strategy = self.stage.grads(state, self.runtimes.staging, config.reduce_dtype, config.grad_accum_dtype)
-        self.grad_sync = GradSync(state, self.runtimes, strategy)
+        strategy = self.stage.grads(state, self.runtimes.staging, config)
+        self.grad_sync = GradSync(state, self.runtimes, strategy, self.stage)
         self.param_sync = self.stage.param_sync(state, self.runtimes, self.grad_sync, config)
         self.stepper = Stepper(state, self.grad_sync, self.param_sync, config.max_grad_norm)
 
@@ -36,18 +36,16 @@ class Engine:
         if self.config.defer_all_gather_to is not None:
             self.param_sync.defer_to(self.config.defer_all_gather_to)
 
-    def extended(self, added: Sequence[FlatGroup], names: dict[int, str]) -> "Engine":
-        """This engine with the flat groups ``added`` (``add_param_group``; ``names``: their parameters'): its hooks
-        removed, a new engine around the old and new flat groups carrying on its gradients, ``no_sync`` state, step
-        and clipping state. Nothing may be in flight (the caller finished every sync)."""
-        self.grad_sync.placeholders.settle(defer=False)  # clipping recorded on .grad applied; .grad real again
-        self.grad_sync.remove_hooks()
-        self.stage.retire(self.param_sync)
-        new = Engine(self.config, self.state.with_groups(added, names))
-        new.grad_sync.strategy.keep_grads(self.grad_sync.strategy)
-        new.grad_sync.sync_enabled = self.grad_sync.sync_enabled  # (inside no_sync())
-        new.stepper.take_over(self.stepper)
-        self.stage.carry_over(self.param_sync, new.param_sync)
+    def extend(self, added: Sequence[FlatGroup], names: dict[int, str]) -> None:
+        """The flat groups ``added`` (``add_param_group``; ``names``: their parameters') join this engine, in place: the
+        sharded state, every bucket's runtime and the staging pool, the gradient sync (hooks on the new parameters,
+        the strategy's and the placeholders' share of them), the parameter sync (``defer_all_gather_to``'s waits,
+        stage 3's gathers) and the step each gain what the new groups need. Everything they hold stays as it is:
+        gradients not yet applied, ``no_sync()``, a clipping owed to the next step, stage 3's learned order, peak and
+        window. Nothing may be in flight (the caller finished every sync)."""
+        self.state.add_groups(added, names)
+        self.runtimes.extend(self.state)
+        self.grad_sync.extend(added, self.runtimes)
+        self.param_sync.extend(added)
+        self.stepper.extend()
         self.stage.after_build(added)
-        new.defer_gathers()
-        return new

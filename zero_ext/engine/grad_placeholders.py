@@ -118,14 +118,16 @@ def _autograd_accumulates(args, kwargs) -> bool:
 class GradPlaceholders:
     """The placeholders of one optimizer's parameters, their norms and the scaling recorded on them."""
 
-    def __init__(self, state: ShardedState, grad_sync):
+    def __init__(self, state: ShardedState, grad_sync, stage):
         self.state, self.grad_sync = state, weakref.proxy(grad_sync)  # (its owner: no cycle)
+        self.stage = stage  # (engine.stages: whether .grad is the full gradient, kept across step())
         self.names = state.names
         self.members = list(state.members())  # (group, gidx, param)
         self._ph = {gidx: GradPlaceholder(p, self, gidx) for _, gidx, p in self.members}
         self._fp32_buffer = isinstance(grad_sync.strategy, Fp32GradBuffer)
-        # dropped without close(): no parameter keeps a placeholder of an optimizer that is gone
-        weakref.finalize(self, _drop_all, [(p, self._ph[gidx]) for _, gidx, p in self.members])
+        # dropped without close(): no parameter keeps a placeholder of an optimizer that is gone (added ones too)
+        self._pairs = [(p, self._ph[gidx]) for _, gidx, p in self.members]
+        weakref.finalize(self, _drop_all, self._pairs)
         self._restore: dict[int, Optional[torch.Tensor]] = {}  # gidx -> the .grad a placeholder stands in for
         self.installed = False
         self._pending: dict[int, list[torch.Tensor]] = {}  # gidx -> coefficients recorded, not applied yet
@@ -137,6 +139,19 @@ class GradPlaceholders:
         # rank dropped (zeroing its own pieces of the shards), or none did
         self.dropped = False
 
+    def extend(self, added) -> None:
+        """Flat groups ``added`` (``add_param_group``): placeholders for their parameters from the next synchronised
+        backward on (they have no reduced gradient yet). Scaling recorded so far is applied first to the gradients it
+        was recorded on (a clipping owed by all of them must not reach the new ones); installed placeholders stay."""
+        if self._pending or self.deferred is not None or self._owed is not None:
+            self._materialise()
+        new = [(group, gidx, p) for group in added for gidx, p in zip(group.param_indices, group.params)]
+        self.members += new
+        for _, gidx, p in new:
+            self._ph[gidx] = GradPlaceholder(p, self, gidx)
+            self._pairs.append((p, self._ph[gidx]))
+        self._norms = None
+
     # ---------------------------------------------------------------- life
     @property
     def active(self) -> bool:
@@ -146,13 +161,13 @@ class GradPlaceholders:
     def install(self) -> None:
         """End of a synchronised backward: every trainable parameter's ``.grad`` becomes its placeholder (a
         ``.grad`` some other code wrote at stages 2 and 3 is left for ``step()`` to refuse)."""
-        stage1 = self.state.stage == 1
+        full = self.stage.keeps_full_grads  # .grad is this rank's view of the flat grad buffer, not someone else's
         with _plain_params():
             for _, gidx, p in self.members:
                 grad = p.grad
                 if isinstance(grad, GradPlaceholder):
                     continue
-                if grad is not None and not stage1:
+                if grad is not None and not full:
                     continue
                 self._restore[gidx] = grad
                 ph = self._ph[gidx]
@@ -221,7 +236,7 @@ class GradPlaceholders:
         ``zero_grad()`` (as torch does), and they still owe it: the placeholders go back on, so that a backward
         without ``zero_grad()`` first applies it (in :meth:`_accumulate` or :meth:`on_backward`) and then adds.
         With the fp32 grad buffer they always go back on, so that ``model.zero_grad()`` drops what it holds."""
-        if self.state.stage == 1 and (self.deferred is not None or self._fp32_buffer):
+        if self.stage.keeps_full_grads and (self.deferred is not None or self._fp32_buffer):
             # (the fp32 buffer's .grad is None whatever it holds: without placeholders model.zero_grad() could not
             # reach it, and the gradients would accumulate across steps)
             self._owed = self.deferred

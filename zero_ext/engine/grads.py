@@ -21,7 +21,7 @@ added to the grad shard (``accumulate``).
 from __future__ import annotations
 
 import warnings
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -105,9 +105,9 @@ class GradStrategy:
         for group in self.state.groups:
             group.state.grad.zero_()
 
-    def keep_grads(self, old: "GradStrategy") -> None:
-        """Take over what ``old`` (the same stage's strategy, before ``add_param_group`` rebuilt the engine around the
-        same flat groups) knew of the gradients still to be applied; its reductions are all finished."""
+    def extend(self, added: Sequence[FlatGroup]) -> None:
+        """Flat groups ``added`` (``add_param_group``; already in the state): what this strategy needs of them. What it
+        holds of the others (gradients still to be applied, their reduction) stays; nothing is in flight."""
 
 
 class ShardedGradStrategy(GradStrategy):
@@ -122,7 +122,7 @@ class ShardedGradStrategy(GradStrategy):
         self._got: set[int] = set()  # parameters whose gradient arrived since the last step() or zero_grad()
         self._hold = GradHold(self._write)  # a bucket's gradients wait in .grad and are written at once
         self._split_seen: set[tuple[int, int]] = set()  # (group, slot) of split parameters with a gradient this round
-        _drop_early_grads(state)
+        _drop_early_grads(state.groups, state.stage, "the optimizer existed")
 
     def on_grad(self, gb, slot, param, syncing) -> bool:
         grad = param.grad
@@ -177,8 +177,8 @@ class ShardedGradStrategy(GradStrategy):
     def forget(self, gidxs: list[int]) -> None:
         self._got.difference_update(gidxs)
 
-    def keep_grads(self, old: GradStrategy) -> None:
-        self._got |= old.got_grads()
+    def extend(self, added) -> None:
+        _drop_early_grads(added, self.state.stage, "their param group was added")
 
     def zero_grad(self, set_to_none: bool) -> None:
         zero_hand_grads(self.state, self, set_to_none)  # a .grad assigned by hand, as torch zeroes it
@@ -210,19 +210,36 @@ class BufferedGrads(GradStrategy):
         # reduced them; None while the buffers hold gradients no reduction has read yet.
         self._reduced_at: Optional[list[int]] = None
         self._forgotten: dict[int, tuple[FlatGroup, Slot]] = {}  # gidx -> where: a .grad the user replaced?
-        for group in state.groups:
+        self._take(state.groups)
+
+    def _take(self, groups: Sequence[FlatGroup]) -> bool:
+        """Start keeping the gradients of ``groups`` in their flat buffers; returns whether one of their parameters
+        brought a gradient (kept, not reduced yet)."""
+        early = False
+        for group in groups:
             if group.grad_buffer is None or group.grad_buffer.dtype != self.buffer_dtype(group):
                 raise AssertionError(
                     f"{type(self).__name__}: flat group {group.index} was built without its grad buffer"
                 )
             for slot, p in zip(group.layout.slots, group.params):
-                if p.grad is not None:  # a gradient from before construction is kept (not yet reduced)
+                if p.grad is not None:  # a gradient from before construction (or the group's adding) is kept
                     self._keep_early_grad(group, slot, p)
-                    self._unreduced = True
+                    early = self._unreduced = True
                 # else .grad stays None, as torch has it: the first gradient is copied into the slot (_adopt)
         # Sending straight from the grad buffer needs it untouched until the transfer is done, so every backward
         # pass then waits for its reductions before it returns (as DDP's backward does); step() would anyway.
-        self.waits_at_round_end = any(not self._staged(g) for g in state.groups) and self.comm.communicates
+        self.waits_at_round_end = any(not self._staged(g) for g in self.state.groups) and self.comm.communicates
+        return early
+
+    def extend(self, added) -> None:
+        # .grad of the other parameters (views of their flat buffers) is as it was, reduced or not; an added
+        # parameter's early gradient is not reduced yet, and the buffers' versions at the last reduction cover the
+        # added ones from now (a change in place to the others' since then is still refused at step())
+        kept = len(self.state.groups) - len(added)
+        if self._take(added) or self._reduced_at is None:
+            self._reduced_at = None
+        else:
+            self._reduced_at = self._reduced_at[:kept] + [g.grad_buffer._version for g in added]
 
     def buffer_dtype(self, group: FlatGroup) -> torch.dtype:
         return group.dtype  # the buffer is .grad's storage
@@ -310,12 +327,6 @@ class BufferedGrads(GradStrategy):
         super().after_step()
         self._reduced_at = None
 
-    def keep_grads(self, old: GradStrategy) -> None:
-        # .grad (views of the same flat buffers) says which parameters have one; whether they are reduced yet is
-        # old's to say, or the added parameters' (an early gradient of theirs is not)
-        added = self.state.groups[len(old.state.groups) :]
-        self._unreduced = old.unreduced or any(p.grad is not None for g in added for p in g.params)
-
     def rescaled(self) -> None:
         if self._reduced_at is not None:  # the engine's own change: the reduction still stands for the buffers
             self._reduced_at = [g.grad_buffer._version for g in self.state.groups]
@@ -381,10 +392,6 @@ class Fp32GradBuffer(BufferedGrads):
 
     def forget(self, gidxs: list[int]) -> None:
         self._got.difference_update(gidxs)
-
-    def keep_grads(self, old: GradStrategy) -> None:
-        super().keep_grads(old)
-        self._got |= old.got_grads()
 
     def owns_grad(self, group, slot, grad) -> bool:
         return False  # (its gradients live in the fp32 buffer; .grad is freed as they are added there)
@@ -556,14 +563,16 @@ class ShardGrads(ShardedGradStrategy):
         return None
 
 
-def _drop_early_grads(state: ShardedState) -> None:
-    stale = [group.names[i] for group in state.groups for i, p in enumerate(group.params) if p.grad is not None]
-    for group in state.groups:
+def _drop_early_grads(groups: Sequence[FlatGroup], stage: int, since: str) -> None:
+    """Stages 2 and 3: a gradient the parameters of ``groups`` got before the engine took them (``since``) was never
+    reduced, and nothing will reduce it: dropped, with a warning."""
+    stale = [group.names[i] for group in groups for i, p in enumerate(group.params) if p.grad is not None]
+    for group in groups:
         for p in group.params:
             p.grad = None
     if stale:
         warnings.warn(
             f"zero_ext.ZeroAdamW: dropping the gradients of {len(stale)} parameters (e.g. {stale[0]!r}) computed "
-            f"before the optimizer existed: stage {state.stage} reduces gradients while backward runs",
+            f"before {since}: stage {stage} reduces gradients while backward runs",
             stacklevel=4,
         )

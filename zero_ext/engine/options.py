@@ -66,13 +66,15 @@ def check_process_group(process_group, communicator) -> None:
 
 
 def check_stage3_options(stage, module, reshard_after_forward, prefetch, defer_all_gather_to) -> None:
+    """``stage``: the stage object (``engine.stages``, after ``stage`` was checked): one whose parameters are sharded
+    between uses gathers them through the model's hooks."""
     where = "zero_ext.ZeroAdamW"
-    if stage == 3 and module is None:
+    if stage.shards_params and module is None:
         raise ValueError(
             f"{where}: stage 3 needs the model: pass `module=model` (its forward hooks gather each bucket of "
             "parameters just before use)"
         )
-    if stage == 3 and defer_all_gather_to is not None:
+    if stage.shards_params and defer_all_gather_to is not None:
         raise ValueError(f"{where}: `defer_all_gather_to` is for stages 1 and 2; stage 3 always gathers on use")
     if not isinstance(reshard_after_forward, bool):
         raise ValueError(f"{where}: `reshard_after_forward` must be True or False, got {reshard_after_forward!r}")

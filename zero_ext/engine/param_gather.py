@@ -109,7 +109,7 @@ class ParamGather:
         self._pos = 0  # where this forward is in the previous one's order
         self._tail: list[Key] = []  # used first in backward: held from their last use in forward (predicted)
         self._manual = 0  # gathered_params() depth
-        where = {}
+        self.gather_units = gather_units
         # Each bucket's parameters with their two classes: the checking one while the bucket is not GATHERED,
         # their own once it is: a gathered parameter is an ordinary tensor, and the ops of forward and backward
         # on it pay nothing for the checks (about 600 calls per step on the benchmark GPT).
@@ -120,7 +120,25 @@ class ParamGather:
         # which the window counts once for all the run's buckets that are not SHARDED.
         self.run_of: dict[Key, tuple[int, int]] = {}
         self.run_bytes: dict[tuple[int, int], int] = {}
-        for group in state.groups:
+        self.keys: dict[int, set[Key]] = {}  # id(module) -> buckets it uses (own parameters, then learned reads)
+        self._hooks = []
+        self.position = self.comm.position  # where this rank is, for the divergence check (divergence.py)
+        self.names = {id(m): name for name, m in module.named_modules()}
+        self._recompute_peak = 0  # the most bytes a recomputed (checkpointed) forward held gathered at once
+        self._backward_due = False  # a training forward ended: its backward's start is checked across ranks
+        self._take(state.groups)
+
+    def extend(self, added) -> None:
+        """Flat groups ``added`` (``add_param_group``; their runtimes SHARDED in ``runtime`` already): their parameters
+        sharded like the others, each gathered by the unit that owns it (hooked now if it had nothing to gather
+        before). The learned order, the peak and what is gathered (nothing, between steps) stay; the window's bound
+        grows by what the units now gather."""
+        self._take(added)
+
+    def _take(self, groups) -> None:
+        """The parameters of ``groups`` become sharded tensors that their units' hooks gather."""
+        where = {}
+        for group in groups:
             layout = group.layout
             for run in layout.runs:
                 self.run_bytes[(group.index, run.index)] = run.numel * group.dtype.itemsize
@@ -130,23 +148,19 @@ class ParamGather:
                 keys = tuple((group.index, b) for b in slot.buckets)
                 where[id(p)] = keys
                 p._zero_ext_keys, p._zero_ext_name, p._zero_ext_gather = keys, group.names[slot.index], self
-                original = getattr(type(p), "_zero_ext_original", type(p))  # (already sharded: add_param_group)
+                original = getattr(type(p), "_zero_ext_original", type(p))  # (a class of its own already sharded)
                 p.__class__ = shard_class(original)
                 for key in keys:
                     self.classes.setdefault(key, []).append((p, original, type(p), keys))
-        self.keys: dict[int, set[Key]] = {}  # id(module) -> buckets it uses (own parameters, then learned reads)
-        self._hooks = []
-        self.position = self.comm.position  # where this rank is, for the divergence check (divergence.py)
-        self.names = {id(m): name for name, m in module.named_modules()}
-        for m, members in hooked_modules(module, gather_units):  # (gather_units.py: what one hook gathers)
+        for m, members in hooked_modules(self.module, self.gather_units):  # (gather_units.py: what one hook gathers)
             own = {key for p in own_params(members) if id(p) in where for key in where[id(p)]}
-            if own or m is module:
+            if id(m) in self.keys:
+                self.keys[id(m)] |= own
+            elif own or m is self.module:
                 self.keys[id(m)] = own
                 self._hooks.append(m.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
                 self._hooks.append(m.register_forward_hook(self._post_forward))
         self._static_bound = self._bound()
-        self._recompute_peak = 0  # the most bytes a recomputed (checkpointed) forward held gathered at once
-        self._backward_due = False  # a training forward ended: its backward's start is checked across ranks
 
     # ---------------------------------------------------------------- the window
     @property
@@ -529,10 +543,3 @@ class ParamGather:
 
     def remove_hooks(self) -> None:
         self.restore()
-
-    def hand_over(self) -> None:
-        """Remove the hooks and leave the parameters sharded (every bucket SHARDED): a new ParamGather over the same
-        buckets and more takes over (``ZeroAdamW.add_param_group``)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()

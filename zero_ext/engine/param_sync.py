@@ -13,7 +13,7 @@ is in flight when backward starts. Reading parameters outside forward after ``st
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -47,22 +47,35 @@ class ParamSync:
 
     settle = finish_param_sync  # what step() and finish_sync() call: nothing of the parameters left in flight
 
+    def extend(self, added: Sequence[FlatGroup]) -> None:
+        """Flat groups ``added`` (``add_param_group``; their runtimes are in ``runtime`` already): with
+        ``defer_all_gather_to``, the forward waits for their buckets too."""
+        if self.deferred:
+            self._wait_in_forward(added)
+
     # ---------------------------------------------------------------- deferred waits
     def defer_to(self, module: torch.nn.Module) -> None:
         """Install the forward hooks that make ``step()``'s gathers finish in the next forward of ``module``."""
+        self._module, self._root_keys = module, []
+        self._hooks.append(module.register_forward_pre_hook(weak_call(self._root_pre_hook)))
+        self._hooks.append(module.register_forward_hook(weak_call(self._root_post_hook)))
+        remove_with(self, self._hooks)  # (hooks added later too)
+        self.deferred = True
+        self._wait_in_forward(self.state.groups)
+
+    def _wait_in_forward(self, groups: Sequence[FlatGroup]) -> None:
+        """Each module owning parameters of ``groups`` waits for their buckets before its forward (the root's own are
+        waited for by its pre-hook, with every bucket no module claimed in the last forward)."""
         where = {}
-        for group in self.state.groups:
+        for group in groups:
             for slot, p in zip(group.layout.slots, group.params):
                 where[id(p)] = [(group.index, b) for b in slot.buckets]  # a split parameter: each of its buckets
+        module = self._module
         for m in module.modules():
             keys = sorted({k for p in m.parameters(recurse=False) if id(p) in where for k in where[id(p)]})
             if keys and m is not module:
                 self._hooks.append(m.register_forward_pre_hook(weak_call(self._pre_hook, keys)))
-        root_keys = sorted({k for p in module.parameters(recurse=False) if id(p) in where for k in where[id(p)]})
-        self._hooks.append(module.register_forward_pre_hook(weak_call(self._root_pre_hook, root_keys)))
-        self._hooks.append(module.register_forward_hook(weak_call(self._root_post_hook)))
-        remove_with(self, self._hooks)
-        self.deferred = True
+        self._root_keys += sorted({k for p in module.parameters(recurse=False) if id(p) in where for k in where[id(p)]})
 
     @torch.compiler.disable
     def _pre_hook(self, keys: list[Key], _module, _args) -> None:
@@ -70,9 +83,9 @@ class ParamSync:
         self.finish_param_sync(keys)
 
     @torch.compiler.disable
-    def _root_pre_hook(self, own_keys: list[Key], _module, _args) -> None:
+    def _root_pre_hook(self, _module, _args) -> None:
         self._claiming = set()
-        self.finish_param_sync(own_keys)
+        self.finish_param_sync(self._root_keys)
         self.finish_param_sync([k for k in self.runtime if k not in self._claimed])  # skips those not gathering
 
     @torch.compiler.disable

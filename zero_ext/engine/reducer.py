@@ -15,9 +15,11 @@ bucket launches again is waited for first, so each bucket's reductions land in o
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
-from ..state.sharded_state import ShardedState
+from ..state.sharded_state import FlatGroup, ShardedState
 from .bucket_runtime import BucketRuntime, GradState
 from .grad_placeholders import GradPlaceholders
 from .grads import GradStrategy
@@ -28,9 +30,39 @@ from .weak_hooks import remove_all, remove_with, weak_call
 class GradSync:
     """Hooks, rounds and the bucket launch order; what a gradient does on arrival is the strategy's business."""
 
-    def __init__(self, state: ShardedState, runtimes: BucketRuntimes, strategy: GradStrategy):
+    def __init__(self, state: ShardedState, runtimes: BucketRuntimes, strategy: GradStrategy, stage):
+        """``stage``: the stage object (``engine.stages``), which the placeholders ask what ``.grad`` is."""
         self.state, self.strategy, self.comm = state, strategy, state.comm
         self.buckets = runtimes.in_launch_order()
+        self.pool = runtimes.staging
+        self._size_pool()
+        self.sync_enabled = True
+        self.on_ready = None  # called with each BucketRuntime whose gradients have all arrived (stage 3 frees it)
+        self.on_round_end = None  # called at the end of every backward pass
+        self.epoch = 0  # changes whenever the gradients may have: the step's agreement is cached per epoch
+        self._round_open = False
+        self._next = 0  # position in launch order of the next bucket to launch this round
+        self._hooks = []
+        self._hook(state.groups, runtimes)
+        remove_with(self, self._hooks)  # dropped without close(): the model's hooks go with it (added ones too)
+        # .grad after a synchronised backward: placeholders of the sharded mean gradients (torch's clipping works)
+        self.placeholders = GradPlaceholders(state, self, stage)
+
+    def extend(self, added: Sequence[FlatGroup], runtimes: BucketRuntimes) -> None:
+        """Flat groups ``added`` (``add_param_group``; ``runtimes`` already holds their buckets): their buckets take their
+        places in the launch order, the staging pool is sized for them too, their parameters get the hooks, the
+        strategy and the placeholders their share. Nothing is in flight and no round is open (the caller finished every
+        sync); what is recorded (gradients not yet applied, ``no_sync()``, clipping) stays."""
+        self.placeholders.extend(added)  # (first: scaling recorded on the others reaches them before anything moves)
+        self.strategy.extend(added)
+        self.buckets = runtimes.in_launch_order()
+        self._size_pool()
+        self._hook(added, runtimes)
+        self.epoch += 1  # more parameters: the step's agreement and the norms are made again
+
+    def _size_pool(self) -> None:
+        """Staging entries for the largest bucket's send buffer and the communicator's workspace."""
+        strategy = self.strategy
         send = max((gb.bucket.numel * strategy.send_bytes(gb.group) for gb in self.buckets), default=0)
         workspace = 0
         if self.comm.communicates:
@@ -43,17 +75,12 @@ class GradSync:
                 ),
                 default=0,  # no trainable parameter: no bucket
             )
-        self.pool = runtimes.staging
         self.pool.size(send, workspace)
-        self.sync_enabled = True
-        self.on_ready = None  # called with each BucketRuntime whose gradients have all arrived (stage 3 frees it)
-        self.on_round_end = None  # called at the end of every backward pass
-        self.epoch = 0  # changes whenever the gradients may have: the step's agreement is cached per epoch
-        self._round_open = False
-        self._next = 0  # position in launch order of the next bucket to launch this round
+
+    def _hook(self, groups: Sequence[FlatGroup], runtimes: BucketRuntimes) -> None:
+        """A post-accumulate-grad hook on every parameter of ``groups``, bound to its bucket's runtime."""
         by_key = runtimes.buckets
-        self._hooks = []
-        for group in state.groups:
+        for group in groups:
             for slot, p in zip(group.layout.slots, group.params):
                 if slot.split:  # one gradient, a fragment for each of its buckets
                     gbs = tuple(by_key[(group.index, b)] for b in slot.buckets)
@@ -61,9 +88,6 @@ class GradSync:
                 else:
                     hook = weak_call(self._on_grad, by_key[(group.index, slot.bucket)], slot)
                 self._hooks.append(p.register_post_accumulate_grad_hook(hook))
-        remove_with(self, self._hooks)  # dropped without close(): the model's hooks go with it
-        # .grad after a synchronised backward: placeholders of the sharded mean gradients (torch's clipping works)
-        self.placeholders = GradPlaceholders(state, self)
 
     def remove_hooks(self) -> None:
         remove_all(self._hooks)

@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..placement.offload import placement_class
 from ..state.params import FullParams
 from ..state.sharded_params import ShardedParams
 from ..state.sharded_state import FlatGroup, ShardedState
@@ -35,20 +36,33 @@ from .staging import StagingPool
 
 
 class Stage:
-    """What differs between the stages. ``number``: 1, 2 or 3; ``params_storage``: where a flat group's parameters
-    live (the builder makes one per flat group)."""
+    """What differs between the stages. ``number``: 1, 2 or 3 (a label: saved in checkpoints, named in messages; no
+    layer branches on it); ``params_storage``: where a flat group's parameters live (the builder makes one per flat
+    group). The layers below ask the questions here instead of comparing stage numbers."""
 
     number: int
     params_storage: type = FullParams
+    # A persistent flat gradient buffer that ``.grad`` views, kept across ``step()`` until ``zero_grad()`` as torch
+    # keeps ``.grad`` (stage 1); else the gradients live only in the fp32 grad shard, which ``step()`` consumes.
+    keeps_full_grads = False
+    # Every rank holds the full parameters between steps, which a user may change in place; the fp32 master follows
+    # such changes (``state.param_edits``). Not at stage 3, whose parameters are shards outside forward.
+    tracks_param_edits = True
+    # Only this rank's shard of the parameters lives between uses: the model's hooks gather them (so ``module=`` is
+    # needed and ``defer_all_gather_to`` has nothing to defer), and a meta-device model materialises shard by shard.
+    shards_params = False
 
     def grad_buffer_dtype(self, grad_accum_dtype: Optional[torch.dtype], param_dtype: torch.dtype):
         """The dtype of a flat group's persistent gradient buffer, or None: only stage 1 keeps one."""
         return None
 
-    def grads(self, state: ShardedState, pool: StagingPool, reduce_dtype: torch.dtype, grad_accum_dtype):
-        """The gradient strategy (how a gradient gets from autograd to the wire), staging through ``pool``."""
-        direct = not state.comm.communicates and all(g.state.adds_in_place for g in state.groups)
-        return (ShardGrads if direct else StagedGrads)(state, pool, reduce_dtype)
+    def grads(self, state: ShardedState, pool: StagingPool, config) -> GradStrategy:
+        """The gradient strategy (how a gradient gets from autograd to the wire), staging through ``pool``; chosen from
+        the configuration (``config``: the engine's EngineConfig), so it holds for flat groups added later too."""
+        direct = not state.comm.communicates and placement_class(config.offload).adds_in_place_on(
+            state.device, state.world_size
+        )
+        return (ShardGrads if direct else StagedGrads)(state, pool, config.reduce_dtype)
 
     def param_sync(self, state: ShardedState, runtimes: BucketRuntimes, grad_sync: GradSync, config):
         """What brings the updated parameters back to every rank (``config``: the engine's EngineConfig)."""
@@ -66,26 +80,21 @@ class Stage:
         """Why ``add_param_group`` cannot run now, or None."""
         return None
 
-    def retire(self, param_sync) -> None:
-        """The parameter sync of an engine being replaced (``add_param_group``) lets go of the model."""
-        param_sync.remove_hooks()
-
-    def carry_over(self, old, new) -> None:
-        """What the replacing engine's parameter sync keeps of the old one's."""
-
     def after_build(self, groups: Sequence[FlatGroup]) -> None:
         """Flat groups just built (at construction or by ``add_param_group``), before the first forward."""
 
 
 class Stage1(Stage):
     number = 1
+    keeps_full_grads = True
 
     def grad_buffer_dtype(self, grad_accum_dtype, param_dtype):
         """``.grad``'s storage: the parameters' dtype, or fp32 with ``grad_accum_dtype=torch.float32``."""
         return torch.float32 if grad_accum_dtype == torch.float32 else param_dtype
 
-    def grads(self, state, pool, reduce_dtype, grad_accum_dtype) -> GradStrategy:
-        return (Fp32GradBuffer if grad_accum_dtype == torch.float32 else BufferedGrads)(state, pool, reduce_dtype)
+    def grads(self, state, pool, config) -> GradStrategy:
+        buffered = Fp32GradBuffer if config.grad_accum_dtype == torch.float32 else BufferedGrads
+        return buffered(state, pool, config.reduce_dtype)
 
 
 class Stage2(Stage):
@@ -95,6 +104,8 @@ class Stage2(Stage):
 class Stage3(Stage):
     number = 3
     params_storage = ShardedParams
+    tracks_param_edits = False
+    shards_params = True
 
     def param_sync(self, state, runtimes, grad_sync, config):
         gather = ParamGather(
@@ -117,12 +128,6 @@ class Stage3(Stage):
                 "between steps"
             )
         return None
-
-    def retire(self, param_sync) -> None:
-        param_sync.hand_over()
-
-    def carry_over(self, old, new) -> None:
-        new.peak_bytes = old.peak_bytes
 
     def after_build(self, groups) -> None:
         """The parameter shards are cast from the fp32 master where it is on the device."""

@@ -5,8 +5,8 @@ to the wire dtype and pre-scaled, when the gradient strategy stages them) follow
 workspace (gloo's receive buffer, NCCL's output shard). Entries are sized once, for the largest bucket, and
 viewed in whatever dtype a bucket travels in, so fp32 and bf16 flat groups share one pool.
 
-The pool is made with the sharded state and sized once by the reducer (:meth:`StagingPool.size`), which knows the
-wire dtypes. It then holds ``capacity`` entries and reuses them in launch order: a bucket that needs an entry takes a
+The pool is made with the sharded state and sized by the reducer (:meth:`StagingPool.size`), which knows the
+wire dtypes: at construction, and again when ``add_param_group`` adds buckets. It then holds ``capacity`` entries and reuses them in launch order: a bucket that needs an entry takes a
 free one, else waits for the oldest in flight (whose collective then has to finish first). Only when every entry
 is held by a bucket still filling (gradients arriving far out of layout order) does the pool grow by one; it
 never shrinks, so that happens in the first steps only, and ``nbytes`` is what the ledger reports.
@@ -54,15 +54,19 @@ class StagingPool:
         self._inflight: list[StagingEntry] = []  # launched entries, oldest first
 
     def size(self, send_bytes: int, workspace_bytes: int) -> None:
-        """Allocate the entries: ``send_bytes`` of send buffer and ``workspace_bytes`` of workspace each (the largest
-        bucket's). Once, before the first bucket is staged."""
-        if self.entries or self._inflight:
-            raise RuntimeError("StagingPool.size: the pool is already in use")
+        """Entries of ``send_bytes`` of send buffer and ``workspace_bytes`` of workspace each (the largest bucket's),
+        ``capacity`` of them at least: before the first bucket is staged, and again when ``add_param_group`` added
+        buckets (nothing in flight then). Entries of that size already here are kept; a larger size replaces them."""
+        if self._inflight or any(e.holder is not None for e in self.entries):
+            raise RuntimeError("StagingPool.size: entries are in use")
+        if (send_bytes, workspace_bytes) != (self.send_bytes, self.workspace_bytes):
+            self.entries = []
         self.send_bytes, self.workspace_bytes = send_bytes, workspace_bytes
         self.used = send_bytes + workspace_bytes > 0
-        self.entries = (
-            [StagingEntry(send_bytes, workspace_bytes, self.device) for _ in range(self.capacity)] if self.used else []
-        )
+        if not self.used:
+            self.entries = []
+        missing = max(0, self.capacity - len(self.entries)) if self.used else 0
+        self.entries += [StagingEntry(send_bytes, workspace_bytes, self.device) for _ in range(missing)]
 
     @property
     def nbytes(self) -> int:

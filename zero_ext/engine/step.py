@@ -47,11 +47,11 @@ class Stepper:
         self._agreed: Optional[tuple[int, set[int], list]] = None  # (gradient epoch, active, scalars)
         self._clip_to: Optional[float] = None  # clip_grad_norm_'s max_norm for the step of the same epoch
 
-    def take_over(self, old: "Stepper") -> None:
-        """``add_param_group`` rebuilt the engine: the last norm, and a ``clip_grad_norm_`` owed to the next step
-        (the added parameters have no gradient yet: the norm it clips to is the same)."""
-        self.grad_norm.copy_(old.grad_norm)
-        self._clip_to = old._clip_to
+    def extend(self) -> None:
+        """``add_param_group`` added parameters: a flag each in the agreement, which is made again. The last norm and a
+        ``clip_grad_norm_`` owed to the next step stay (the added parameters have no gradient yet: the same norm)."""
+        self._flag_of = {gidx: i for i, gidx in enumerate(self.state.step_counts.indices)}
+        self._agreed = None
 
     # ---------------------------------------------------------------- 1-3
     def agree(self, param_groups: Sequence[dict]) -> tuple[set[int], list]:

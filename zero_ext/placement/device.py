@@ -79,6 +79,17 @@ class DeviceState:
     adds_in_place = True  # on one process the gradients may be added straight into `grad` (grads.ShardGrads)
     location = "device"
 
+    @classmethod
+    def update_device_on(cls, device) -> torch.device:
+        """Where the update runs and the step's scalars live, for parameters on ``device``: asked of the class too,
+        before any flat group exists (a state built without one takes it from the configuration)."""
+        return torch.device(device)
+
+    @classmethod
+    def adds_in_place_on(cls, device, world_size: int) -> bool:
+        """Whether one process's gradients may be added straight into ``grad`` (``grads.ShardGrads``)."""
+        return True
+
     @functools.cached_property
     def codec(self) -> StateCodec:
         """How the kinds are encoded (the rule's fp32 / bf16 / int8 kinds, the master's remainder and tie bit)."""
@@ -87,7 +98,7 @@ class DeviceState:
     def __init__(self, layout: Layout, params, device: torch.device, rule: UpdateRule):
         n = layout.shard_numel
         self.layout, self.params, self.rule = layout, params, rule
-        self.update_device = torch.device(device)  # where the update runs and the step's scalars live
+        self.update_device = self.update_device_on(device)
         # fp32 parameters are their own master here; with remainders the parameters are the master's high half
         self.master_copy = not rule.master_is_param and not rule.param_remainders
         # One buffer per kind of the rule (the state starts at zero; the master is set from the parameters below).

@@ -100,9 +100,17 @@ class HostGradients(DeviceState):
     # the landing ring there too (tests/offload/test_offload_stream_order.py walks the CUDA path's copies on the CPU).
     IN_PLACE_WITHOUT_GPU = True
 
+    @classmethod
+    def update_device_on(cls, device) -> torch.device:
+        return torch.device("cpu")
+
+    @classmethod
+    def adds_in_place_on(cls, device, world_size: int) -> bool:
+        return cls.IN_PLACE_WITHOUT_GPU and torch.device(device).type != "cuda" and world_size == 1
+
     def _init_gradients(self, layout: Layout, params, device: torch.device, rule: UpdateRule) -> None:
         self.layout, self.params, self.device, self.rule = layout, params, torch.device(device), rule
-        self.update_device = torch.device("cpu")
+        self.update_device = self.update_device_on(device)
         # The master lives off the device even for fp32 parameters; with remainders its high half is the parameters.
         self.master_copy = not rule.param_remainders
         self.cuda = self.device.type == "cuda"
@@ -111,7 +119,7 @@ class HostGradients(DeviceState):
         # are added straight into it as the in-memory placement does (grads.ShardGrads), with no landing ring and no
         # staging pool: 48 MiB less at the default 4M-element buckets and bf16 parameters (ring 2 x 16 MiB, staging
         # 2 x 8 MiB), the same bits. With more ranks the ring stays (the CPU runs the CUDA path's logic, tested).
-        self.adds_in_place = self.IN_PLACE_WITHOUT_GPU and not self.cuda and layout.world_size == 1
+        self.adds_in_place = self.adds_in_place_on(self.device, layout.world_size)
         largest = max((b.shard_numel for b in layout.buckets), default=0)
         self.ring = None if self.adds_in_place else LandingRing(largest, self.device)
         # copy: the reduced gradients go device-to-host on it while backward goes on (one stream, one purpose).

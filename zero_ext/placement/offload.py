@@ -33,7 +33,14 @@ from .disk import DiskState, file_kinds, min_window_bytes
 from .files import file_nbytes
 from .host import HostState
 
-__all__ = ["OFFLOADS", "DEFAULT_WINDOW", "check_offload_options", "prepare_offload", "placement_factory"]
+__all__ = [
+    "OFFLOADS",
+    "DEFAULT_WINDOW",
+    "check_offload_options",
+    "prepare_offload",
+    "placement_class",
+    "placement_factory",
+]
 
 OFFLOADS = (None, "cpu", "nvme")
 # Bytes of host memory through which the state on disk streams (all flat groups). 128 MiB rather than 64: 12.8 MB
@@ -148,6 +155,12 @@ def prepare_offload(
 def _bytes_per_element(groups: Sequence[tuple[Layout, UpdateRule]]) -> str:
     widths = sorted({sum(k.itemsize for k in file_kinds(rule)) for _, rule in groups})
     return " or ".join(map(str, widths))
+
+
+def placement_class(offload) -> type:
+    """The placement class ``offload`` names, whose policies (``update_device_on``, ``adds_in_place_on``) are known
+    from the configuration alone, before any flat group is built."""
+    return {None: DeviceState, "cpu": HostState, "nvme": DiskState}[offload]
 
 
 def placement_factory(offload, directory: Optional[str], window: Optional[int], rank: int, groups: int) -> Callable:

@@ -27,6 +27,13 @@ class ParamEdits:
         self.unchecked = False  # adopted outside a step: the next step still checks every rank changed them
         self.record()
 
+    def extend(self, groups: Sequence) -> None:
+        """Flat groups added (``add_param_group``): followed from their values now (the others' record, and whether a
+        local adoption is still unchecked, stay as they are)."""
+        added = [g for g in groups if g.state.master_copy]
+        self.groups += added
+        self.versions += [[p._version for p in g.params] for g in added]
+
     def record(self, unchecked: bool = False) -> None:
         """The parameters and the master agree now: on every rank (after a load or a write-back, collectives), or,
         ``unchecked``, on this rank only so far."""

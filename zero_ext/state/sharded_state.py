@@ -3,7 +3,8 @@
 ``ShardedState`` is the seam every other part of zero_ext reads (``state_dict``, ``checkpoint``, ``memory``, the
 tests): the flat groups with their parameters' global indices, names, param group and update rule, the step and
 skip counters (device scalars), the stage and the communicator. ``ZeroAdamW.sharded_state`` returns it. It is built
-whole (:mod:`zero_ext.build.state_builder`): nothing is assigned to it from outside afterwards.
+whole (:mod:`zero_ext.build.state_builder`) and only ever grows, in place, by the flat groups ``add_param_group``
+builds (:meth:`ShardedState.add_groups`); nothing else is assigned to it from outside.
 """
 
 from __future__ import annotations
@@ -108,6 +109,8 @@ class ShardedState:
         model=None,
         frozen: Sequence[tuple[str, torch.nn.Parameter]] = (),
         default_rule: str = DEFAULT_RULE,
+        update_device: Optional[torch.device] = None,
+        tracks_param_edits: bool,
     ):
         self.mesh = mesh  # the shard group (and, for HSDP, the replicate group: a single replica today)
         self.comm: Communicator = mesh.shard  # every collective of the layout runs on the shard group
@@ -117,9 +120,13 @@ class ShardedState:
         self.names = dict(names)  # global index -> name, for every parameter of the optimizer (frozen ones too)
         self.device = device
         self.default_rule = default_rule  # the update rule of a param group that names none (registry.RULE_KEY)
+        # Where the update runs and the step's scalars live (offload: the CPU): the placement's, given by the builder
+        # from the configuration, so that a state built without a flat group has the one its added groups will need.
+        if update_device is None:
+            update_device = self.groups[0].state.update_device if self.groups else device
+        self.update_device = torch.device(update_device)
         # Steps that updated something (skipped steps excluded) and steps skipped for a non-finite gradient, and
         # every parameter's own step count: device scalars, so that step() never has to read them on the host.
-        self.update_device = self.groups[0].state.update_device if self.groups else device  # offload: the CPU
         self.step_count = torch.zeros((), dtype=torch.float32, device=self.update_device)
         self.skipped = torch.zeros((), dtype=torch.float32, device=self.update_device)
         self.step_counts = StepCounts([gidx for _, gidx, _ in self.members()], self.update_device)
@@ -127,26 +134,20 @@ class ShardedState:
         # Parameters given to the optimizer with requires_grad=False: left alone, and not sharded (step() refuses
         # to go on if one becomes trainable: it would never be updated).
         self.frozen: list[tuple[str, torch.nn.Parameter]] = list(frozen)
-        # Stages 1 and 2: in-place changes to the full parameters, which the master must follow (param_edits.py).
-        self.param_edits = ParamEdits(self.groups) if stage < 3 else None
+        # In-place changes to full parameters, which the master must follow (param_edits.py): where the stage keeps
+        # the parameters full on every rank (its ``tracks_param_edits``, which the builder passes).
+        self.param_edits = ParamEdits(self.groups) if tracks_param_edits else None
 
-    def with_groups(self, added: Sequence[FlatGroup], names: dict[int, str]) -> "ShardedState":
-        """This state with the flat groups ``added`` after its own (``ZeroAdamW.add_param_group``; ``names``: their
-        parameters'): the same flat groups, model, frozen parameters and counters; every bucket's runtime, the staging
-        pool and the tracking of parameter edits made anew, so nothing may be in flight. Every parameter keeps its
-        step count; the added ones start at 0 (torch's state for a parameter that never stepped)."""
-        out = ShardedState(
-            self.mesh, self.stage, self.bucket_size, [*self.groups, *added], {**self.names, **names}, self.device,
-            model=self.model, frozen=self.frozen, default_rule=self.default_rule,
-        )  # fmt: skip
-        out.step_count.copy_(self.step_count)
-        out.skipped.copy_(self.skipped)
-        counts = self.step_counts.values()  # one host read: parameters with equal counts share a class again
-        counts.update({gidx: 0.0 for g in added for gidx in g.param_indices})
-        out.step_counts.load(counts)
-        if self.param_edits is not None:  # a local adoption the next step still has to check on every rank
-            out.param_edits.unchecked = self.param_edits.unchecked
-        return out
+    def add_groups(self, added: Sequence[FlatGroup], names: dict[int, str]) -> None:
+        """The flat groups ``added`` after these (``ZeroAdamW.add_param_group``; ``names``: their parameters'), in
+        place: the same object, flat groups, model, frozen parameters and counters. Every parameter keeps its step
+        count; the added ones start at 0 (torch's state for a parameter that never stepped), and their in-place edits
+        are followed from now on."""
+        self.groups += added
+        self.names.update(names)
+        self.step_counts.extend([gidx for g in added for gidx in g.param_indices])
+        if self.param_edits is not None:
+            self.param_edits.extend(added)
 
     @property
     def world_size(self) -> int:

@@ -70,6 +70,16 @@ class StepCounts:
         self.num_classes = max(1, len(classes))
         self.steps.copy_(host)
 
+    def extend(self, added: Iterable[int]) -> None:
+        """Parameters ``added`` (``add_param_group``) at step 0, torch's count for a parameter that never stepped; every
+        other keeps its count. One host read, outside ``step()``: parameters with equal counts share a class again, as
+        after a :meth:`load`."""
+        counts = self.values()
+        counts.update(dict.fromkeys(added, 0.0))
+        self.indices = sorted(counts)
+        self.steps = torch.zeros(max(1, len(self.indices)), dtype=torch.float32, device=self.steps.device)
+        self.load(counts)
+
     def values(self, indices: Sequence[int] | None = None) -> dict[int, float]:
         """Every parameter's count on the host (reads the device: for checkpoints, not for ``step()``)."""
         host = self.steps[: self.num_classes].detach().to("cpu")
