@@ -45,3 +45,32 @@ def test_ddp_volume(world, stage):
     # the owners' slices are even to within the bucket's alignment: a few percent of a GPT's matrices
     assert muon_padded <= 1.08 * muon_real + world * 64, (muon_padded, muon_real)
     assert padded <= 1.08 * real + 2 * world * 64 * 4, (padded, real)
+
+
+def _stage3(rank, world, reshard):
+    model = build(torch.float32, blocks=8)
+    matrices = [p for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2]
+    rest = [p for p in model.parameters() if all(p is not m for m in matrices)]
+    groups = [{"params": matrices}, {"params": rest, "use_muon": False, **ADAM}]
+    opt = ZeroMuon(groups, **MUON, stage=3, module=model, bucket_size=4096, reshard_after_forward=reshard)
+    padded = sum(g.layout.numel for g in opt.sharded_state.groups)
+    for step in range(3):  # the first step learns the order; from the second on each bucket moves as planned
+        before = opt.comm_stats()
+        loss_fn(model, batch(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+        c = {k: v - before[k] for k, v in opt.comm_stats().items()}
+        if step == 0:
+            continue
+        assert c["reduce_scatter_elements"] == padded, c
+        if reshard:  # forward, and backward again but for the buckets it needs first (kept from forward)
+            assert padded < c["all_gather_elements"] < 2 * padded, (c, padded)
+        else:  # gathered once, kept until its gradients are reduced: DDP's 2 Psi
+            assert c["all_gather_elements"] == padded, (c, padded)
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reshard", [True, False])
+def test_stage3_volume(reshard):
+    assert run_on_ranks(2, _stage3, reshard) == [True, True]
