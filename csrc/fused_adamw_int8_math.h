@@ -129,6 +129,16 @@ inline constexpr Int8Quantizer kInt8Quantizer = ZERO_EXT_INT8_QUANTIZER;
 
 ZERO_EXT_HD float int8_constant(uint32_t bits) { return bits_float_hd(bits); }
 
+// a * b rounded once: on CUDA __fmul_rn, which nvcc never contracts with a following add into an
+// FMA (-fmad=true would be free to, and a dequantized moment feeds adamw_update's g - m).
+ZERO_EXT_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
 // The 2-bit correction of index i (0..127) in a packed delta table.
 ZERO_EXT_HD uint32_t int8_delta(const uint32_t* words, uint32_t i) {
   return (words[(i >> 4) & 7] >> ((i & 15) * 2)) & 3u;
@@ -145,7 +155,7 @@ ZERO_EXT_HD uint32_t int8_ladder_bits(const Int8Quantizer& q, uint32_t j) {
 
 // exp_avg_sq's map[code] * scale (bit 7 of the code ignored).
 ZERO_EXT_HD float int8_exp_avg_sq_times(const Int8Quantizer& q, uint32_t code, float scale) {
-  return bits_float_hd(int8_ladder_bits(q, code & 0x7Fu)) * scale;
+  return mul_rn(bits_float_hd(int8_ladder_bits(q, code & 0x7Fu)), scale);
 }
 
 // exp_avg's map[code] * scale, bitwise: the map is V[j] at 128 + j, -V[j] at 127 - j and 0 at 128,
@@ -154,7 +164,7 @@ ZERO_EXT_HD float int8_exp_avg_times(const Int8Quantizer& q, uint32_t code, floa
   const int32_t x = static_cast<int32_t>(code & 0xFFu) - 128;
   const uint32_t j = static_cast<uint32_t>(x ^ (x >> 31));
   const float sign = static_cast<float>((x > 0) - (x < 0));
-  return bits_float_hd(int8_ladder_bits(q, j)) * (sign * scale);
+  return mul_rn(bits_float_hd(int8_ladder_bits(q, j)), mul_rn(sign, scale));
 }
 
 // The number of exp_avg_sq's thresholds below a (a not NaN). A decade estimate from a's bits, one
@@ -168,7 +178,7 @@ ZERO_EXT_HD int32_t int8_ladder_count(const Int8Quantizer& q, float a) {
   const float shift = int8_constant(q.decade_shift[d & 7]);
   const int32_t j =
       static_cast<int32_t>(rintf(fmaf(a, int8_constant(q.decade_scale[d & 7]), shift)));
-  const float approx = (static_cast<float>(j) - shift) * int8_constant(q.decade_step[d & 7]);
+  const float approx = mul_rn(static_cast<float>(j) - shift, int8_constant(q.decade_step[d & 7]));
   const float t = bits_float_hd(float_bits_hd(approx) +
                                 int8_delta(q.threshold_deltas, static_cast<uint32_t>(j) & 127));
   const int32_t raw = j - (a <= t ? 1 : 0);
