@@ -4,14 +4,14 @@
 //
 // Bitwise the scalar path (fused_adamw_int8.cpp), for the reasons fused_adamw_int8_avx512.cpp
 // gives: the same IEEE operations in the same order, and the same quantizer (Int8Quantizer,
-// fused_adamw_int8_math.h) lane by lane, its 8-entry tables read by VPERMPS/VPERMD. Per block:
-// decode the old codes and update 8 lanes at a time, keeping the new moments and their absmax;
-// then encode 16 lanes at a time into one 16-byte store per moment.
+// fused_adamw_int8_math.h) lane by lane, its 8-entry tables read by VPERMPS/VPERMD from registers.
+// Per block: decode the old codes (one loop), update 8 lanes at a time keeping the new moments and
+// their absmax, then encode each moment 16 lanes at a time (one 16-byte store).
 // NOTE: no gathers. On the AVX2 machine (AMD EPYC Zen 3 under KVM) one 8-lane VGATHERDPS costs
-// 5.1 ns (~15 cycles, microbenchmark): the old binary search (12 gathers per 8 elements) made
-// the step 9.9x the fp32-moment step, 8.34 vs 0.85 ns/element (16M elements, 2 threads); scalar
-// table loads instead (3 per lookup) ran 4.4 ns/element on one thread, the arithmetic below
-// NOTE_RESULT.
+// 5.1 ns (~15 cycles, microbenchmark); the old binary search (12 gathers per 8 elements) ran
+// 11.9 ns/element against the fp32-moment step's 0.71 on one thread with the data in cache (16K
+// elements, bf16 grad and param_out; C++ timing loop, load average ~7), this 3.6 (scalar table
+// loads instead of the arithmetic: 4.4; one fused decode+update loop instead of two: 3.9).
 #pragma GCC target("avx2,f16c,fma")
 #pragma GCC optimize("fp-contract=off")
 #include <immintrin.h>
@@ -75,29 +75,50 @@ inline __m256i i32(int32_t x) { return _mm256_set1_epi32(x); }
 inline __m256 f32(uint32_t bits) {
   return _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int32_t>(bits)));
 }
+
+// The quantizer's 8-entry tables, held in registers by the loops. NOTE: VPERMPS/VPERMD with the
+// table as a memory operand cost 2.1 cycles against 1.04 from a register on Zen 3
+// (microbenchmark), and GCC folds a constant table's load into the permute unless the loaded
+// value is opaque to it (the empty asm).
 inline __m256i table(const uint32_t* t) {
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t));
+  __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t));
+  asm("" : "+x"(x));
+  return x;
 }
-inline __m256 lookup(const uint32_t* t, __m256i index) {  // t[index & 7]
-  return _mm256_permutevar8x32_ps(_mm256_castsi256_ps(table(t)), index);
+inline __m256 lookup(__m256i t, __m256i index) {  // t[index & 7]
+  return _mm256_permutevar8x32_ps(_mm256_castsi256_ps(t), index);
+}
+
+struct ValueTables {
+  __m256i slope, offset, deltas;
+};
+inline ValueTables value_tables() {
+  const Int8Quantizer& q = kInt8Quantizer;
+  return {table(q.ladder_slope), table(q.ladder_offset), table(q.ladder_deltas)};
+}
+
+struct CountTables {
+  __m256i bound, scale, shift, step, deltas;
+};
+inline CountTables count_tables() {
+  const Int8Quantizer& q = kInt8Quantizer;
+  return {table(q.decade_bound), table(q.decade_scale), table(q.decade_shift), table(q.decade_step),
+          table(q.threshold_deltas)};
 }
 
 // int8_delta
-inline __m256i delta(const uint32_t* words, __m256i i) {
-  const __m256i word = _mm256_permutevar8x32_epi32(table(words), _mm256_srli_epi32(i, 4));
+inline __m256i delta(__m256i words, __m256i i) {
+  const __m256i word = _mm256_permutevar8x32_epi32(words, _mm256_srli_epi32(i, 4));
   const __m256i shift = _mm256_slli_epi32(_mm256_and_si256(i, i32(15)), 1);
   return _mm256_and_si256(_mm256_srlv_epi32(word, shift), i32(3));
 }
 
 // int8_ladder_bits
-inline __m256 ladder_value(__m256i j) {
-  const Int8Quantizer& q = kInt8Quantizer;
+inline __m256 ladder_value(const ValueTables& t, __m256i j) {
   const __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(j, i32(1)));
   const __m256i slot = _mm256_srli_epi32(_mm256_castps_si256(f), 23);
-  const __m256 approx =
-      _mm256_fmadd_ps(f, lookup(q.ladder_slope, slot), lookup(q.ladder_offset, slot));
-  return _mm256_castsi256_ps(
-      _mm256_add_epi32(_mm256_castps_si256(approx), delta(q.ladder_deltas, j)));
+  const __m256 approx = _mm256_fmadd_ps(f, lookup(t.slope, slot), lookup(t.offset, slot));
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(approx), delta(t.deltas, j)));
 }
 
 inline __m256i load_codes(const int8_t* codes) {
@@ -105,43 +126,44 @@ inline __m256i load_codes(const int8_t* codes) {
 }
 
 // int8_exp_avg_sq_times
-inline __m256 exp_avg_sq_times(__m256i codes, __m256 scale) {
-  return _mm256_mul_ps(ladder_value(_mm256_and_si256(codes, i32(0x7F))), scale);
+inline __m256 exp_avg_sq_times(const ValueTables& t, __m256i codes, __m256 scale) {
+  return _mm256_mul_ps(ladder_value(t, _mm256_and_si256(codes, i32(0x7F))), scale);
 }
 
 // int8_exp_avg_times
-inline __m256 exp_avg_times(__m256i codes, __m256 scale) {
+inline __m256 exp_avg_times(const ValueTables& t, __m256i codes, __m256 scale) {
   const __m256i x = _mm256_sub_epi32(codes, i32(128));
   const __m256i j = _mm256_xor_si256(x, _mm256_srai_epi32(x, 31));
   const __m256 sign = _mm256_cvtepi32_ps(_mm256_sign_epi32(i32(1), x));
-  return _mm256_mul_ps(ladder_value(j), _mm256_mul_ps(sign, scale));
+  return _mm256_mul_ps(ladder_value(t, j), _mm256_mul_ps(sign, scale));
 }
 
 // int8_ladder_count, except for a NaN: its count is INT32_MIN, which the unsigned saturation of
 // store_codes makes code 0 (exp_avg's 128 +- INT32_MIN is negative too).
-inline __m256i ladder_count(__m256 a) {
+inline __m256i ladder_count(const CountTables& t, __m256 a) {
   const Int8Quantizer& q = kInt8Quantizer;
   const __m256 log10 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_castps_si256(a)),
                                        f32(q.decade_log[0]), f32(q.decade_log[1]));
   const __m256i estimate = _mm256_cvttps_epi32(_mm256_max_ps(log10, _mm256_setzero_ps()));
-  const __m256 above = _mm256_cmp_ps(lookup(q.decade_bound, estimate), a, _CMP_LT_OQ);
+  const __m256 above = _mm256_cmp_ps(lookup(t.bound, estimate), a, _CMP_LT_OQ);
   const __m256i d = _mm256_sub_epi32(estimate, _mm256_castps_si256(above));
-  const __m256 shift = lookup(q.decade_shift, d);
-  const __m256i j = _mm256_cvtps_epi32(_mm256_fmadd_ps(a, lookup(q.decade_scale, d), shift));
+  const __m256 shift = lookup(t.shift, d);
+  const __m256i j = _mm256_cvtps_epi32(_mm256_fmadd_ps(a, lookup(t.scale, d), shift));
   const __m256 approx =
-      _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(j), shift), lookup(q.decade_step, d));
-  const __m256 t = _mm256_castsi256_ps(
-      _mm256_add_epi32(_mm256_castps_si256(approx), delta(q.threshold_deltas, j)));
-  const __m256i raw = _mm256_add_epi32(j, _mm256_castps_si256(_mm256_cmp_ps(a, t, _CMP_LE_OQ)));
+      _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(j), shift), lookup(t.step, d));
+  const __m256 threshold =
+      _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(approx), delta(t.deltas, j)));
+  const __m256i raw =
+      _mm256_add_epi32(j, _mm256_castps_si256(_mm256_cmp_ps(a, threshold, _CMP_LE_OQ)));
   const __m256i hi = _mm256_sub_epi32(_mm256_sllv_epi32(i32(2), d), i32(2));
   return _mm256_min_epi32(raw, hi);
 }
 
 // int8_encode_exp_avg_sq
-inline __m256i encode_exp_avg_sq(__m256 y) { return ladder_count(y); }
+inline __m256i encode_exp_avg_sq(const CountTables& t, __m256 y) { return ladder_count(t, y); }
 
 // int8_encode_exp_avg
-inline __m256i encode_exp_avg(__m256 y) {
+inline __m256i encode_exp_avg(const CountTables& t, __m256 y) {
   const Int8Quantizer& q = kInt8Quantizer;
   const __m256i bits = _mm256_castps_si256(y);
   const __m256i negative = _mm256_srai_epi32(bits, 31);
@@ -153,7 +175,7 @@ inline __m256i encode_exp_avg(__m256 y) {
   const __m256 hi = _mm256_blendv_ps(f32(q.decade_bound[0]), _mm256_set1_ps(2.0f), neg);
   // count + (lo < a) - (hi < a); the comparisons are -1 where true
   __m256i x =
-      _mm256_sub_epi32(ladder_count(a), _mm256_castps_si256(_mm256_cmp_ps(lo, a, _CMP_LT_OQ)));
+      _mm256_sub_epi32(ladder_count(t, a), _mm256_castps_si256(_mm256_cmp_ps(lo, a, _CMP_LT_OQ)));
   x = _mm256_add_epi32(x, _mm256_castps_si256(_mm256_cmp_ps(hi, a, _CMP_LT_OQ)));
   // 128 + x, or 128 - x for y < 0
   return _mm256_add_epi32(_mm256_sub_epi32(_mm256_xor_si256(x, negative), negative), i32(128));
@@ -172,40 +194,19 @@ inline void store_codes(int8_t* dst, __m256i a, __m256i b) {
 // codes[j] = encode(x[j] / divisor) | extra[j] (the tie bits, or null), j < n (a multiple of 16).
 template <bool kExpAvgSq>
 inline void encode(const float* x, float divisor, const uint32_t* extra, int8_t* codes, int64_t n) {
+  const CountTables t = count_tables();
   const __m256 div = _mm256_set1_ps(divisor);
   for (int64_t j = 0; j < n; j += 2 * kWidth) {
     const __m256 lo = _mm256_div_ps(_mm256_loadu_ps(x + j), div);
     const __m256 hi = _mm256_div_ps(_mm256_loadu_ps(x + j + kWidth), div);
-    __m256i a = kExpAvgSq ? encode_exp_avg_sq(lo) : encode_exp_avg(lo);
-    __m256i b = kExpAvgSq ? encode_exp_avg_sq(hi) : encode_exp_avg(hi);
+    __m256i a = kExpAvgSq ? encode_exp_avg_sq(t, lo) : encode_exp_avg(t, lo);
+    __m256i b = kExpAvgSq ? encode_exp_avg_sq(t, hi) : encode_exp_avg(t, hi);
     if (extra != nullptr) {
       a = _mm256_or_si256(a, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(extra + j)));
       b = _mm256_or_si256(b,
                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(extra + j + kWidth)));
     }
     store_codes(codes + j, a, b);
-  }
-}
-
-// Both moments of a block in one loop (four independent chains per iteration: the encode's
-// latency is long), exp_avg_sq's codes with the tie bits when kTie.
-template <bool kTie>
-inline void encode_moments(const float* m, float m_divisor, const float* v, float v_divisor,
-                           const uint32_t* tie, int8_t* m_codes, int8_t* v_codes, int64_t n) {
-  const __m256 m_div = _mm256_set1_ps(m_divisor);
-  const __m256 v_div = _mm256_set1_ps(v_divisor);
-  for (int64_t j = 0; j < n; j += 2 * kWidth) {
-    const __m256i m_lo = encode_exp_avg(_mm256_div_ps(_mm256_load_ps(m + j), m_div));
-    const __m256i m_hi = encode_exp_avg(_mm256_div_ps(_mm256_load_ps(m + j + kWidth), m_div));
-    __m256i v_lo = encode_exp_avg_sq(_mm256_div_ps(_mm256_load_ps(v + j), v_div));
-    __m256i v_hi = encode_exp_avg_sq(_mm256_div_ps(_mm256_load_ps(v + j + kWidth), v_div));
-    if constexpr (kTie) {
-      v_lo = _mm256_or_si256(v_lo, _mm256_load_si256(reinterpret_cast<const __m256i*>(tie + j)));
-      v_hi = _mm256_or_si256(v_hi,
-                             _mm256_load_si256(reinterpret_cast<const __m256i*>(tie + j + kWidth)));
-    }
-    store_codes(m_codes + j, m_lo, m_hi);
-    store_codes(v_codes + j, v_lo, v_hi);
   }
 }
 
@@ -216,6 +217,7 @@ void block(const Int8AdamWBuffers& b, int64_t blk, const AdamWCoefficients& c) {
   alignas(32) float vmax_new[kAmsgrad ? kInt8MaxBlock : kWidth];
   alignas(32) uint32_t tie[kOut == 3 ? kInt8MaxBlock : kWidth];
   const int64_t begin = blk * b.block;
+  const ValueTables values = value_tables();
   const __m256 grad_scale = _mm256_set1_ps(c.grad_scale);
   const __m256 decay = _mm256_set1_ps(c.decay);
   const __m256 weight = _mm256_set1_ps(c.lerp_weight);
@@ -232,14 +234,26 @@ void block(const Int8AdamWBuffers& b, int64_t blk, const AdamWCoefficients& c) {
   __m256 m_amax = _mm256_setzero_ps();
   __m256 v_amax = _mm256_setzero_ps();
   __m256 vmax_amax = _mm256_setzero_ps();
+  // Decode (into the new moments' buffers), then update: two short loops overlap more of their
+  // iterations out of order than one long one.
   for (int64_t j = 0; j < b.block; j += kWidth) {
     const int64_t i = begin + j;
-    const __m256i v_codes = load_codes(b.exp_avg_sq_codes + i);
-    __m256 m = exp_avg_times(load_codes(b.exp_avg_codes + i), m_scale);
-    __m256 v = exp_avg_sq_times(v_codes, v_scale);
+    _mm256_store_ps(m_new + j, exp_avg_times(values, load_codes(b.exp_avg_codes + i), m_scale));
+    _mm256_store_ps(v_new + j,
+                    exp_avg_sq_times(values, load_codes(b.exp_avg_sq_codes + i), v_scale));
+    if constexpr (kAmsgrad) {
+      _mm256_store_ps(vmax_new + j,
+                      exp_avg_sq_times(values, load_codes(b.max_exp_avg_sq_codes + i), vmax_scale));
+    }
+  }
+  for (int64_t j = 0; j < b.block; j += kWidth) {
+    const int64_t i = begin + j;
+    __m256 m = _mm256_load_ps(m_new + j);
+    __m256 v = _mm256_load_ps(v_new + j);
     __m256 master;
     if constexpr (kOut == 3) {  // join_master_bits (master_split.h); the tie is bit 7 of the code
-      const __m256i tie_in = _mm256_slli_epi32(_mm256_srli_epi32(v_codes, 7), 16);
+      const __m256i tie_in =
+          _mm256_slli_epi32(_mm256_srli_epi32(load_codes(b.exp_avg_sq_codes + i), 7), 16);
       const __m256i hi = _mm256_slli_epi32(
           _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(param + i))), 16);
       const __m256i rem =
@@ -257,7 +271,7 @@ void block(const Int8AdamWBuffers& b, int64_t blk, const AdamWCoefficients& c) {
     v = _mm256_fmadd_ps(_mm256_mul_ps(one_minus_beta2, g), g, _mm256_mul_ps(v, beta2));
     __m256 v_hat = v;  // the denominator's moment: v, or with amsgrad max_exp_avg_sq's new value
     if constexpr (kAmsgrad) {
-      const __m256 old = exp_avg_sq_times(load_codes(b.max_exp_avg_sq_codes + i), vmax_scale);
+      const __m256 old = _mm256_load_ps(vmax_new + j);
       // nan_propagating_max(old, v) (adamw_math.h): old where old > v or old is NaN.
       const __m256 keep =
           _mm256_or_ps(_mm256_cmp_ps(old, v, _CMP_GT_OQ), _mm256_cmp_ps(old, old, _CMP_UNORD_Q));
@@ -295,8 +309,9 @@ void block(const Int8AdamWBuffers& b, int64_t blk, const AdamWCoefficients& c) {
   }
   const float m_max = reduce_absmax(m_amax);
   const float v_max = reduce_absmax(v_amax);
-  encode_moments<kOut == 3>(m_new, encode_divisor(m_max), v_new, encode_divisor(v_max), tie,
-                            b.exp_avg_codes + begin, b.exp_avg_sq_codes + begin, b.block);
+  encode<false>(m_new, encode_divisor(m_max), nullptr, b.exp_avg_codes + begin, b.block);
+  encode<true>(v_new, encode_divisor(v_max), kOut == 3 ? tie : nullptr, b.exp_avg_sq_codes + begin,
+               b.block);
   b.exp_avg_scales[blk] = m_max;
   b.exp_avg_sq_scales[blk] = v_max;
   if constexpr (kAmsgrad) {
@@ -369,10 +384,11 @@ int64_t int8_encode_avx2(bool exp_avg_sq, const float* x, float divisor, int8_t*
 
 int64_t int8_decode_avx2(bool exp_avg_sq, const int8_t* codes, float scale, float* out, int64_t n) {
   const int64_t done = n - n % kWidth;
+  const ValueTables t = value_tables();
   const __m256 s = _mm256_set1_ps(scale);
   for (int64_t j = 0; j < done; j += kWidth) {
     const __m256i c = load_codes(codes + j);
-    _mm256_storeu_ps(out + j, exp_avg_sq ? exp_avg_sq_times(c, s) : exp_avg_times(c, s));
+    _mm256_storeu_ps(out + j, exp_avg_sq ? exp_avg_sq_times(t, c, s) : exp_avg_times(t, c, s));
   }
   return done;
 }
