@@ -179,14 +179,17 @@ def main() -> None:
     here = Path(__file__).resolve().parents[2]
     trees = {"after": here} if not args.before else {"before": Path(args.before).resolve(), "after": here}
     runs: dict[str, list] = {tag: [] for tag in trees}
+    loads = []  # the 1-minute load average after each child: other work on the machine during the run
     for k in range(args.pairs if args.before else 1):
         for tag, tree in trees.items():
             runs[tag].append(run_tree(tree, args) if args.before else measure(sizes, args.warmup, args.reps))
-            print(f"pair {k} {tag}: done (load average {os.getloadavg()[0]:.2f})", flush=True)
+            loads.append(round(os.getloadavg()[0], 2))
+            print(f"pair {k} {tag}: done (load average {loads[-1]:.2f})", flush=True)
     commits = {tag: subprocess.run(["git", "-C", str(tree), "rev-parse", "--short=12", "HEAD"], capture_output=True,
                                    text=True).stdout.strip() for tag, tree in trees.items()}  # fmt: skip
     last = runs["after"][-1]
-    payload = {"sizes": sizes, "threads": last["threads"], "isa": last["isa"], "trees": {}, "commits": commits}
+    payload = {"sizes": sizes, "threads": last["threads"], "isa": last["isa"], "trees": {}, "commits": commits,
+               "load_avg_1m_after_each_child": loads}  # fmt: skip
     body = ""
     for tag, tree in trees.items():
         rows, per_size = [], {}
@@ -215,6 +218,7 @@ def main() -> None:
         "+ one fp32 scale per 64 elements (dequantize, update, requantize), with an fp32 master or with remainders. "
         f"Round robin with the streams, {args.reps} rounds after {args.warmup} warm-up"
         + (f", {args.pairs} children per tree, alternately" if args.before else "")
+        + f"; 1-minute load average after each child: {', '.join(f'{x:.2f}' for x in loads)}"
         + "; the ratio column is the median of each round's ratio to the default step in the same round. B/element "
         "is what the setting must move; % of roofline is its GB/s over the best in-place stream's.\n"
     )
