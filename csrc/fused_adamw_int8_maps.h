@@ -2,7 +2,9 @@
 //   python scripts/gen_int8_maps_header.py > csrc/fused_adamw_int8_maps.h
 // The int8 moment maps (zero_ext/update/blockwise_int8.py) and the midpoints between neighbouring
 // values: a code is the number of thresholds below x / scale. Initialiser lists, so the CPU
-// kernels can make them constexpr arrays and the CUDA kernels __constant__ ones.
+// kernels can make them constexpr arrays and the CUDA kernels __constant__ ones. Then the
+// branch-free quantizer's constants as fp32 bit patterns (the script's docstring;
+// fused_adamw_int8_math.h's Int8Quantizer).
 #pragma once
 // clang-format off
 
@@ -208,4 +210,33 @@
    0x1.b8p-1f, 0x1.bf3334p-1f, 0x1.c66666p-1f, 0x1.cd999ap-1f, \
    0x1.d4ccccp-1f, 0x1.dcp-1f, 0x1.e33334p-1f, 0x1.ea6666p-1f, \
    0x1.f1999ap-1f, 0x1.f8ccccp-1f, 0x1.fe3334p-1f}
+
+#define ZERO_EXT_INT8_LADDER_SLOPE \
+  {0x3696FEB4u, 0x37BCBE61u, 0x38EBEDFAu, 0x3A1374BCu, \
+   0x3B3851EBu, 0x3C666666u, 0x00000000u, 0x35719787u}
+#define ZERO_EXT_INT8_LADDER_OFFSET \
+  {0xB6C0F020u, 0xB8902DE0u, 0xBA42F838u, 0xBBFCED91u, \
+   0xBDA0F5C2u, 0xBF4B0000u, 0x3F800000u, 0xB4BBE7A2u}
+#define ZERO_EXT_INT8_LADDER_DELTAS \
+  {0x914696DCu, 0x05454556u, 0x10400000u, 0xC4104104u, \
+   0x555A9A67u, 0x51159555u, 0x54451144u, 0x15154551u}
+#define ZERO_EXT_INT8_DECADE_LOG \
+  {0x331A209Bu, 0xC1FF724Cu}
+#define ZERO_EXT_INT8_DECADE_BOUND \
+  {0x35FF0380u, 0x37734506u, 0x39007358u, 0x3A91D14Eu, \
+   0x3C2D0E56u, 0x3DD28F5Cu, 0x3F7F199Au, 0x40000000u}
+#define ZERO_EXT_INT8_DECADE_SCALE \
+  {0x00000000u, 0x4859038Eu, 0x472D9C72u, 0x460AE38Eu, \
+   0x44DE38E4u, 0x43B1C71Cu, 0x428E38E4u, 0x00000000u}
+#define ZERO_EXT_INT8_DECADE_SHIFT \
+  {0x00000000u, 0x3F471C72u, 0x40238E39u, 0x40C38E39u, \
+   0x41538E39u, 0x41DB8E39u, 0x425F8E39u, 0x42FE0000u}
+#define ZERO_EXT_INT8_DECADE_STEP \
+  {0x7F800000u, 0x3696FEB5u, 0x37BCBE62u, 0x38EBEDFAu, \
+   0x3A1374BBu, 0x3B3851EAu, 0x3C666665u, 0x7F800000u}
+#define ZERO_EXT_INT8_THRESHOLD_DELTAS \
+  {0x01010000u, 0x19AA9ADBu, 0xB6996AAFu, 0x24A6595Du, \
+   0x64569967u, 0x55669992u, 0x56559555u, 0x04516599u}
+#define ZERO_EXT_INT8_EXP_AVG_NEAR_ZERO \
+  {0x35DA1A93u, 0x3493A3B6u}
 // clang-format on

@@ -1,32 +1,53 @@
 """What each precision setting's fused step costs on the CPU, against the default, on one shard: the default
 (fp32 master, exp_avg, exp_avg_sq; bf16 grad and param_out), ``param_remainders``, bf16 moments (with and without
-remainders), int8 moments and int8 moments with remainders, each the kernel the engine calls for it, round robin in one process.
+remainders), int8 moments and int8 moments with remainders, each the kernel the engine calls for it, round robin in one
+process with the in-place streams that make the CPU roofline (bench/bench_fused_adamw.py's: the best GB/s of copy,
+scale_inplace and add_inplace at the same size).
 
-    python bench/investigations/precision_kernel_cost.py [--numel 16777216] [--reps 9] [--out-dir bench/results]
+    python bench/investigations/precision_kernel_cost.py [--numel 16777216,67108864] [--reps 9]
+    python bench/investigations/precision_kernel_cost.py --before /path/to/baseline/checkout --pairs 3
 
-Writes precision_kernel_cost.{json,md}.
+Per setting and size: the median step time, bytes per element (what the setting must move), GB/s, % of the roofline,
+and the median of each round's ratio to the default step (the figure issue 37's targets are written for). With
+``--before``, each pair launches one child per tree (its own ``zero_ext`` on PYTHONPATH, this script's code),
+before then after, and the report puts the two trees' per-round ratios side by side (a ratio to the same child's
+default step, so a load swing between children cancels).
+
+Writes precision_kernel_cost.{json,md} (``--name`` changes it).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from harness import RESULTS, cores, markdown_table, meta, round_robin, summary, write_results  # noqa: E402
-
-from zero_ext import ops
-from zero_ext.ops import int8 as ops_int8  # noqa: E402
-from zero_ext.update import blockwise_int8
+import harness  # noqa: E402
+import torch  # noqa: E402
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+# Bytes each setting must move per element: bf16 grad read (2); master read+write (fp32 8, or bf16 param 4 +
+# int16 remainder 4); exp_avg and exp_avg_sq read+write (fp32 8 each, bf16 4 each, int8 codes 2 each + one fp32
+# scale per 64 elements read+write, 0.125 each); bf16 param_out write (2) unless the param is the master's half.
+BYTES = {"default": 28, "remainders": 26, "bf16_moments": 20, "remainders_bf16": 18, "int8_moments": 16.25,
+         "int8_remainders": 14.25}  # fmt: skip
+STREAMS = {"copy": 8, "scale_inplace": 8, "add_inplace": 12}  # bytes credited per element (bench_fused_adamw.py)
+# Issue 37: each setting's step time / the default's (median of per-round ratios) at most this.
+TARGETS = {"int8_moments": 0.75, "int8_remainders": 0.8, "bf16_moments": 0.8, "remainders": 1.0}
+ROOFLINE_TARGET = 0.8  # every setting at >= 80% of the roofline on CPU
 
 
 def contenders(n: int) -> dict:
+    from zero_ext import ops
+    from zero_ext.ops import int8 as ops_int8
+    from zero_ext.update import blockwise_int8
+
     g = torch.Generator().manual_seed(0)
     grad = (torch.randn(n, generator=g) * 1e-2).to(torch.bfloat16)
     master = torch.randn(n, generator=g) * 0.02
@@ -34,23 +55,25 @@ def contenders(n: int) -> dict:
     blocks = blockwise_int8.num_blocks(n)
     step = [0]
 
-    def fp32_state(dtype):
+    def zeros(dtype):
         return torch.zeros(n, dtype=dtype), torch.zeros(n, dtype=dtype)
 
-    m32, v32 = fp32_state(torch.float32)
-    m16, v16 = fp32_state(torch.bfloat16)
-    m_r, v_r = fp32_state(torch.float32)
+    m32, v32 = zeros(torch.float32)
+    m16, v16 = zeros(torch.bfloat16)
+    m_r, v_r = zeros(torch.float32)
     rem = torch.zeros(n, dtype=torch.int16)
-    m_rb, v_rb = fp32_state(torch.bfloat16)
+    m_rb, v_rb = zeros(torch.bfloat16)
     rem_b = torch.zeros(n, dtype=torch.int16)
-    m8, v8 = fp32_state(torch.int8)
+    m8, v8 = zeros(torch.int8)
     s_m, s_v = torch.zeros(blocks), torch.zeros(blocks)
-    m8r, v8r = fp32_state(torch.int8)
+    m8r, v8r = zeros(torch.int8)
     s_mr, s_vr = torch.zeros(blocks), torch.zeros(blocks)
     rem8 = torch.zeros(n, dtype=torch.int16)
     masters = {k: master.clone() for k in ("default", "bf16")}
     params = {k: param.clone() for k in ("default", "bf16", "remainders", "remainders_bf16", "int8", "int8_remainders")}
     master8 = master.clone()
+    src, dst = torch.rand(n), torch.empty(n)
+    a, b, c = torch.ones(n), torch.full((n,), 1e-6), torch.ones(n)
 
     def timed(fn):
         def run():
@@ -73,40 +96,134 @@ def contenders(n: int) -> dict:
                                                                    param_out=params["int8"], **HYPER)),
         "int8_remainders": timed(lambda s: ops_int8.fused_adamw_int8_(params["int8_remainders"], grad, m8r, s_mr, v8r,
                                                                       s_vr, step=s, remainder=rem8, **HYPER)),
+        # 0.999 ** (a few hundred reps) stays far from denormals; the in-place add drifts by 1e-6 per rep.
+        "copy": timed(lambda s: dst.copy_(src)),
+        "scale_inplace": timed(lambda s: a.mul_(0.999)),
+        "add_inplace": timed(lambda s: c.add_(b)),
     }  # fmt: skip
+
+
+def measure(sizes: list[int], warmup: int, reps: int) -> dict:
+    """Per size: every contender's times, round robin, and each setting's per-round ratio to the default."""
+    from zero_ext import ops
+
+    torch.set_num_threads(harness.cores())
+    out = {"isa": ops.cpu_isa(), "threads": torch.get_num_threads(), "sizes": {}}
+    for n in sizes:
+        raw = harness.round_robin(contenders(n), warmup, reps)
+        base = raw["default"]
+        ratios = {name: [t / b for t, b in zip(times, base)] for name, times in raw.items() if name in BYTES}
+        out["sizes"][str(n)] = {"times_s": raw, "ratios": ratios}
+    return out
+
+
+def run_tree(tree: Path, args) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--numel", args.numel, "--warmup",
+           str(args.warmup), "--reps", str(args.reps)]  # fmt: skip
+    out = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"child in {tree} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def size_label(n: int) -> str:
+    return f"{n // 2**20}M" if n % 2**20 == 0 else str(n)
+
+
+def setting_rows(n: int, runs: list[dict]) -> tuple[list[list], dict]:
+    """One row per setting at size n over the runs (one tree): medians over all rounds."""
+    times = {
+        name: sum((r["sizes"][str(n)]["times_s"][name] for r in runs), [])
+        for name in runs[0]["sizes"][str(n)]["times_s"]
+    }
+    ratios = {name: sum((r["sizes"][str(n)]["ratios"][name] for r in runs), []) for name in BYTES}  # fmt: skip
+    gbs = {name: (BYTES.get(name) or STREAMS[name]) * n / statistics.median(t) / 1e9 for name, t in times.items()}
+    roofline = max(STREAMS, key=gbs.get)
+    rows, payload = [], {"roofline": roofline, "roofline_gb_per_s": gbs[roofline], "settings": {}}
+    for name in BYTES:
+        s = harness.summary(times[name])
+        ratio = statistics.median(ratios[name])
+        pct = 100 * gbs[name] / gbs[roofline]
+        target = TARGETS.get(name)
+        verdict = "-" if target is None else ("PASS" if ratio <= target else "FAIL")
+        payload["settings"][name] = {**s, "bytes_per_element": BYTES[name], "gb_per_s": gbs[name],
+                                     "pct_of_roofline": pct, "ratio_to_default_per_round": ratio,
+                                     "target_ratio": target, "rounds": len(ratios[name])}  # fmt: skip
+        rows.append([size_label(n), name, f"{s['median_s'] * 1e3:.1f}", f"{s['median_s'] * 1e9 / n:.2f}",
+                     BYTES[name], f"{gbs[name]:.1f}", f"{pct:.0f}%", f"{ratio:.2f}",
+                     f"<= {target} {verdict}" if target is not None else "-"])  # fmt: skip
+    return rows, payload
+
+
+HEADERS = ["n", "setting", "step ms", "ns/element", "B/element", "GB/s", "% of roofline", "/ default (per round)",
+           "issue 37 target"]  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--numel", type=int, default=1 << 24)
+    ap.add_argument("--numel", default=f"{2**24},{2**26}", help="comma-separated sizes")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=9)
-    ap.add_argument("--out-dir", default=str(RESULTS))
+    ap.add_argument("--before", help="a checkout with its extension built: measure it too, in alternate children")
+    ap.add_argument("--pairs", type=int, default=3, help="with --before: children per tree")
+    ap.add_argument("--out-dir", default=str(harness.RESULTS))
     ap.add_argument("--name", default="precision_kernel_cost")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    torch.set_num_threads(cores())
-    info = meta(torch.device("cpu"))
-    raw = round_robin(contenders(args.numel), args.warmup, args.reps)
-    base = raw["default"]
-    rows, payload = [], {"numel": args.numel, "threads": torch.get_num_threads(), "results": {}}
-    for name, times in raw.items():
-        ratios = sorted(t / b for t, b in zip(times, base))
-        ratio = ratios[len(ratios) // 2]
-        s = summary(times)
-        payload["results"][name] = {**s, "ratio_to_default_per_round": ratio}
-        rows.append([name, f"{s['median_s'] * 1e3:.1f}", f"{s['min_s'] * 1e3:.1f}-{s['max_s'] * 1e3:.1f}",
-                     f"{s['median_s'] * 1e9 / args.numel:.2f}", f"{ratio:.2f}"])  # fmt: skip
-    body = markdown_table(["setting", "step ms (median)", "min-max", "ns/element", "/ default (per round)"], rows)
+    sizes = [int(x) for x in args.numel.split(",")]
+    if args.child:
+        print(json.dumps(measure(sizes, args.warmup, args.reps)))
+        return
+    info = harness.meta(torch.device("cpu"))
+    here = Path(__file__).resolve().parents[2]
+    trees = {"after": here} if not args.before else {"before": Path(args.before).resolve(), "after": here}
+    runs: dict[str, list] = {tag: [] for tag in trees}
+    loads = []  # the 1-minute load average after each child: other work on the machine during the run
+    for k in range(args.pairs if args.before else 1):
+        for tag, tree in trees.items():
+            runs[tag].append(run_tree(tree, args) if args.before else measure(sizes, args.warmup, args.reps))
+            loads.append(round(os.getloadavg()[0], 2))
+            print(f"pair {k} {tag}: done (load average {loads[-1]:.2f})", flush=True)
+    commits = {tag: subprocess.run(["git", "-C", str(tree), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                                   text=True).stdout.strip() for tag, tree in trees.items()}  # fmt: skip
+    last = runs["after"][-1]
+    payload = {"sizes": sizes, "threads": last["threads"], "isa": last["isa"], "trees": {}, "commits": commits,
+               "load_avg_1m_after_each_child": loads}  # fmt: skip
+    body = ""
+    for tag, tree in trees.items():
+        rows, per_size = [], {}
+        for n in sizes:
+            r, p = setting_rows(n, runs[tag])
+            rows += r
+            per_size[str(n)] = p
+        payload["trees"][tag] = {"path": str(tree), "commit": commits[tag], "sizes": per_size}
+        rooflines = ", ".join(f"{size_label(n)}: {p['roofline']} {p['roofline_gb_per_s']:.1f} GB/s"
+                              for n, p in ((int(k), v) for k, v in per_size.items()))  # fmt: skip
+        body += (f"\n## {tag}: `{commits[tag]}` ({tree})\n\n" + harness.markdown_table(HEADERS, rows)
+                 + f"\n\nRoofline (best in-place stream at the same size, same rounds): {rooflines}.\n")  # fmt: skip
+    if args.before:
+        rows = []
+        for n in sizes:
+            for name in BYTES:
+                b, a = (payload["trees"][t]["sizes"][str(n)]["settings"][name]["ratio_to_default_per_round"]
+                        for t in ("before", "after"))  # fmt: skip
+                rows.append([size_label(n), name, f"{b:.2f}", f"{a:.2f}", f"{a / b:.2f}"])
+        body = ("\n## per-round ratio to the default step, before and after\n\n"
+                + harness.markdown_table(["n", "setting", "before", "after", "after / before"], rows) + "\n" + body)  # fmt: skip
     body += (
-        f"\n\nOne fused step over a {args.numel:,}-element shard on the CPU ({torch.get_num_threads()} threads, ISA "
-        f"{ops.cpu_isa()}), bf16 gradient; the kernel the engine calls for each setting: default = fp32 master and "
-        "moments writing the bf16 param; remainders = bf16 param + int16 remainder as the master; bf16 moments with "
-        "stochastic rounding; int8 = codes + one fp32 scale per 64 elements (dequantize, update, requantize), with an "
-        "fp32 master or with remainders. Round robin, median of "
-        f"{args.reps} rounds after {args.warmup} warm-up; the last column is the median of each round's ratio.\n"
+        f"\nOne fused step per setting over one shard on the CPU ({last['threads']} threads, ISA {last['isa']}), bf16 "
+        "gradient, the kernel the engine calls for each: default = fp32 master and moments writing the bf16 param; "
+        "remainders = bf16 param + int16 remainder as the master; bf16 moments with stochastic rounding; int8 = codes "
+        "+ one fp32 scale per 64 elements (dequantize, update, requantize), with an fp32 master or with remainders. "
+        f"Round robin with the streams, {args.reps} rounds after {args.warmup} warm-up"
+        + (f", {args.pairs} children per tree, alternately" if args.before else "")
+        + f"; 1-minute load average after each child: {', '.join(f'{x:.2f}' for x in loads)}"
+        + "; the ratio column is the median of each round's ratio to the default step in the same round. B/element "
+        "is what the setting must move; % of roofline is its GB/s over the best in-place stream's.\n"
     )
     print(body)
-    write_results(args.name, info, payload, body, Path(args.out_dir))
+    harness.write_results(args.name, info, payload, body, Path(args.out_dir))
 
 
 if __name__ == "__main__":

@@ -61,17 +61,37 @@ inline __m256i mix32(__m256i x) {
   return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
 }
 
-// random_bits(key, first + lane) for the 8 lanes: the index's low word wraps per lane, and a lane
-// that wrapped (low < lane, unsigned: max_epu32(low, lane) != low) carries one into its high word.
-inline __m256i random_bits(uint32_t key, uint64_t first) {
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i low = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first)), lane);
-  const __m256i not_wrapped = _mm256_cmpeq_epi32(_mm256_max_epu32(low, lane), low);
-  const __m256i wrapped = _mm256_xor_si256(not_wrapped, _mm256_set1_epi32(-1));  // -1 where wrapped
-  const __m256i high = _mm256_sub_epi32(_mm256_set1_epi32(static_cast<int>(first >> 32)), wrapped);
-  const __m256i inner = mix32(_mm256_xor_si256(_mm256_set1_epi32(static_cast<int>(key)), high));
-  return mix32(_mm256_xor_si256(inner, low));
-}
+// random_bits(key, first + lane) for 8 lanes at a time: the index's low word wraps per lane, and a
+// lane that wrapped (low < lane, unsigned: max_epu32(low, lane) != low) carries one into its high
+// word. The inner hash mix32(key ^ high) is the same for every index with that high word, so it is
+// hashed when the high word changes (for it and for the lanes that wrap into the next), not per
+// vector: one mix32 per 8 elements instead of two.
+class RandomBits {
+ public:
+  explicit RandomBits(uint32_t key) : key_(key) {}
+
+  __m256i operator()(uint64_t first) {
+    const uint32_t high = static_cast<uint32_t>(first >> 32);
+    if (!started_ || high != high_) {  // once per call, unless it crosses a multiple of 2^32
+      started_ = true;
+      high_ = high;
+      inner_ = mix32(_mm256_set1_epi32(static_cast<int>(key_ ^ high)));
+      inner_next_ = mix32(_mm256_set1_epi32(static_cast<int>(key_ ^ (high + 1))));
+    }
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i low = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first)), lane);
+    const __m256i not_wrapped = _mm256_cmpeq_epi32(_mm256_max_epu32(low, lane), low);
+    const __m256i inner = _mm256_blendv_epi8(inner_next_, inner_, not_wrapped);
+    return mix32(_mm256_xor_si256(inner, low));
+  }
+
+ private:
+  uint32_t key_;
+  uint32_t high_ = 0;
+  bool started_ = false;
+  __m256i inner_ = _mm256_setzero_si256();
+  __m256i inner_next_ = _mm256_setzero_si256();
+};
 
 // stochastic_rounding.h's sr_bf16 with r in [0, 2^16) per lane: (bits + r) >> 16, NaN -> 0xFFFF.
 inline __m256i sr_bf16(__m256 x, __m256i r) {
@@ -130,6 +150,7 @@ int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoeff
   const __m256 eps = _mm256_set1_ps(c.eps);
   const __m256 neg_step_size = _mm256_set1_ps(c.neg_step_size);
   const __m256i low16 = _mm256_set1_epi32(0xFFFF);
+  RandomBits random_bits(b.rounding_key);
   int64_t i = begin;
   for (; i + kWidth <= end; i += kWidth) {
     const __m256 g = _mm256_mul_ps(load_grad<kGrad>(b.grad, i), grad_scale);
@@ -166,7 +187,7 @@ int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoeff
       _mm256_storeu_ps(b.master + i, p_new);
     }
     if constexpr (kBf16) {
-      const __m256i h = random_bits(b.rounding_key, b.element_offset + static_cast<uint64_t>(i));
+      const __m256i h = random_bits(b.element_offset + static_cast<uint64_t>(i));
       const __m256i r_v = _mm256_srli_epi32(h, 16);
       __m256i v_bits = sr_bf16(v, r_v);
       if constexpr (kSplit) {

@@ -61,17 +61,36 @@ inline __m512i mix32(__m512i x) {
   return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
 
-// random_bits(key, first + lane) for the 16 lanes: the index's low word wraps per lane, and a lane
-// that wrapped carries one into its high word (an offset can cross 2^32 inside a vector).
-inline __m512i random_bits(uint32_t key, uint64_t first) {
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i low = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first)), lane);
-  const __mmask16 wrapped = _mm512_cmplt_epu32_mask(low, lane);
-  const __m512i high_first = _mm512_set1_epi32(static_cast<int>(first >> 32));
-  const __m512i high = _mm512_mask_add_epi32(high_first, wrapped, high_first, _mm512_set1_epi32(1));
-  const __m512i inner = mix32(_mm512_xor_si512(_mm512_set1_epi32(static_cast<int>(key)), high));
-  return mix32(_mm512_xor_si512(inner, low));
-}
+// random_bits(key, first + lane) for 16 lanes at a time: the index's low word wraps per lane, and
+// a lane that wrapped carries one into its high word (an offset can cross 2^32 inside a vector).
+// The inner hash mix32(key ^ high) is hashed when the high word changes, not per vector, as in
+// fused_adamw_avx2.cpp.
+class RandomBits {
+ public:
+  explicit RandomBits(uint32_t key) : key_(key) {}
+
+  __m512i operator()(uint64_t first) {
+    const uint32_t high = static_cast<uint32_t>(first >> 32);
+    if (!started_ || high != high_) {  // once per call, unless it crosses a multiple of 2^32
+      started_ = true;
+      high_ = high;
+      inner_ = mix32(_mm512_set1_epi32(static_cast<int>(key_ ^ high)));
+      inner_next_ = mix32(_mm512_set1_epi32(static_cast<int>(key_ ^ (high + 1))));
+    }
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i low = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first)), lane);
+    const __mmask16 wrapped = _mm512_cmplt_epu32_mask(low, lane);
+    const __m512i inner = _mm512_mask_blend_epi32(wrapped, inner_, inner_next_);
+    return mix32(_mm512_xor_si512(inner, low));
+  }
+
+ private:
+  uint32_t key_;
+  uint32_t high_ = 0;
+  bool started_ = false;
+  __m512i inner_ = _mm512_setzero_si512();
+  __m512i inner_next_ = _mm512_setzero_si512();
+};
 
 // stochastic_rounding.h's sr_bf16 with r in [0, 2^16) per lane: (bits + r) >> 16, NaN -> 0xFFFF.
 inline __m512i sr_bf16(__m512 x, __m512i r) {
@@ -131,6 +150,7 @@ int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoeff
   const __m512 eps = _mm512_set1_ps(c.eps);
   const __m512 neg_step_size = _mm512_set1_ps(c.neg_step_size);
   const __m512i low16 = _mm512_set1_epi32(0xFFFF);
+  RandomBits random_bits(b.rounding_key);
   int64_t i = begin;
   for (; i + kWidth <= end; i += kWidth) {
     const __m512 g = _mm512_mul_ps(load_grad<kGrad>(b.grad, i), grad_scale);
@@ -167,7 +187,7 @@ int64_t body(const AdamWBuffers& b, int64_t begin, int64_t end, const AdamWCoeff
       _mm512_storeu_ps(b.master + i, p_new);
     }
     if constexpr (kBf16) {
-      const __m512i h = random_bits(b.rounding_key, b.element_offset + static_cast<uint64_t>(i));
+      const __m512i h = random_bits(b.element_offset + static_cast<uint64_t>(i));
       const __m512i r_v = _mm512_srli_epi32(h, 16);
       __m512i v_bits = sr_bf16(v, r_v);
       if constexpr (kSplit) {

@@ -14,11 +14,6 @@
 namespace zero_ext::cpu {
 namespace {
 
-constexpr float kExpAvgMap[] = ZERO_EXT_INT8_EXP_AVG_MAP;
-constexpr float kExpAvgThresholds[] = ZERO_EXT_INT8_EXP_AVG_THRESHOLDS;
-constexpr float kExpAvgSqMap[] = ZERO_EXT_INT8_EXP_AVG_SQ_MAP;
-constexpr float kExpAvgSqThresholds[] = ZERO_EXT_INT8_EXP_AVG_SQ_THRESHOLDS;
-
 // NOTE: one task = 1024 blocks of 64 (64K elements), as cpu::fused_adamw's chunks: below that a
 // parallel region costs more than it saves on the 2-core dev VM.
 constexpr int64_t kChunkElements = int64_t{1} << 16;
@@ -47,9 +42,10 @@ void scalar_block(const Int8AdamWBuffers& b, int64_t blk, const AdamWCoefficient
   float vmax_amax = 0.0f;
   for (int64_t j = 0; j < len; ++j) {
     const int64_t i = begin + j;
-    float m = kExpAvgMap[m_codes[j]] * m_scale;
-    float v = kExpAvgSqMap[v_codes[j] & 0x7Fu] * v_scale;
-    float v_max = kAmsgrad ? kExpAvgSqMap[vmax_codes[j] & 0x7Fu] * vmax_scale : 0.0f;
+    float m = int8_exp_avg_times(kInt8Quantizer, m_codes[j], m_scale);
+    float v = int8_exp_avg_sq_times(kInt8Quantizer, v_codes[j], v_scale);
+    float v_max =
+        kAmsgrad ? int8_exp_avg_sq_times(kInt8Quantizer, vmax_codes[j], vmax_scale) : 0.0f;
     float p = kOut == 3 ? bits_float(join_master_bits(param[i], b.remainder[i], v_codes[j] >> 7))
                         : b.master[i];
     adamw_update<kAmsgrad>(p, load_as_float(b.grad, kGrad, i), m, v, v_max, c);
@@ -80,10 +76,9 @@ void scalar_block(const Int8AdamWBuffers& b, int64_t blk, const AdamWCoefficient
   uint8_t* const m_out = reinterpret_cast<uint8_t*>(b.exp_avg_codes) + begin;
   uint8_t* const v_out = reinterpret_cast<uint8_t*>(b.exp_avg_sq_codes) + begin;
   for (int64_t j = 0; j < len; ++j) {
-    m_out[j] =
-        static_cast<uint8_t>(encode_code<kInt8ExpAvgCodes>(kExpAvgThresholds, m_new[j] / m_div));
-    v_out[j] = static_cast<uint8_t>(
-        encode_code<kInt8ExpAvgSqCodes>(kExpAvgSqThresholds, v_new[j] / v_div) | tie[j]);
+    m_out[j] = static_cast<uint8_t>(int8_encode_exp_avg(kInt8Quantizer, m_new[j] / m_div));
+    v_out[j] =
+        static_cast<uint8_t>(int8_encode_exp_avg_sq(kInt8Quantizer, v_new[j] / v_div) | tie[j]);
   }
   b.exp_avg_scales[blk] = m_amax;
   b.exp_avg_sq_scales[blk] = v_amax;
@@ -92,8 +87,8 @@ void scalar_block(const Int8AdamWBuffers& b, int64_t blk, const AdamWCoefficient
     const float vmax_div = encode_divisor(vmax_amax);
     uint8_t* const vmax_out = reinterpret_cast<uint8_t*>(b.max_exp_avg_sq_codes) + begin;
     for (int64_t j = 0; j < len; ++j) {
-      vmax_out[j] = static_cast<uint8_t>(
-          encode_code<kInt8ExpAvgSqCodes>(kExpAvgSqThresholds, vmax_new[j] / vmax_div));
+      vmax_out[j] =
+          static_cast<uint8_t>(int8_encode_exp_avg_sq(kInt8Quantizer, vmax_new[j] / vmax_div));
     }
     b.max_exp_avg_sq_scales[blk] = vmax_amax;
   }
@@ -151,6 +146,27 @@ int64_t fused_adamw_int8_scalar(const Int8AdamWBuffers& b, int64_t block_begin, 
       break;
   }
   return block_end;
+}
+
+int64_t int8_encode_scalar(bool exp_avg_sq, const float* x, float divisor, int8_t* codes,
+                           int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float y = x[j] / divisor;
+    const uint32_t code = exp_avg_sq ? int8_encode_exp_avg_sq(kInt8Quantizer, y)
+                                     : int8_encode_exp_avg(kInt8Quantizer, y);
+    codes[j] = static_cast<int8_t>(static_cast<uint8_t>(code));
+  }
+  return n;
+}
+
+int64_t int8_decode_scalar(bool exp_avg_sq, const int8_t* codes, float scale, float* out,
+                           int64_t n) {
+  const uint8_t* const u = reinterpret_cast<const uint8_t*>(codes);
+  for (int64_t j = 0; j < n; ++j) {
+    out[j] = exp_avg_sq ? int8_exp_avg_sq_times(kInt8Quantizer, u[j], scale)
+                        : int8_exp_avg_times(kInt8Quantizer, u[j], scale);
+  }
+  return n;
 }
 
 void fused_adamw_int8(const Int8AdamWBuffers& b, const AdamWCoefficients& c, int num_threads) {

@@ -3,12 +3,15 @@
 // quantization block. NEVER RUN: written on a machine without a GPU, compile-checked with nvcc.
 //
 // Per quantization block: every thread reads the block's old scales, then takes elements
-// j = threadIdx.x, + blockDim.x, ...: dequantize (maps in shared memory), adamw_update, write the
-// master/param, keep the new moments in shared memory and a running |x| max; the block absmax by
-// warp shuffles + shared memory (NaN-propagating, so order does not matter; a NaN becomes the
-// canonical NaN); then encode (binary search over the thresholds in shared memory) and thread 0
-// writes the new scales. Expected bitwise equal to the CPU (same IEEE operations; explicit fmaf
-// only; sqrtf and '/' are correctly rounded under nvcc's defaults -prec-sqrt=true -prec-div=true).
+// j = threadIdx.x, + blockDim.x, ...: dequantize, adamw_update, write the master/param, keep the
+// new moments in shared memory and a running |x| max; the block absmax by warp shuffles + shared
+// memory (NaN-propagating, so order does not matter; a NaN becomes the canonical NaN); then encode
+// and thread 0 writes the new scales. Dequantize and encode are the CPU's branch-free quantizer
+// (Int8Quantizer, fused_adamw_int8_math.h) in registers, its 68 words of constants in shared
+// memory (lanes of a warp read different decades' entries: __constant__ memory would serialise
+// them). Expected bitwise equal to the CPU (same IEEE operations; explicit fmaf only, __fmul_rn
+// where a product meets an add; sqrtf and '/' are correctly rounded under nvcc's defaults
+// -prec-sqrt=true -prec-div=true); cuda_test_launchers checks the quantizer on every pattern.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -18,10 +21,17 @@
 namespace zero_ext::cuda {
 namespace {
 
-__constant__ float kExpAvgMap[] = ZERO_EXT_INT8_EXP_AVG_MAP;
-__constant__ float kExpAvgThresholds[] = ZERO_EXT_INT8_EXP_AVG_THRESHOLDS;
-__constant__ float kExpAvgSqMap[] = ZERO_EXT_INT8_EXP_AVG_SQ_MAP;
-__constant__ float kExpAvgSqThresholds[] = ZERO_EXT_INT8_EXP_AVG_SQ_THRESHOLDS;
+__constant__ Int8Quantizer kQuantizer = ZERO_EXT_INT8_QUANTIZER;
+constexpr int kQuantizerWords = sizeof(Int8Quantizer) / sizeof(uint32_t);
+static_assert(sizeof(Int8Quantizer) == kQuantizerWords * sizeof(uint32_t), "words only");
+
+// The quantizer's constants in shared memory, copied by the block's threads (a barrier follows
+// before any use).
+__device__ __forceinline__ void load_quantizer(Int8Quantizer* q) {
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(&kQuantizer);
+  uint32_t* dst = reinterpret_cast<uint32_t*>(q);
+  for (int k = threadIdx.x; k < kQuantizerWords; k += blockDim.x) dst[k] = src[k];
+}
 
 constexpr int kMaxThreads = 256;
 constexpr int kWarps = kMaxThreads / 32;
@@ -75,10 +85,7 @@ __global__ void __launch_bounds__(kMaxThreads)
       adamw_coefficients(read_scalar(args.lr), read_scalar(args.beta1), read_scalar(args.beta2),
                          read_scalar(args.eps), read_scalar(args.weight_decay),
                          read_scalar(args.step), read_scalar(args.grad_scale), args.maximize);
-  __shared__ float m_map[kInt8ExpAvgCodes];
-  __shared__ float m_thresholds[kInt8ExpAvgCodes];
-  __shared__ float v_map[kInt8ExpAvgSqCodes];
-  __shared__ float v_thresholds[kInt8ExpAvgSqCodes];
+  __shared__ Int8Quantizer q;
   __shared__ float scratch[kAmsgrad ? 3 : 2][kWarps + 1];
   // m_new[block], v_new[block], (amsgrad) vmax_new[block], tie[block] (bytes): launch()'s smem.
   extern __shared__ float dynamic[];
@@ -86,12 +93,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   float* const v_new = dynamic + b.block;
   float* const vmax_new = dynamic + 2 * b.block;  // unused without amsgrad
   uint8_t* const tie = reinterpret_cast<uint8_t*>(dynamic + (kAmsgrad ? 3 : 2) * b.block);
-  for (int k = threadIdx.x; k < kInt8ExpAvgCodes; k += blockDim.x) {
-    m_map[k] = kExpAvgMap[k];
-    if (k < kInt8ExpAvgCodes - 1) m_thresholds[k] = kExpAvgThresholds[k];
-    if (k < kInt8ExpAvgSqCodes) v_map[k] = kExpAvgSqMap[k];
-    if (k < kInt8ExpAvgSqCodes - 1) v_thresholds[k] = kExpAvgSqThresholds[k];
-  }
+  load_quantizer(&q);
   __syncthreads();
   uint16_t* const param = static_cast<uint16_t*>(b.param_out);
   const uint8_t* const m_codes_in = reinterpret_cast<const uint8_t*>(b.exp_avg_codes);
@@ -110,11 +112,11 @@ __global__ void __launch_bounds__(kMaxThreads)
     for (int64_t j = threadIdx.x; j < len; j += blockDim.x) {
       const int64_t i = begin + j;
       const uint32_t vc = v_codes_in[i];
-      // __fmul_rn: never contracted with adamw_update's first add (g - m) into an FMA (-fmad=true
-      // would be free to), so the dequantized moments round like the CPU's.
-      float m = __fmul_rn(m_map[m_codes_in[i]], m_scale);
-      float v = __fmul_rn(v_map[vc & 0x7Fu], v_scale);
-      float v_max = kAmsgrad ? __fmul_rn(v_map[vmax_codes_in[i] & 0x7Fu], vmax_scale) : 0.0f;
+      // map[code] * scale, its products __fmul_rn (mul_rn): never contracted with adamw_update's
+      // first add (g - m), so the dequantized moments round like the CPU's.
+      float m = int8_exp_avg_times(q, m_codes_in[i], m_scale);
+      float v = int8_exp_avg_sq_times(q, vc, v_scale);
+      float v_max = kAmsgrad ? int8_exp_avg_sq_times(q, vmax_codes_in[i], vmax_scale) : 0.0f;
       float p = kOut == 3 ? __uint_as_float(join_master_bits(param[i], b.remainder[i], vc >> 7))
                           : b.master[i];
       adamw_update<kAmsgrad>(p, load_grad(b.grad, b.grad_dtype, i), m, v, v_max, c);
@@ -151,13 +153,13 @@ __global__ void __launch_bounds__(kMaxThreads)
     const float vmax_div = encode_divisor(vmax_amax);
     for (int64_t j = threadIdx.x; j < len; j += blockDim.x) {
       const int64_t i = begin + j;
-      b.exp_avg_codes[i] = static_cast<int8_t>(
-          static_cast<uint8_t>(encode_code<kInt8ExpAvgCodes>(m_thresholds, m_new[j] / m_div)));
-      b.exp_avg_sq_codes[i] = static_cast<int8_t>(static_cast<uint8_t>(
-          encode_code<kInt8ExpAvgSqCodes>(v_thresholds, v_new[j] / v_div) | tie[j]));
+      b.exp_avg_codes[i] =
+          static_cast<int8_t>(static_cast<uint8_t>(int8_encode_exp_avg(q, m_new[j] / m_div)));
+      b.exp_avg_sq_codes[i] = static_cast<int8_t>(
+          static_cast<uint8_t>(int8_encode_exp_avg_sq(q, v_new[j] / v_div) | tie[j]));
       if constexpr (kAmsgrad) {
-        b.max_exp_avg_sq_codes[i] = static_cast<int8_t>(static_cast<uint8_t>(
-            encode_code<kInt8ExpAvgSqCodes>(v_thresholds, vmax_new[j] / vmax_div)));
+        b.max_exp_avg_sq_codes[i] = static_cast<int8_t>(
+            static_cast<uint8_t>(int8_encode_exp_avg_sq(q, vmax_new[j] / vmax_div)));
       }
     }
     if (threadIdx.x == 0) {
@@ -202,7 +204,54 @@ cudaError_t launch_out(const Int8AdamWBuffers& b, const AdamWArgs& args, cudaStr
   return launch<2, kAmsgrad>(b, args, stream);
 }
 
+// The quantizer alone, as the step runs it (cuda_test_launchers checks every pattern with it):
+// codes[i] = the code of x[i] / divisor, or out[i] = map[codes[i]] * scale.
+__global__ void int8_encode_kernel(const float* x, float divisor, bool exp_avg_sq, uint8_t* codes,
+                                   int64_t n) {
+  __shared__ Int8Quantizer q;
+  load_quantizer(&q);
+  __syncthreads();
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float y = x[i] / divisor;
+    codes[i] =
+        static_cast<uint8_t>(exp_avg_sq ? int8_encode_exp_avg_sq(q, y) : int8_encode_exp_avg(q, y));
+  }
+}
+
+__global__ void int8_decode_kernel(const uint8_t* codes, float scale, bool exp_avg_sq, float* out,
+                                   int64_t n) {
+  __shared__ Int8Quantizer q;
+  load_quantizer(&q);
+  __syncthreads();
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[i] = exp_avg_sq ? int8_exp_avg_sq_times(q, codes[i], scale)
+                        : int8_exp_avg_times(q, codes[i], scale);
+  }
+}
+
 }  // namespace
+
+cudaError_t launch_int8_encode(const float* x, float divisor, bool exp_avg_sq, uint8_t* codes,
+                               int64_t n, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  cudaError_t err = cudaSuccess;
+  const unsigned grid = grid_for(n, &err);
+  if (err != cudaSuccess) return err;
+  int8_encode_kernel<<<grid, kThreads, 0, stream>>>(x, divisor, exp_avg_sq, codes, n);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_int8_decode(const uint8_t* codes, float scale, bool exp_avg_sq, float* out,
+                               int64_t n, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  cudaError_t err = cudaSuccess;
+  const unsigned grid = grid_for(n, &err);
+  if (err != cudaSuccess) return err;
+  int8_decode_kernel<<<grid, kThreads, 0, stream>>>(codes, scale, exp_avg_sq, out, n);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_fused_adamw_int8(const Int8AdamWBuffers& b, const AdamWArgs& args,
                                     cudaStream_t stream) {

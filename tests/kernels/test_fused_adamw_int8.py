@@ -119,6 +119,38 @@ def test_nan_and_inf_gradients_poison_their_blocks_like_the_reference(isa):
     assert bool(kernel.m_scales[2:].isfinite().all())
 
 
+def _grad_on_the_thresholds(block: int) -> torch.Tensor:
+    """Each block: +-1.0 first (so the block absmax is 1 and x / absmax is x), then exp_avg's thresholds, the
+    floats next to them on both sides and its map values, +-0 and subnormals, zero-padded to whole blocks."""
+    t = q8.thresholds(q8.EXP_AVG_MAP)
+    two = torch.tensor(2.0)
+    tiny = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-38, -1e-38])
+    values = torch.cat([t, torch.nextafter(t, two), torch.nextafter(t, -two), q8.EXP_AVG_MAP, tiny])
+    values = values[values.abs() <= 1]
+    per = block - 1
+    blocks = -(-values.numel() // per)
+    rest = torch.zeros(blocks * per)
+    rest[: values.numel()] = values
+    heads = torch.tensor([1.0, -1.0]).repeat(blocks)[:blocks, None]
+    return torch.cat([heads, rest.view(blocks, per)], dim=1).view(-1)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_codes_on_and_next_to_every_threshold(isa):
+    """beta1 = 0 makes the new exp_avg the gradient itself, and the +-1.0 heading each block its absmax, so
+    exp_avg is requantized from exactly these values: every threshold of its map, the floats on both sides of each
+    and every map value (the quantizer's hardest inputs; test_int8_quantizer.cpp runs all of them, this runs them
+    through the step)."""
+    ops.cpu_isa(isa)
+    grad = _grad_on_the_thresholds(64)
+    n = grad.numel()
+    kernel, ref = State(n, 64, "bf16"), State(n, 64, "bf16")
+    kernel.step(fused_adamw_int8_, grad, 1, beta1=0.0)
+    ref.step(fused_adamw_int8_reference, grad, 1, beta1=0.0)
+    assert_same_state(kernel, ref)
+    assert torch.equal(kernel.m_codes, q8.quantize(grad, 64, q8.EXP_AVG_MAP)[0])
+
+
 def test_tie_bit_is_set_where_the_master_is_a_tie():
     """param_remainders: bit 7 of exp_avg_sq's codes is the tie bit; the joined master is the fp32-master run's."""
     n, block = 64 * 8, 64
@@ -259,3 +291,15 @@ def test_cuda_matches_the_cpu_kernel(n, block, out):
     before = _to(gpu, "cpu")
     gpu.step(fused_adamw_int8_, _grad(n, torch.bfloat16, 4).cuda(), 4, found_inf=torch.ones((), device="cuda"))
     assert_same_state(_to(gpu, "cpu"), before)
+
+
+@pytest.mark.cuda
+def test_cuda_codes_on_and_next_to_every_threshold():
+    """test_codes_on_and_next_to_every_threshold on the GPU, against the CPU kernel (the quantizer's hardest inputs
+    through the CUDA step; cuda_test_launchers runs every pattern through the quantizer alone). Never run yet."""
+    grad = _grad_on_the_thresholds(64)
+    cpu = State(grad.numel(), 64, "bf16")
+    gpu = _to(cpu, "cuda")
+    cpu.step(fused_adamw_int8_, grad, 1, beta1=0.0)
+    gpu.step(fused_adamw_int8_, grad.cuda(), 1, beta1=0.0)
+    assert_same_state(_to(gpu, "cpu"), cpu)

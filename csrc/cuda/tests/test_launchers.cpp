@@ -1,15 +1,20 @@
 // Host-only program linked against the CUDA launchers and cudart (no torch). Built by
 // cmake/cuda_compile_check.cmake. Without a GPU it checks what needs none (workspace sizing, empty
 // launches) and exits 77, which ctest reports as skipped. With a GPU it runs one small launch of
-// each kernel and compares with the host formula.
+// each kernel and compares with the host formula, and runs the int8 step's quantizer over every
+// code and every fp32 pattern of |y| <= 1 and NaN, as csrc/cpu/tests/test_int8_quantizer.cpp does
+// on the CPU.
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "../../adamw_math.h"
+#include "../fused_adamw_int8.h"
 #include "../kernels.h"
 
 namespace {
@@ -159,6 +164,80 @@ void run_on_gpu() {
   for (float* ptr : {dp, dg, dm, dv, dsum, dflag, dws}) cudaFree(ptr);
 }
 
+// The int8 quantizer on the GPU (launch_int8_decode / launch_int8_encode, the code the step runs):
+// every code's value times a few scales is map[code] * scale, and every pattern with |y| <= 1 (both
+// signs) and every NaN gets encode_code's count. Never run yet (written without a GPU).
+void check_int8_quantizer() {
+  constexpr float kExpAvgMap[] = ZERO_EXT_INT8_EXP_AVG_MAP;
+  constexpr float kExpAvgThresholds[] = ZERO_EXT_INT8_EXP_AVG_THRESHOLDS;
+  constexpr float kExpAvgSqMap[] = ZERO_EXT_INT8_EXP_AVG_SQ_MAP;
+  constexpr float kExpAvgSqThresholds[] = ZERO_EXT_INT8_EXP_AVG_SQ_THRESHOLDS;
+  const auto bits = [](float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof(u));
+    return u;
+  };
+  std::vector<uint8_t> codes(256);
+  for (int c = 0; c < 256; ++c) codes[c] = static_cast<uint8_t>(c);
+  uint8_t* d_codes = nullptr;
+  float* d_out = device_floats(256);
+  check_cuda(cudaMalloc(reinterpret_cast<void**>(&d_codes), 256), "cudaMalloc");
+  check_cuda(cudaMemcpy(d_codes, codes.data(), 256, cudaMemcpyHostToDevice), "copy codes");
+  std::vector<float> out(256);
+  bool decoded = true;
+  for (float scale : {1.0f, 0.37f, 3.0e-30f, 0.0f, INFINITY, NAN}) {
+    for (bool sq : {false, true}) {
+      check_cuda(zc::launch_int8_decode(d_codes, scale, sq, d_out, 256, nullptr), "decode");
+      check_cuda(cudaMemcpy(out.data(), d_out, 256 * sizeof(float), cudaMemcpyDeviceToHost),
+                 "copy values");
+      for (int c = 0; c < 256; ++c) {
+        const float want = (sq ? kExpAvgSqMap[c & 0x7F] : kExpAvgMap[c]) * scale;
+        decoded = decoded && (std::isnan(want) ? std::isnan(out[c]) : bits(out[c]) == bits(want));
+      }
+    }
+  }
+  expect(decoded, "int8 decode: every code is map[code] * scale");
+  // Patterns k: magnitude k / 2 (0 .. 1.0, then the NaNs), sign k % 2.
+  constexpr uint64_t kUpToOne = 0x3F800001ull;
+  constexpr uint64_t kPatterns = 2 * (kUpToOne + (0x7FFFFFFFull - 0x7F800000ull));
+  constexpr int64_t kChunk = int64_t{1} << 24;
+  std::vector<float> x(kChunk);
+  std::vector<uint8_t> got(kChunk);
+  float* d_x = device_floats(kChunk);
+  uint8_t* d_got = nullptr;
+  check_cuda(cudaMalloc(reinterpret_cast<void**>(&d_got), kChunk), "cudaMalloc");
+  int64_t wrong = 0;
+  for (uint64_t first = 0; first < kPatterns; first += kChunk) {
+    const int64_t n = static_cast<int64_t>(std::min<uint64_t>(kChunk, kPatterns - first));
+    for (int64_t i = 0; i < n; ++i) {
+      const uint64_t k = first + i, m = k >> 1;
+      const uint32_t magnitude =
+          static_cast<uint32_t>(m < kUpToOne ? m : 0x7F800001ull + m - kUpToOne);
+      const uint32_t u = (static_cast<uint32_t>(k & 1) << 31) | magnitude;
+      std::memcpy(&x[i], &u, sizeof(u));
+    }
+    check_cuda(cudaMemcpy(d_x, x.data(), n * sizeof(float), cudaMemcpyHostToDevice), "copy x");
+    for (bool sq : {false, true}) {
+      check_cuda(zc::launch_int8_encode(d_x, 1.0f, sq, d_got, n, nullptr), "encode");
+      check_cuda(cudaMemcpy(got.data(), d_got, n, cudaMemcpyDeviceToHost), "copy codes");
+      for (int64_t i = 0; i < n; ++i) {
+        const uint32_t want =
+            sq ? zero_ext::encode_code<zero_ext::kInt8ExpAvgSqCodes>(kExpAvgSqThresholds, x[i])
+               : zero_ext::encode_code<zero_ext::kInt8ExpAvgCodes>(kExpAvgThresholds, x[i]);
+        if (got[i] != want && wrong++ < 8) {
+          std::fprintf(stderr, "int8 encode %s: y %08x code %u, thresholds below %u\n",
+                       sq ? "exp_avg_sq" : "exp_avg", bits(x[i]), got[i], want);
+        }
+      }
+    }
+  }
+  expect(wrong == 0, "int8 encode: every pattern of |y| <= 1 and NaN gets the threshold count");
+  for (void* ptr : {static_cast<void*>(d_codes), static_cast<void*>(d_out), static_cast<void*>(d_x),
+                    static_cast<void*>(d_got)}) {
+    cudaFree(ptr);
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -180,6 +259,7 @@ int main() {
     return failures == 0 ? 77 : 1;
   }
   run_on_gpu();
+  check_int8_quantizer();
   std::printf("cuda_test_launchers: %s\n", failures == 0 ? "passed" : "FAILED");
   return failures == 0 ? 0 : 1;
 }
