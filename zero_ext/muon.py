@@ -136,9 +136,8 @@ class ZeroMuon(ZeroAdamW):
 
     def owner_balance(self) -> dict[str, Any]:
         """The Newton-Schulz cost per rank (every Muon group together) and its max / mean (1.0: even)."""
-        per_rank = [0] * self.sharded_state.world_size
-        for entry in self.owners():
-            per_rank[entry["owner"]] += entry["cost"]
+        owned = [g.layout for g in self.sharded_state.groups if isinstance(g.layout, OwnerLayout)]
+        per_rank = [sum(layout.rank_costs[r] for layout in owned) for r in range(self.sharded_state.world_size)]
         mean = sum(per_rank) / len(per_rank)
         return dict(cost_per_rank=per_rank, max_over_mean=max(per_rank) / mean if mean else 1.0)
 

@@ -21,6 +21,7 @@ import textwrap
 
 import pytest
 import torch
+from distributed import skip_unless_gpus
 
 # name -> (ZeroAdamW options, the stage 2 run it equals bit for bit; None: checked against the reference itself)
 VARIANTS = {
@@ -114,13 +115,6 @@ def run_ranks(world: int, root, backend: str = "nccl") -> subprocess.CompletedPr
                                      backend=backend))  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", str(script)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-
-
-def skip_unless_gpus(world: int) -> None:
-    """Skips with the GPU count needed and found, so a GPU session's summary says why nothing ran (one GPU)."""
-    found = torch.cuda.device_count()
-    if found < world:
-        pytest.skip(f"needs {world} GPUs, found {found}")
 
 
 @pytest.mark.cuda

@@ -146,3 +146,12 @@ def discard_pool(world_size: int) -> None:
 def _shutdown() -> None:
     for pool in list(_POOLS.values()):
         pool.close()
+
+
+def skip_unless_gpus(world: int) -> None:
+    """Skips with the GPU count needed and found, so a GPU session's summary says why nothing ran (one GPU)."""
+    import pytest
+
+    found = torch.cuda.device_count()
+    if found < world:
+        pytest.skip(f"needs {world} GPUs, found {found}")

@@ -17,7 +17,7 @@ import sys
 import textwrap
 
 import pytest
-import torch
+from distributed import skip_unless_gpus
 
 HELPERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
 MUON_TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -100,12 +100,6 @@ def run_ranks(world: int, root, backend: str = "nccl") -> subprocess.CompletedPr
     script.write_text(_SCRIPT.format(helpers=HELPERS, tests=MUON_TESTS, variants=VARIANTS, backend=backend))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", str(script)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-
-
-def skip_unless_gpus(world: int) -> None:
-    found = torch.cuda.device_count()
-    if found < world:
-        pytest.skip(f"needs {world} GPUs, found {found}")
 
 
 def _check(proc, world):

@@ -28,6 +28,7 @@ from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
 
+from ..owner_layout import newton_schulz_cost
 from .protocol import MASTER, StateKind, WholeParameterRule
 from .registry import RuleOptions, register
 
@@ -123,8 +124,7 @@ class Muon(WholeParameterRule):
 
     def cost(self, shape) -> int:
         """Newton-Schulz's multiply-adds per iteration, about rows x cols x min(rows, cols) (what owners balance)."""
-        rows, cols = (int(d) for d in shape) if len(shape) == 2 else (max(1, math.prod(shape)), 1)
-        return max(1, rows * cols * min(rows, cols))
+        return newton_schulz_cost(shape)
 
     def check_shape(self, where: str, name: str, shape) -> None:
         if len(shape) != 2:

@@ -20,6 +20,7 @@ Rules are found by name in :mod:`.registry`.
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import cached_property
@@ -194,10 +195,7 @@ class WholeParameterRule(ElementwiseRule):
 
     def cost(self, shape: tuple[int, ...]) -> int:
         """What updating a parameter of ``shape`` costs, in any unit (the owners balance the sum): its size."""
-        n = 1
-        for d in shape:
-            n *= int(d)
-        return max(1, n)
+        return max(1, math.prod(int(d) for d in shape))
 
     def check_shape(self, where: str, name: str, shape: tuple[int, ...]) -> None:
         """Raise ``ValueError`` naming ``where`` and ``name`` unless this rule can update a parameter of ``shape``."""
