@@ -128,3 +128,39 @@ def test_no_sync_accumulation_on_a_mesh(stage, pattern):
     mesh = run_on_ranks(4, _accumulate, (2, 2), stage, pattern)[0]
     for a, b in zip(flat, mesh):
         torch.testing.assert_close(b, a, rtol=1e-3, atol=2e-4)
+
+
+def _muon(rank, world, shape, stage, replicate_state):
+    from mesh_runs import make_mesh
+    from muon_reference import MUON, freeze, zero_muon_groups
+    from tiny_transformer import batch as tiny_batch
+    from tiny_transformer import build
+    from tiny_transformer import loss_fn as tiny_loss
+
+    from zero_ext import ZeroMuon
+
+    model = build(torch.float32)
+    freeze(model)
+    opt = ZeroMuon(zero_muon_groups(model), **MUON, stage=stage, module=model, bucket_size=1500,
+                   mesh=make_mesh(shape), replicate_state=replicate_state)  # fmt: skip
+    for step in range(3):
+        tiny_loss(model, tiny_batch(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+    with opt.gathered_params():
+        out = [p.detach().clone() for p in model.parameters()]
+    opt.close()
+    return out
+
+
+def test_zero_muon_on_a_mesh():
+    """ZeroMuon's whole matrices on their owners, on a 2 x 2 mesh: stages 1-3 and both state layouts bitwise equal
+    (each matrix's mean gradient is the same tree's), and the 1-D run's result up to the summation order."""
+    runs = [run_on_ranks(4, _muon, (2, 2), stage, rep) for stage in (1, 2, 3) for rep in (False, True)]
+    for run in runs:
+        for rank in run[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(run[0], rank)), "ranks differ"
+        assert all(torch.equal(a, b) for a, b in zip(runs[0][0], run[0])), "stages or layouts differ"
+    flat = run_on_ranks(4, _muon, None, 2, False)[0]
+    for a, b in zip(flat, runs[0][0]):
+        torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-3)
