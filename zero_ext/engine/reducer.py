@@ -157,23 +157,10 @@ class GradSync:
         """Launch ``gb``'s reduce-scatter into its grad shard (the strategy says what goes on the wire)."""
         gb.wait_grad()  # its reduction of an earlier round, if still in flight, lands first
         send = self.strategy.send(gb)
-        pending = None
-        if send is not None:
-            entry = gb.staging
-            placement = gb.group.state
-            target, direct = placement.grad_target(gb.bucket)  # the grad shard, or a landing buffer (offload)
-            self.comm.position.bucket = gb.key  # labels the collective (divergence.py)
-            pending = self.comm.start_reduce_scatter(
-                send,
-                target,
-                reduce_dtype=self.strategy.reduce_dtype,
-                accumulate=self.strategy.accumulate and direct,
-                workspace=None if entry is None else entry.workspace(),
-            )
-            if not direct:
-                placement.landed(gb.bucket, target, pending, self.strategy.accumulate)
+        entry = gb.staging
+        pending = gb.start_grad_sync(self.comm, send, self.strategy.reduce_dtype, self.strategy.accumulate)
+        if pending is not None:
             self.pool.launched(entry, pending)
-        gb.start_grad_sync(pending)
 
     def finish_grad_sync(self) -> None:
         """Make every reduction of the gradients so far visible in the grad shards (the current stream waits)."""
@@ -189,14 +176,7 @@ class GradSync:
         held = self.comm.held_keys()
         for gb in self.buckets:
             if gb.key in held:
-                placement = gb.group.state
-                target, direct = placement.grad_target(gb.bucket)
-                self.comm.position.bucket = gb.key
-                pending = self.comm.start_release(gb.key, target, accumulate=direct)
-                if direct:
-                    gb.grad_pending = pending
-                else:
-                    placement.landed(gb.bucket, target, pending, True)
+                gb.release_held(self.comm)
         self.wait_inflight()
 
     def _open_round_without_backward(self) -> None:
