@@ -389,7 +389,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         the shards; the fp32 master follows every element whose value changed (unchanged ones keep their fp32
         bits)."""
         self._check_open()
-        world = self._engine.state.world_size
+        world = self._engine.state.comm.process_count  # a rank of the job (on a mesh, not the layout's)
         if modifier_rank is not None and not (isinstance(modifier_rank, int) and 0 <= modifier_rank < world):
             raise ValueError(f"zero_ext.ZeroAdamW.gathered_params: `modifier_rank` must be a rank in [0, {world}), "
                              f"got {modifier_rank!r}")  # fmt: skip

@@ -3,6 +3,7 @@ the problem (nothing built, no rank left waiting)."""
 
 import os
 
+import pytest
 import torch
 from distributed import run_on_ranks
 from mesh_runs import model_for, optimizer
@@ -102,3 +103,36 @@ def _one_d_mesh(rank, world):
 
 def test_a_one_dimensional_mesh_is_its_group():
     assert run_on_ranks(4, _one_d_mesh) == [((1, 4), None)] * 4
+
+
+def _edit(rank, world, stage, replicate_state):
+    from mesh_runs import batch, loss_fn
+
+    model = model_for(torch.float32)
+    opt = optimizer(model, (2, 2), stage, replicate_state=replicate_state)
+    loss_fn(model, batch(0, rank)).backward()
+    opt.step()
+    opt.zero_grad()
+    with opt.gathered_params(modifier_rank=3):
+        if rank == 3:
+            with torch.no_grad():
+                model.head.weight.fill_(0.5)
+    with opt.gathered_params():
+        seen = bool((model.head.weight == 0.5).all())
+    masters = [
+        bool((ref.group.state.read("master", ref.piece.shard_range) == 0.5).all())
+        for ref in opt.sharded_state.pieces()
+        if ref.name == "head.weight" or ref.name == "embed.weight"
+    ]
+    loss_fn(model, batch(1, rank)).backward()  # and trains on from there
+    opt.step()
+    opt.close()
+    return seen, all(masters)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("replicate_state", [False, True])
+def test_an_edit_by_the_last_rank_reaches_every_shard_and_chunk(stage, replicate_state):
+    """gathered_params(modifier_rank=3): rank 3 (of the job; a replica's rank with replicate_state) edits, every
+    rank's parameters, chunks (stage 3) and master follow."""
+    assert run_on_ranks(4, _edit, stage, replicate_state) == [(True, True)] * 4
