@@ -170,9 +170,12 @@ def step_collectives(
     grad_bytes: float = 4,
     buckets: int = 1,
     reshard_after_forward: bool = True,
+    replica_grad_bytes: Optional[float] = None,
 ) -> list[Collective]:
     """The collectives one rank runs in a step (see the module docstring). ``mesh`` None: 1-D over every rank;
-    ``(R, S)``: HSDP, ranks laid out as ``init_device_mesh`` lays them (the shard group: S consecutive ranks)."""
+    ``(R, S)``: HSDP, ranks laid out as ``init_device_mesh`` lays them (the shard group: S consecutive ranks).
+    ``replica_grad_bytes``: bytes per element of the gradient shard the replicas reduce (default ``grad_bytes``;
+    4 on gloo, whose shard-group reduce-scatter sends bf16 gradients as they are and sums them in fp32)."""
     if stage not in (1, 2, 3):
         raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
     if buckets < 1 or num_params < 0:
@@ -191,10 +194,11 @@ def step_collectives(
     r, s = mesh
     shard_inter, replica_inter = _spans_nodes(cluster, shard_groups), _spans_nodes(cluster, replica_groups)
     out = [Collective("reduce_scatter", "shard", s, grads, buckets, shard_inter, "gradients")]
+    shard = num_params * (grad_bytes if replica_grad_bytes is None else replica_grad_bytes) / buckets / s
     if replicate_state:
-        out.append(Collective("all_reduce", "replicate", r, grads / s, buckets, replica_inter, "gradient shard"))
+        out.append(Collective("all_reduce", "replicate", r, shard, buckets, replica_inter, "gradient shard"))
     else:
-        out += [Collective("reduce_scatter", "replicate", r, grads / s, buckets, replica_inter, "gradient shard"),
+        out += [Collective("reduce_scatter", "replicate", r, shard, buckets, replica_inter, "gradient shard"),
                 Collective("all_gather", "replicate", r, params / s, buckets, replica_inter, "updated shard")]  # fmt: skip
     out.append(Collective("all_gather", "shard", s, params, gathers * buckets, shard_inter, f"parameters, {when}"))
     return [c for c in out if c.size > 1]

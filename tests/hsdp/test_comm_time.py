@@ -43,6 +43,12 @@ def test_mesh_stage2_sharded_state_by_hand():
     )
 
 
+def test_replica_grad_bytes():
+    # gloo: bf16 gradients into the shard group's reduce-scatter, their fp32 sums between the replicas
+    e = step_collectives(100, SMALL, 2, mesh=(2, 2), grad_bytes=2, replica_grad_bytes=4)
+    assert [c.nbytes for c in e] == [200, 200, 100, 200]
+
+
 def test_mesh_replicated_state_and_stage3():
     rep = estimate_step(100, SMALL, 2, mesh=(2, 2), replicate_state=True)
     ar = rep.collectives[1]
