@@ -28,12 +28,13 @@ GIB = 2**30
 SOURCES = """Sources of the formulas (Psi parameters, R replicas (nodes) x S ranks per shard group (GPUs per node), N = R x S;
 bytes per parameter, ZeRO's accounting of mixed-precision Adam: 2 bf16 param + 2 bf16 grad + 12 fp32 master and moments):
 
-- **ZeroAdamW** (`zero_ext.memory.estimate(psi, N, stage, mesh=(R, S), replicate_state=...)`): stage 3 on the mesh keeps
-  the bf16 params and gradients sharded over the S ranks of a node, (2 + 2) / S, and the 12-byte state over D: D = R x S
-  by default (after the shard group's reduce-scatter the replicas reduce-scatter the shard, update 1/(R x S) and
-  all-gather it), D = S with `replicate_state=True`. "As kept" is `engine=True`: ZeroAdamW reduces into an fp32
-  gradient shard (4 / S instead of 2 / S) and, with the state sharded over R x S, keeps the bf16 shard of the S-way
-  layout that stage 3's gathers start from.
+- **ZeroAdamW** (`zero_ext.memory.estimate(psi, N, stage, mesh=(R, S), replicate_state=...)`; the engine's layout in
+  `zero_ext/comm/hsdp.py`): stage 3 on the mesh keeps each rank's bf16 chunk of the parameters, 1/S of them (the
+  shard group's gathers start from it: they never leave the node), 2 / S; the reduced gradients and the 12-byte state
+  are sharded over D: D = R x S by default (the shard group's reduce-scatter, then the replicas' of the 1/S chunk;
+  each rank updates 1/(R x S) and the replicas all-gather it), D = S with `replicate_state=True` (where the bf16
+  shard is not kept: each gather rounds the fp32 master): 2 / S + (2 + 12) / D. "As kept" is `engine=True`, what
+  `memory_report()` counts before padding: ZeroAdamW reduces into an fp32 gradient shard (4 / D instead of 2 / D).
 - **FSDP2 HSDP** (`fully_shard(model, mesh=init_device_mesh(..., (R, S), mesh_dim_names=("replicate", "shard")),
   mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))`): every parameter is a
   DTensor placed `(Replicate(), Shard(0))` on the 2-D mesh (torch `distributed/fsdp/_fully_shard/_fsdp_param.py`,

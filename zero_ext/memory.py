@@ -14,14 +14,15 @@ the gradients and the stage-3 parameter shard as ZeroAdamW keeps them (an fp32 g
 bf16 parameter shard at stage 3 unless it is half of the master, with ``param_remainders``): what
 :func:`report` measures, padding and the bounded staging pool aside.
 
-A 2-D ``mesh=(R, S)`` (HSDP: R replicas of a shard group of S ranks, N = R x S) shards the parameters (stage 3) and
-the gradients (stages 2, 3) over the S ranks of a shard group only (stage 3's gathers never leave the node), and the
-optimizer state over all R x S ranks (the default) or over S, replicated R times (``replicate_state=True``, FSDP2's
-HSDP). For K = 12, per rank:
+A 2-D ``mesh=(R, S)`` (HSDP: R replicas of a shard group of S ranks, N = R x S) shards the optimizer state and the
+reduced gradients (stages 2, 3) over D ranks: all R x S by default (the shard group's reduce-scatter, then the
+replicas'), or the S of a shard group, replicated R times, with ``replicate_state=True`` (FSDP2's HSDP); stage 3's
+parameters are sharded over the S ranks of a shard group only (each rank keeps its 1/S chunk: forward's and
+backward's gathers never leave the node). For K = 12, per rank:
 
-    stage 1   4 Psi + 12 Psi / D      stage 2   2 Psi + 2 Psi / S + 12 Psi / D      stage 3   4 Psi / S + 12 Psi / D
+    stage 1   4 Psi + 12 Psi / D      stage 2   2 Psi + 14 Psi / D      stage 3   2 Psi / S + 14 Psi / D
 
-with D = R x S (state sharded everywhere) or D = S (replicated state); ``mesh=(1, N)`` is the 1-D layout.
+``mesh=(1, N)`` is the 1-D layout.
 """
 
 from __future__ import annotations
@@ -80,9 +81,9 @@ def state_bytes_per_element(
 def mesh_divisors(
     world_size: Optional[int], mesh: Optional[tuple[int, int]] = None, replicate_state: bool = False
 ) -> tuple[int, int]:
-    """``(shard, state)``: how many ranks share the parameters and gradients of a shard group (S; N without a
-    mesh) and how many share the optimizer state (R x S by default, S with ``replicate_state``; N without a mesh).
-    ``mesh`` is ``(R, S)``, replicas x shard-group size; ``world_size``, if given, must be R x S."""
+    """``(shard, state)``: how many ranks share stage 3's parameters (a shard group's S; N without a mesh) and how
+    many share the optimizer state and the reduced gradients (R x S by default, S with ``replicate_state``; N
+    without a mesh). ``mesh`` is ``(R, S)``, replicas x shard-group size; ``world_size``, if given, must be R x S."""
     if mesh is None:
         if replicate_state:
             raise ValueError("replicate_state=True describes a 2-D mesh: give mesh=(R, S)")
@@ -129,11 +130,11 @@ def estimate_breakdown(
     rule's (:data:`MUON_STATE_BYTES`: an fp32 master and an fp32 momentum buffer, 8 bytes), the rest AdamW's. The
     matrices are owned whole, so a rank's share is the average here; :func:`muon_owner_bytes` gives each rank's.
 
-    ``mesh=(R, S)`` (``world_size`` R x S, or None): parameters and gradients sharded over the S ranks of a shard
-    group, the optimizer state over R x S (or over S with ``replicate_state=True``): :func:`mesh_divisors`. With
-    ``engine=True`` the fp32 gradient shard is the shard group's (4 Psi / S: micro-batches accumulate in it before
-    the replicas reduce it), and stage 3 keeps its param-dtype shard of the S-way layout when the state is sharded
-    over R x S (the master is a fraction of it: the gather's input cannot be rounded from it).
+    ``mesh=(R, S)`` (``world_size`` R x S, or None): stage 3's parameters sharded over the S ranks of a shard group,
+    the optimizer state and the reduced gradients over R x S (or over S with ``replicate_state=True``):
+    :func:`mesh_divisors`. With ``engine=True`` and the state sharded over R x S, stage 3 keeps the param-dtype
+    chunk of the S-way split (the shard group's gathers start from it; the master is 1/R of it, so it cannot be
+    rounded from the master at each gather).
     """
     if not isinstance(muon_params, int) or not 0 <= muon_params <= num_params:
         raise ValueError(f"muon_params must be an int in [0, num_params], got {muon_params!r}")
@@ -153,15 +154,15 @@ def estimate_breakdown(
         raise ValueError("engine=True describes ZeroAdamW: stage must be 1, 2 or 3, got 0 (DDP)")
     # The documented formula is arithmetic on the stage number (the paper's table: stage >= k shards the k-th kind),
     # so it compares numbers on purpose; the engine's layers ask the stage object (engine/stages.py) instead.
-    psi, n = Fraction(num_params), shard  # n: the ranks one copy of the params and grads is sharded over
-    params = psi * param_bytes / (n if stage >= 3 else 1)
+    psi, n = Fraction(num_params), state_ranks  # n: the ranks one copy of the state and the gradients spreads over
+    params = psi * param_bytes / (shard if stage >= 3 else 1)
     grads = psi * grad_bytes / (n if stage >= 2 else 1)
     states = ((psi - muon_params) * Fraction(optimizer_state_bytes) + muon_params * MUON_STATE_BYTES) / (
         state_ranks if stage >= 1 else 1
     )
     if engine:
         grads = (psi * grad_bytes if stage == 1 else 0) + psi * GRAD_SHARD_BYTES / n
-        if stage == 3 and param_bytes < 4 and not param_remainders and state_ranks == n:
+        if stage == 3 and param_bytes < 4 and not param_remainders and shard == n:
             params = Fraction(0)  # the fp32 master is the shard: each gather rounds it
     return {"params": params, "grads": grads, "optimizer_states": states}
 
@@ -189,7 +190,7 @@ def estimate(
     >>> estimate(1000, 8, 3, param_remainders=True, moment_dtype=torch.int8, engine=True) / 1000  # B/param
     1.265625
     >>> estimate(1000, 64, 3, mesh=(8, 8)) / 1000, estimate(1000, 64, 3, mesh=(8, 8), replicate_state=True) / 1000
-    (0.6875, 2.0)
+    (0.46875, 2.0)
     """
     parts = estimate_breakdown(num_params, world_size, stage, param_remainders=param_remainders,
                                moment_dtype=moment_dtype, engine=engine, param_bytes=param_bytes,
@@ -299,8 +300,8 @@ class MemoryReport:
         if self.mesh is None:
             return f"{self.world_size} ranks"
         r, s = self.mesh
-        state = f"state sharded over {s}, replicated {r}x" if self.replicate_state else f"state sharded over {r * s}"
-        return f"mesh {r} x {s} (replicate x shard): params and grads sharded over {s}, {state}"
+        d = f"{s}, replicated {r}x" if self.replicate_state else f"all {r * s}"
+        return f"mesh {r} x {s} (replicate x shard): state and gradients sharded over {d}, stage 3's params over {s}"
 
     def table(self) -> str:
         """A readable ledger: every allocation, then the identity that splits the total into the ZeRO formula and
@@ -320,7 +321,7 @@ class MemoryReport:
             formula = {1: f"{p} + {g} + {o}/N", 2: f"{p} + ({g} + {o})/N", 3: f"({p} + {g} + {o})/N"}
         else:  # parameters and gradients over the shard group S, the state over D (R x S, or S when replicated)
             d = "S" if self.replicate_state else "(R x S)"
-            formula = {1: f"{p} + {g} + {o}/{d}", 2: f"{p} + {g}/S + {o}/{d}", 3: f"({p} + {g})/S + {o}/{d}"}
+            formula = {1: f"{p} + {g} + {o}/{d}", 2: f"{p} + ({g} + {o})/{d}", 3: f"{p}/S + ({g} + {o})/{d}"}
         formula = formula.get(self.stage, "") + " B/param"
         lines = [
             f"{self.optimizer} model state, rank {self.rank} of {self.world_size}, stage {self.stage}: "
@@ -405,18 +406,18 @@ def report(
     """Every persistent byte ``state`` holds on this rank, by kind, and how it relates to the formula. ``staging``:
     the engine's gradient staging pool (``engine.staging.StagingPool``), bounded, not per parameter; ``window``:
     stage 3's gather scheduler (``engine.param_gather.ParamGather``), whose gathered buckets are bounded, not
-    persistent. ``mesh=(R, S)`` (HSDP): ``state``'s layout is the shard group's (``state.world_size`` S), the
-    report's ``world_size`` R x S; with the state sharded over R x S (not ``replicate_state``), the formula's state
-    term is this rank's 1/R of its shard group's share."""
+    persistent. ``mesh=(R, S)`` (HSDP, ``comm.hsdp``): ``state``'s layout is that of the R x S ranks (layout rank
+    ``s * R + r``; stage 3 keeps the param-dtype chunk of the R slices of shard rank s), or with
+    ``replicate_state`` that of the S shard ranks; the report's ``world_size`` is R x S either way."""
     # The ledger checks every byte against the formula, term by term, so it follows the formula's arithmetic on the
     # stage number (estimate_breakdown) rather than the stage object's questions: the two must read alike.
     stage, world, rank = state.stage, state.world_size, state.rank
-    replicas = 1
+    replicas = 1  # the layout ranks whose slices make this rank's stage-3 parameter chunk
     if mesh is not None:
-        mesh_divisors(None, mesh, replicate_state)  # validates
+        _, layout_ranks = mesh_divisors(None, mesh, replicate_state)
         replicas = 1 if replicate_state else mesh[0]
-        if mesh[1] != world:
-            raise ValueError(f"mesh {mesh}: the state's layout has {world} shard ranks, not {mesh[1]}")
+        if layout_ranks != world:
+            raise ValueError(f"mesh {mesh}: the state's layout has {world} ranks, not {layout_ranks}")
     out = MemoryReport(stage, world if mesh is None else mesh[0] * mesh[1], 0, 0, rank=rank, mesh=mesh,
                        replicate_state=replicate_state)  # fmt: skip
     owned = [g.layout for g in state.groups if isinstance(g.layout, OwnerLayout)]
@@ -449,8 +450,10 @@ def report(
         owned, shard = group.layout.owned_real_numel(rank), group.layout.shard_numel
         out.num_params += psi
         out.owned_numel += owned
-        out.formula += (pw * psi if stage < 3 else pw * owned) + (gw * psi if stage == 1 else gw * owned)
-        out.formula += Fraction(sw * owned, replicas)  # the state: the shard group's share split over the replicas
+        # stage 3's chunk: the slices of layout ranks first .. first + replicas - 1 (this rank's own in 1-D)
+        first = rank - rank % replicas
+        chunk = sum(group.layout.owned_real_numel(k) for k in range(first, first + replicas))
+        out.formula += (pw * psi if stage < 3 else pw * chunk) + (gw * psi if stage == 1 else gw * owned) + sw * owned
         buffer_width = group.grad_buffer.element_size() if group.grad_buffer is not None else 0  # stage 1
         shard_bytes = sw + 4  # fp32 optimizer states + fp32 grad shard
         out.padding += buffer_width * (full - psi) + shard_bytes * (shard - owned)
@@ -458,7 +461,7 @@ def report(
         if stage < 3:
             out.padding += pw * (full - psi)
         elif kept:
-            out.padding += pw * (shard - owned)
+            out.padding += pw * (shard * replicas - chunk)
         else:
             out.param_shard_not_kept += pw * owned
         # fp32 gradients beyond the formula's param-dtype ones: the grad shard, and an fp32 stage-1 buffer.
