@@ -12,7 +12,9 @@ link speed (each timed from a barrier to a barrier):
 
 - ``zero_1d``: ZeroAdamW over the 4 ranks (every collective crosses the link);
 - ``zero_mesh``: ZeroAdamW with ``mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))``
-  (skipped, with the engine's error in the result, where this checkout's ZeroAdamW takes no mesh);
+  (skipped, with the engine's error in the result, where this checkout's ZeroAdamW takes no mesh); with
+  ``--bf16-reduce`` also ``zero_mesh_bf16``, the same with ``reduce_dtype=torch.bfloat16`` (the replicas then reduce
+  bf16 sums, not fp32: half the bytes across the link);
 - ``pattern_1d`` / ``pattern_mesh``: only the collectives ``zero_ext.comm_time.step_collectives`` lists for each
   layout, on buffers of the same sizes, called as the engine's gloo communicator calls them (a reduce-scatter as one
   all-to-all, an all-gather into a tensor): the estimator's own model of the step, measured.
@@ -124,11 +126,16 @@ def worker(args) -> None:
         m2 = model()
         opts["zero_mesh"] = ZeroAdamW(m2.parameters(), module=m2, mesh=mesh, **kw)
         contenders["zero_mesh"] = zero_step(m2, opts["zero_mesh"])
+        if args.bf16_reduce:
+            m3 = model()
+            opts["zero_mesh_bf16"] = ZeroAdamW(m3.parameters(), module=m3, mesh=mesh, reduce_dtype=torch.bfloat16, **kw)
+            contenders["zero_mesh_bf16"] = zero_step(m3, opts["zero_mesh_bf16"])
     except (TypeError, ValueError, NotImplementedError) as e:  # this checkout's ZeroAdamW takes no mesh
         out["mesh_error"] = f"{type(e).__name__}: {e}"
     buckets = sum(1 for _ in opts["zero_1d"].sharded_state.buckets())
     psi = sum(p.numel() for p in m1.parameters())
-    out.update(buckets=buckets, psi=psi, dim=dim)
+    per = {name: sum(1 for _ in opt.sharded_state.buckets()) for name, opt in opts.items()}
+    out.update(buckets=buckets, psi=psi, dim=dim, buckets_by_contender=per)
 
     def pattern(mesh_):
         cl = Cluster(2, PER_NODE, Link(1.0), Link(1.0))
@@ -207,11 +214,14 @@ def run_speed(cluster: EmulatedCluster, args, rate_text: str) -> dict:
         procs = []
         for rank in range(WORLD):
             node = rank // PER_NODE
-            env = {**os.environ, "GLOO_SOCKET_IFNAME": cluster.vethw[node], "OMP_NUM_THREADS": "1"}
+            # LOCAL_WORLD_SIZE: comm_stats() counts a group larger than a node as inter-node (the 1-D layout's)
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": cluster.vethw[node], "OMP_NUM_THREADS": "1",
+                   "LOCAL_WORLD_SIZE": str(PER_NODE)}  # fmt: skip
             cmd = [*cluster.prefix(node), sys.executable, os.path.abspath(__file__), "--worker", "--rank", str(rank),
                    "--master", cluster.addrs[0], "--port", str(port), "--result-dir", tmp, "--stage", str(args.stage),
                    "--params-m", str(args.params_m), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--bucket-size", str(args.bucket_size), "--timeout", str(args.timeout)]  # fmt: skip
+                   "--bucket-size", str(args.bucket_size), "--timeout", str(args.timeout),
+                   *(["--bf16-reduce"] if args.bf16_reduce else [])]  # fmt: skip
             procs.append(subprocess.Popen(cmd, env=env))
         deadline = time.time() + args.timeout
         for p in procs:
@@ -228,10 +238,13 @@ def run_speed(cluster: EmulatedCluster, args, rate_text: str) -> dict:
             "rank2": ranks[2]}  # fmt: skip
 
 
-def emulated_estimate(psi: int, stage: int, buckets: int, mesh) -> comm_time.StepComm:
-    """The estimate on the emulated cluster with unit bandwidths: its wire bytes and latency steps are what count."""
+def emulated_estimate(psi: int, stage: int, buckets: int, mesh, replica_grad_bytes: int = 4) -> comm_time.StepComm:
+    """The estimate on the emulated cluster with unit bandwidths: its wire bytes and latency steps are what count.
+    gloo sends bf16 gradients as they are (2 bytes) and the replicas reduce their fp32 sums (4; 2 with
+    ``reduce_dtype=torch.bfloat16``)."""
     cl = Cluster(2, PER_NODE, Link(1.0), Link(1.0), nics_per_node=1)
-    return comm_time.estimate_step(psi, cl, stage, mesh=mesh, grad_bytes=2, replica_grad_bytes=4, buckets=buckets)
+    return comm_time.estimate_step(psi, cl, stage, mesh=mesh, grad_bytes=2, replica_grad_bytes=replica_grad_bytes,
+                                   buckets=buckets)  # fmt: skip
 
 
 def fit(points: list[dict], key: str) -> dict:
@@ -257,8 +270,9 @@ def analyse(runs: list[dict], stage: int) -> dict:
     for run in runs:
         r0, r2 = run["rank0"], run["rank2"]
         for name, times in r0["times"].items():
-            mesh = MESH if name.endswith("mesh") else None
-            est = emulated_estimate(r0["psi"], stage, r0["buckets"], mesh)
+            mesh = MESH if "mesh" in name else None
+            nb = r0["buckets_by_contender"].get(name, r0["buckets"])
+            est = emulated_estimate(r0["psi"], stage, nb, mesh, replica_grad_bytes=2 if name.endswith("bf16") else 4)
             steps = len(times)
             row = {"rate": run["rate"], "rate_bps": run["rate_bps"], "contender": name,
                    "seconds": statistics.median(times), "q1_s": sorted(times)[steps // 4],
@@ -322,8 +336,7 @@ def markdown(result: dict, stage: int, h100_text: str) -> str:
     rows = []
     for r in result["rows"]:
         cs = r["comm_stats"]
-        stats = ", ".join(f"{k.removesuffix('_bytes')} {v / 2**20:.2f}" for k, v in cs.items()
-                          if k.endswith("_bytes") and v) or "-"  # fmt: skip
+        stats = f"{cs['inter_node_bytes'] / 2**20:.2f} / {cs['intra_node_bytes'] / 2**20:.2f}" if cs else "-"
         fit_ = " / ".join(f"{r['fit' + t + '_s']:.3f} ({r['fit' + t + '_rel_error'] * 100:+.0f} %)"
                           for t in ("", "_veth") if "fit" + t + "_s" in r) or "-"  # fmt: skip
         inc = (
@@ -334,7 +347,7 @@ def markdown(result: dict, stage: int, h100_text: str) -> str:
                      f"{r['est_inter_wire_bytes'] / 2**20:.2f} / {r['est_intra_wire_bytes'] / 2**20:.2f}",
                      stats, inc, fit_])  # fmt: skip
     head = ["link", "contender", "step s, median [q1, q3]", "veth MiB a->b / b->a", "est. wire MiB/rank inter / intra",
-            "comm_stats MiB (rank 0)", "s over unshaped: measured / flat model / veth bytes at the rate",
+            "comm_stats wire MiB (rank 0) inter / intra", "s over unshaped: measured / flat model / veth bytes at the rate",
             "fit s (error): flat model / veth bytes"]  # fmt: skip
     fits = []
     for fam, f in result["fits"].items():
@@ -365,8 +378,8 @@ def markdown(result: dict, stage: int, h100_text: str) -> str:
         "",
         "Columns: veth bytes crossed node a's and node b's end of the link per step (median; the barriers' few "
         "bytes included); est. wire bytes are `zero_ext.comm_time`'s (g-1)/g of each collective's tensor that one "
-        "rank sends, what `comm_stats()` reports as `inter_node_bytes` / `intra_node_bytes`; the comm_stats column "
-        "shows this checkout's keys.",
+        "rank sends, what `comm_stats()` reports as `inter_node_bytes` / `intra_node_bytes` (measured in the next column: "
+        "the engine's buckets are padded to whole granules, and its step adds small all-reduces of statistics).",
         "",
         "## The estimate at 8 x 8 H100s",
         "",
@@ -385,6 +398,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bucket-size", type=int, default=2**19)
     ap.add_argument("--delay-ms", type=float, default=0.0, help="one-way link latency (needs netem in the kernel)")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--bf16-reduce", action="store_true",
+                    help="also ZeroAdamW on the mesh with reduce_dtype=torch.bfloat16 (zero_mesh_bf16)")  # fmt: skip
     ap.add_argument("--out-dir", default=None, help="default bench/results")
     ap.add_argument("--name", default="hsdp_cluster")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
