@@ -20,10 +20,11 @@ link speed (each timed from a barrier to a barrier):
   all-to-all, an all-gather into a tensor): the estimator's own model of the step, measured.
 
 Measured per step: seconds (median of the timed steps), the bytes ``comm_stats()`` counts, and the bytes that crossed
-the veth (node a's end). The check fits ``T = c + alpha * L + k * 2 W / rate`` over the shaped speeds (W: the
-estimator's inter-node wire bytes per rank, L its latency steps; the two ranks of a node share the link, hence
-2 W / rate; k = 1 when the link delivers its nominal rate) and gives the fitted alpha and per-rank beta = rate / (2 k)
-and each point's error. Without root or iproute2 it prints why and exits 0 (after the 8 x 8 prediction).
+the veth (node a's end). The check fits ``T = c[contender] + k * u`` over the shaped speeds, u the link's seconds at
+its nominal rate for the estimator's inter-node wire bytes (the two ranks of a node share the link: 2 W / rate), or
+for the bytes that crossed the veth; k = 1 when the link delivers its nominal rate (beta = rate / k), c what the rate
+does not change (compute, the node's own traffic, every collective's fixed cost); alpha is probed apart (a 1-element
+all-reduce), and each point's error. Without root or iproute2 it prints why and exits 0 (after the 8 x 8 prediction).
 """
 
 from __future__ import annotations
@@ -248,19 +249,20 @@ def emulated_estimate(psi: int, stage: int, buckets: int, mesh, replica_grad_byt
 
 
 def fit(points: list[dict], key: str) -> dict:
-    """Least squares of T = c + alpha * L + k * u over ``points`` (u: ``point[key]``, seconds at the nominal rate);
-    alpha dropped when L does not vary (one layout)."""
+    """Least squares of T = c[contender] + k * u over ``points`` (u: ``point[key]``, the link's seconds at its nominal
+    rate): one intercept per contender (compute, the node's own traffic and every collective's fixed cost: nothing
+    that the link's rate changes) and one slope k for all (1: the link delivers its nominal rate to the bytes u
+    counts). The errors are then those of the bytes model across speeds and layouts."""
     import numpy as np
 
+    names = list(dict.fromkeys(p["contender"] for p in points))
     t = np.array([p["seconds"] for p in points])
-    u = np.array([p[key] for p in points])
-    lat = np.array([p["latency_steps"] for p in points], dtype=float)
-    cols = [np.ones_like(t), u] + ([lat] if len(set(lat.tolist())) > 1 else [])
-    coef, *_ = np.linalg.lstsq(np.stack(cols, 1), t, rcond=None)
-    pred = np.stack(cols, 1) @ coef
+    design = np.array([[float(p["contender"] == n) for n in names] + [p[key]] for p in points])
+    coef, *_ = np.linalg.lstsq(design, t, rcond=None)
+    pred = design @ coef
     err = (pred - t) / t
-    return {"c_s": float(coef[0]), "k": float(coef[1]), "alpha_s": float(coef[2]) if len(coef) > 2 else None,
-            "predicted_s": pred.tolist(), "rel_error": err.tolist(), "max_abs_rel_error": float(abs(err).max()),
+    return {"c_s": dict(zip(names, map(float, coef[:-1]))), "k": float(coef[-1]), "predicted_s": pred.tolist(),
+            "rel_error": err.tolist(), "max_abs_rel_error": float(abs(err).max()),
             "median_abs_rel_error": float(np.median(abs(err)))}  # fmt: skip
 
 
@@ -310,14 +312,15 @@ def chart(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    rows = [r for r in result["rows"] if r["rate_bps"] is not None]
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    rows = [r for r in result["rows"] if r["rate_bps"] is not None and r["contender"].startswith("zero")]
     for name in dict.fromkeys(r["contender"] for r in rows):
         pts = sorted((r for r in rows if r["contender"] == name), key=lambda r: r["rate_bps"])
         xs = [r["rate_bps"] / 1e6 for r in pts]
-        (line,) = ax.plot(xs, [r["seconds"] for r in pts], "o-", label=f"{name} (measured)")
-        if all("fit_s" in r for r in pts):
-            ax.plot(xs, [r["fit_s"] for r in pts], "x--", color=line.get_color(), label=f"{name} (alpha-beta fit)")
+        (line,) = ax.plot(xs, [r["seconds"] for r in pts], "o-", label=f"{name}, measured")
+        for key, style, what in (("fit_s", "--", "fit, flat model's bytes"), ("fit_veth_s", ":", "fit, veth bytes")):
+            if all(key in r for r in pts):
+                ax.plot(xs, [r[key] for r in pts], style, color=line.get_color(), label=f"{name}, {what}")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("inter-node link (Mbit/s, tc tbf on the veth)")
@@ -352,10 +355,10 @@ def markdown(result: dict, stage: int, h100_text: str) -> str:
     fits = []
     for fam, f in result["fits"].items():
         what = "the bytes that crossed the veth" if fam.endswith("_veth") else "the estimate's wire bytes (flat model)"
-        alpha = f"alpha {f['alpha_s'] * 1e3:.3f} ms per message step, " if f["alpha_s"] is not None else ""
-        fits.append(f"- `{fam.removesuffix('_veth')}_*`, u from {what}: c = {f['c_s'] * 1e3:.1f} ms, {alpha}"
-                    f"k = {f['k']:.3f} (1: the link delivers its nominal rate); error median "
-                    f"{f['median_abs_rel_error'] * 100:.1f} %, max {f['max_abs_rel_error'] * 100:.1f} %")  # fmt: skip
+        cs = ", ".join(f"{n} {c * 1e3:.0f}" for n, c in f["c_s"].items())
+        fits.append(f"- `{fam.removesuffix('_veth')}_*`, u from {what}: k = {f['k']:.3f} (beta = {1 / f['k']:.2f} x "
+                    f"the nominal rate); c (ms): {cs}; error median {f['median_abs_rel_error'] * 100:.1f} %, max "
+                    f"{f['max_abs_rel_error'] * 100:.1f} %")  # fmt: skip
     r0 = result["rank0"]
     probe = r0["alpha_probe"]
     netem = "applied" if result["netem"] else "not in this kernel: bandwidth only (tbf); alpha is gloo's and the veth's"
@@ -368,12 +371,13 @@ def markdown(result: dict, stage: int, h100_text: str) -> str:
         "",
         markdown_table(head, rows),
         "",
-        "Fits of T = c + alpha L + k u over the shaped speeds, both layouts of a family in one fit (L: the "
-        "estimate's message steps; u: seconds at the nominal rate, from the estimate's inter-node wire bytes of the "
-        "node's 2 ranks (2 W / rate: the flat model, every rank's (g-1)/g through the link), or from the bytes that "
-        "crossed the veth in the busier direction):",
+        "Fits of T = c[contender] + k u over the shaped speeds, one k for every contender of a family (u: the "
+        "link's seconds at its nominal rate, from the estimate's inter-node wire bytes of the node's 2 ranks (2 W / "
+        "rate: the flat model, every rank's (g-1)/g through the link), or from the bytes that crossed the veth in "
+        "the busier direction; c: what the rate does not change, compute and every collective's fixed cost, alpha "
+        "included):",
         *fits,
-        f"- probes (a 1-element all-reduce over 2 ranks, / 2 message steps, unshaped): alpha inside a node "
+        f"- alpha, probed (a 1-element all-reduce over 2 ranks, / 2 message steps, unshaped run): inside a node "
         f"{probe['shard'] * 1e3:.3f} ms, across the link {probe['replicate'] * 1e3:.3f} ms",
         "",
         "Columns: veth bytes crossed node a's and node b's end of the link per step (median; the barriers' few "

@@ -61,10 +61,10 @@ def test_h100_prediction_mesh_beats_1d():
 
 
 def test_fit_recovers_a_known_line():
-    pts = [{"seconds": 0.01 + 0.002 * lat + 1.5 * u, "u": u, "latency_steps": lat}
-           for u, lat in ((0.1, 2), (0.2, 2), (0.05, 6), (0.3, 6))]  # fmt: skip
+    pts = [{"seconds": c + 1.5 * u, "u": u, "contender": name}
+           for name, c in (("a", 0.01), ("b", 0.03)) for u in (0.1, 0.2, 0.4)]  # fmt: skip
     f = bench_hsdp_cluster.fit(pts, "u")
-    assert f["k"] == pytest.approx(1.5) and f["alpha_s"] == pytest.approx(0.002) and f["c_s"] == pytest.approx(0.01)
+    assert f["k"] == pytest.approx(1.5) and f["c_s"] == pytest.approx({"a": 0.01, "b": 0.03})
     assert f["max_abs_rel_error"] < 1e-9
 
 
