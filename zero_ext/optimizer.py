@@ -355,13 +355,17 @@ class ZeroAdamW(torch.optim.Optimizer):
         Stage 1 skips communication inside the context and accumulates in ``param.grad`` (the param dtype); the
         first backward after it (or ``step()``) reduces the accumulated sum. Stage 2 has no full-size buffer to
         accumulate in, so it still reduces every backward pass and accumulates the means in the fp32 grad shard.
+        On a 2-D ``mesh`` stages 2 and 3 reduce inside the node only and hold the node's sums (1/S of the gradients,
+        in ``reduce_dtype``); they cross nodes once, with the first backward after the context (or at ``step()``).
         """
         previous = self._engine.grad_sync.sync_enabled
         self._engine.grad_sync.sync_enabled = False
+        held = self._engine.state.comm.hold_replicas(True)
         try:
             yield
         finally:
             self._engine.grad_sync.sync_enabled = previous
+            self._engine.state.comm.hold_replicas(held)
 
     def finish_sync(self) -> None:
         """Finish every gradient reduction and parameter gather in flight (the current stream waits for them; no

@@ -87,18 +87,26 @@ class GroupedFusedReference:
             ops.fused_adamw_(m, g, a, v, lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
                              weight_decay=h["weight_decay"], step=self.steps)  # fmt: skip
 
-    def check(self, opt, model, what: str) -> None:
+    def check(self, opt, model, what: str, exact: bool = True) -> None:
+        """Bitwise; or, with ``exact=False``, at 2 % of one update (lr 1e-2): where the mean's last summation is
+        gloo's own all-reduce (``replicate_state`` with 3+ replicas), whose association is not rank order, so an
+        element whose mean gradient is ~0 may move by a fraction of an update (Adam divides it by itself)."""
+
+        def same(a, b, msg):
+            if exact:
+                assert torch.equal(a, b), f"{msg}: {int((a != b).sum())} elements differ"
+            else:
+                torch.testing.assert_close(a.float(), b.float(), rtol=1e-3, atol=2e-4, msg=msg)
+
         by_name = dict(model.named_parameters())
         for (name, shape, dtype, _), m in zip(self.params, self.master):
-            p = by_name[name].detach().cpu()
-            expected = m.view(shape).to(dtype)
-            assert torch.equal(p, expected), f"{what}: {name}: {int((p != expected).sum())} elements differ"
+            same(by_name[name].detach().cpu(), m.view(shape).to(dtype), f"{what}: {name}")
         kinds = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
         for ref in opt.sharded_state.pieces():
             for kind, full in kinds.items():
                 mine = ref.group.state.read(kind, ref.piece.shard_range).cpu()
                 expected = full[ref.param_index][ref.piece.start : ref.piece.end]
-                assert torch.equal(mine, expected), f"{what}: {ref.name} {kind}"
+                same(mine, expected, f"{what}: {ref.name} {kind}")
 
 
 def tree_means(ref: GroupedFusedReference, step: int, world: int, shape, dtype) -> dict:
@@ -128,7 +136,8 @@ def train_against_reference(rank, world, shape, stage, offload="none", dtype_nam
         opt.step()
         opt.zero_grad()
         with opt.gathered_params():
-            ref.check(opt, model, f"mesh {shape} stage {stage} offload {offload} step {step}")
+            exact = not (kw.get("replicate_state") and shape[0] > 2)  # gloo's all-reduce order (check())
+            ref.check(opt, model, f"mesh {shape} stage {stage} offload {offload} step {step}", exact)
     with opt.gathered_params():
         digest = params_digest(model)
     stats = opt.comm_stats()

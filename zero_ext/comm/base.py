@@ -197,6 +197,23 @@ class Communicator:
         """Bytes of caller-owned workspace :meth:`start_reduce_scatter` needs for a bucket of ``bucket_numel``."""
         return 0
 
+    # ---------------------------------------------------------------- no_sync across nodes (a mesh's; hsdp.py)
+    def hold_replicas(self, hold: bool) -> bool:
+        """``no_sync()``: keep reduced gradients inside the node (True) until the synchronising micro-batch; returns
+        the previous setting. Nothing to hold without replicas."""
+        return False
+
+    def held_keys(self) -> frozenset:
+        """The buckets whose node-reduced gradients wait to cross nodes (:meth:`start_release`)."""
+        return frozenset()
+
+    def start_release(self, key, out: torch.Tensor, accumulate: bool) -> Pending:
+        """Send bucket ``key``'s held gradients across nodes into ``out`` (its grad shard)."""
+        raise KeyError(key)
+
+    def drop_held(self) -> None:
+        """Forget the held gradients (``zero_grad()``)."""
+
     # ---------------------------------------------------------------- collectives
     def start_reduce_scatter(
         self,

@@ -109,6 +109,9 @@ class MeshCommunicator(Communicator):
         for c in (shard, replicate, world):  # one position: the divergence watch sees every group's collectives
             c.position = self.position
         self._unlaunched: list[TwoLevel] = []  # CPU: second levels not started yet, in order
+        # no_sync(): each bucket's node-reduced gradient sum (1/S of it, in reduce_dtype) until it crosses nodes
+        self._holding = False
+        self._held: dict = {}
 
     # ---------------------------------------------------------------- what the engine reads
     @property
@@ -191,26 +194,71 @@ class MeshCommunicator(Communicator):
         return pending
 
     def start_reduce_scatter(self, send, out, *, reduce_dtype, accumulate, workspace=None) -> Pending:
+        """The shard group's reduce-scatter into the chunk, then the replicas' (or their all-reduce) into ``out``.
+        Under ``no_sync()`` (:meth:`hold_replicas`) the chunk is added to the bucket's held sum instead and ``out``
+        gets nothing of this micro-batch (zeros, or unchanged with ``accumulate``); the synchronising micro-batch
+        (or :meth:`start_release`) sends the sum across nodes once."""
         self._advance()
         n = send.numel()
         a, c, b = self._segments(n, send.dtype, reduce_dtype, accumulate)
         if workspace is None or workspace.dtype != torch.uint8 or workspace.numel() < a + c + b:
             raise ValueError(f"start_reduce_scatter: `workspace` must be a uint8 buffer of at least {a + c + b} bytes")
         chunk = workspace[a : a + c].view(reduce_dtype)[: n // self.shard.world_size]
+        key = self.position.bucket  # the bucket this reduction is for (set by the reducer, labels the collective)
         first = self.shard.start_reduce_scatter(
             send, chunk, reduce_dtype=reduce_dtype, accumulate=False, workspace=workspace[:a]
         )
-        if self.replicate_state:
-            divide = self._divides(send.dtype, reduce_dtype)
-            then = lambda: self._all_reduce_chunk(chunk, out, accumulate, divide)  # noqa: E731
-        else:
+        stream = self.replicate.reduce_scatter_stream
+        if self._holding:
 
-            def then() -> Pending:
-                return self.replicate.start_reduce_scatter(
-                    chunk, out, reduce_dtype=reduce_dtype, accumulate=accumulate, workspace=workspace[a + c :]
-                )
+            def hold() -> None:
+                held = self._held.get(key)
+                if held is None:
+                    self._held[key] = chunk.clone()
+                else:
+                    held.add_(chunk)
+                if not accumulate:
+                    out.zero_()
+
+            return self._two_level(
+                first, lambda: _local(stream, hold, (chunk, out)), self.replicate, "reduce_scatter_stream"
+            )
+        held = self._held.pop(key, None)
+
+        def then() -> Pending:
+            if held is not None:  # the synchronising micro-batch: the held micro-batches' sums go with it
+                _local(stream, lambda: chunk.add_(held), (chunk, held))
+            return self._across(chunk, out, accumulate, send.dtype, reduce_dtype, workspace[a + c :])
 
         return self._two_level(first, then, self.replicate, "reduce_scatter_stream")
+
+    def _across(self, chunk, out, accumulate, wire_dtype, reduce_dtype, workspace) -> Pending:
+        """The node-reduced ``chunk`` across nodes into ``out``."""
+        if self.replicate_state:
+            return self._all_reduce_chunk(chunk, out, accumulate, self._divides(wire_dtype, reduce_dtype))
+        return self.replicate.start_reduce_scatter(
+            chunk, out, reduce_dtype=reduce_dtype, accumulate=accumulate, workspace=workspace
+        )
+
+    def hold_replicas(self, hold: bool) -> bool:
+        previous, self._holding = self._holding, hold
+        return previous
+
+    def held_keys(self) -> frozenset:
+        return frozenset(self._held)
+
+    def start_release(self, key, out, accumulate: bool) -> Pending:
+        self._advance()
+        held = self._held.pop(key)
+        reduce_dtype = held.dtype
+        workspace = None
+        if not self.replicate_state:
+            need = self.replicate.workspace_bytes(held.numel(), reduce_dtype, reduce_dtype, accumulate)
+            workspace = torch.empty(need, dtype=torch.uint8, device=held.device)
+        return self._across(held, out, accumulate, reduce_dtype, reduce_dtype, workspace)
+
+    def drop_held(self) -> None:
+        self._held.clear()
 
     def _all_reduce_chunk(self, chunk, out, accumulate: bool, divide: bool) -> Pending:
         """replicate_state: sum the shard group's reduced slice over the replicas, into ``out``."""
@@ -274,6 +322,18 @@ class MeshCommunicator(Communicator):
     def abort(self) -> None:
         for c in (self.shard, self.replicate, self.world):
             c.abort()
+
+
+def _local(stream, fn: Callable[[], None], tensors) -> Pending:
+    """Run ``fn`` (local tensor work) after what ``stream`` queued: on CPU now, on CUDA queued on ``stream``."""
+    if stream is None:
+        fn()
+        return DONE
+    with torch.cuda.stream(stream):
+        fn()
+        event = torch.cuda.Event()
+        event.record(stream)
+    return Pending(None, event, stream.device, None, tensors)
 
 
 class _MeshCounts:

@@ -182,6 +182,22 @@ class GradSync:
         if self.strategy.unreduced:  # backward ran only under no_sync(): reduce the accumulated gradients now
             self._open_round_without_backward()
         self.wait_inflight()
+        if self.comm.held_keys():  # a mesh under no_sync(): the node-reduced sums cross nodes now
+            self._release_held()
+
+    def _release_held(self) -> None:
+        held = self.comm.held_keys()
+        for gb in self.buckets:
+            if gb.key in held:
+                placement = gb.group.state
+                target, direct = placement.grad_target(gb.bucket)
+                self.comm.position.bucket = gb.key
+                pending = self.comm.start_release(gb.key, target, accumulate=direct)
+                if direct:
+                    gb.grad_pending = pending
+                else:
+                    placement.landed(gb.bucket, target, pending, True)
+        self.wait_inflight()
 
     def _open_round_without_backward(self) -> None:
         for gb in self.buckets:
@@ -215,6 +231,7 @@ class GradSync:
             group.state.finish_landing()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.comm.drop_held()  # gradients held inside the node (a mesh's no_sync) are dropped with the others
         self.placeholders.zero_grad()
         self.finish_grad_sync()
         self.strategy.zero_grad(set_to_none)
