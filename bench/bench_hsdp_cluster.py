@@ -325,7 +325,8 @@ def chart(result: dict, path: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("inter-node link (Mbit/s, tc tbf on the veth)")
     ax.set_ylabel("step time (s, median)")
-    ax.set_title("2 emulated nodes x 2 gloo ranks: 1-D layout vs HSDP mesh")
+    stage = result.get("stage", "?")
+    ax.set_title(f"2 emulated nodes x 2 gloo ranks, stage {stage}: 1-D layout vs HSDP mesh")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -406,6 +407,7 @@ def main(argv=None) -> int:
                     help="also ZeroAdamW on the mesh with reduce_dtype=torch.bfloat16 (zero_mesh_bf16)")  # fmt: skip
     ap.add_argument("--out-dir", default=None, help="default bench/results")
     ap.add_argument("--name", default="hsdp_cluster")
+    ap.add_argument("--redraw", default=None, help="redraw the chart of a result's JSON (next to it) and exit")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--master", default="", help=argparse.SUPPRESS)
@@ -414,6 +416,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.worker:
         worker(args)
+        return 0
+    if args.redraw:
+        result = json.load(open(args.redraw))
+        command = result["meta"]["command"].split()
+        result.setdefault("stage", int(command[command.index("--stage") + 1]) if "--stage" in command else 2)
+        chart(result, args.redraw.removesuffix(".json") + ".png")
         return 0
     import torch
     from harness import RESULTS, meta, write_results
@@ -434,7 +442,7 @@ def main(argv=None) -> int:
             print("  " + ", ".join(f"{k} {statistics.median(v):.3f} s" for k, v in r0["times"].items()), flush=True)
     result = analyse(runs, args.stage)
     r0 = runs[0]["rank0"]
-    result.update(rank0={k: r0[k] for k in ("psi", "dim", "buckets", "alpha_probe")}, steps=args.steps,
+    result.update(stage=args.stage, rank0={k: r0[k] for k in ("psi", "dim", "buckets", "alpha_probe")}, steps=args.steps,
                   warmup=args.warmup, netem=any(r["netem"] for r in runs), mesh_error=r0["mesh_error"],
                   qdiscs={r["rate"]: r["qdisc"] for r in runs}, h100_prediction=h100_rows)  # fmt: skip
     unshaped = [r for r in runs if r["rate_bps"] is None]
