@@ -496,9 +496,11 @@ class ZeroAdamW(torch.optim.Optimizer):
     def memory_report(self) -> memory.MemoryReport:
         """Every persistent byte on this rank by kind; see :class:`zero_ext.memory.MemoryReport`."""
         engine = self._engine
+        mesh = engine.state.mesh  # a 2-D mesh's (R, S), or None for the 1-D layout
         out = memory.report(
-            engine.state, staging=engine.runtimes.staging, window=engine.stage.window(engine.param_sync)
-        )
+            engine.state, staging=engine.runtimes.staging, window=engine.stage.window(engine.param_sync),
+            mesh=mesh.shape if mesh.replicate is not None else None, replicate_state=mesh.replicate_state,
+        )  # fmt: skip
         out.optimizer = type(self).__name__
         return out
 
