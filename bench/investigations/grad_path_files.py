@@ -107,7 +107,13 @@ def main() -> None:
     )
     name = "grad_path_files" + ("" if args.stage == 2 else f"_stage{args.stage}")
     kw = {"out_dir": args.out_dir} if args.out_dir else {}
-    for path in write_results(name, info, {"stage": args.stage, "order": order, "entries": entries, "layer_entries": layer_entries}, body, **kw):
+    for path in write_results(
+        name,
+        info,
+        {"stage": args.stage, "order": order, "entries": entries, "layer_entries": layer_entries},
+        body,
+        **kw,
+    ):
         print(path)
     print(body)
 
