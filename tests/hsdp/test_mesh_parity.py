@@ -164,3 +164,32 @@ def test_zero_muon_on_a_mesh():
     flat = run_on_ranks(4, _muon, None, 2, False)[0]
     for a, b in zip(flat, runs[0][0]):
         torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-3)
+
+
+def _moments(rank, world, shape, stage, moment_dtype):
+    from mesh_runs import batch, loss_fn, model_for, optimizer
+
+    model = model_for(torch.float32)
+    kw = {} if moment_dtype is None else {"moment_dtype": getattr(torch, moment_dtype)}
+    opt = optimizer(model, shape, stage, **kw)
+    for step in range(3):
+        loss_fn(model, batch(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+    with opt.gathered_params():
+        out = [p.detach().float().clone() for p in model.parameters()]
+    opt.close()
+    return out
+
+
+@pytest.mark.parametrize("moment_dtype", ["bfloat16", pytest.param("int8", marks=slow)])
+def test_low_precision_moments_on_a_mesh(moment_dtype):
+    """bf16 (stochastic rounding keyed on each element's canonical index) and int8 moments on a 2 x 2 mesh: the
+    stages bitwise equal (the layout is the 1-D layout of 4 ranks, so the keys are those of any layout), and the run
+    the 1-D run's with the same moments up to the mean's summation order (a fraction of one update, as above)."""
+    runs = [run_on_ranks(4, _moments, (2, 2), stage, moment_dtype) for stage in (1, 2, 3)]
+    for run in runs:
+        assert all(torch.equal(a, b) for rank in run for a, b in zip(runs[0][0], rank))
+    flat = run_on_ranks(4, _moments, None, 2, moment_dtype)[0]
+    for a, b in zip(flat, runs[0][0]):
+        torch.testing.assert_close(b, a, rtol=1e-3, atol=2e-4)
