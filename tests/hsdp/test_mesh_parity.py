@@ -92,16 +92,17 @@ def _against_torch(rank, world, shape):
 
 def _accumulate(rank, world, shape, stage, pattern):
     """Two steps of two micro-batches; ``pattern``: "sync-last" (the first under no_sync), "step-in-no-sync" (both
-    under no_sync: step() sends the held sums), "dropped" (a no_sync micro-batch, then zero_grad(), then one)."""
+    under no_sync: step() sends the held sums), "dropped" (a no_sync micro-batch, then opt.zero_grad(), then one),
+    "model-dropped" (the same with model.zero_grad())."""
     from mesh_runs import batch, loss_fn, model_for, optimizer
 
     model = model_for(torch.float32)
     opt = optimizer(model, shape, stage)
     for step in range(2):
-        if pattern == "dropped":
+        if pattern in ("dropped", "model-dropped"):
             with opt.no_sync():
                 loss_fn(model, batch(10 + step, rank)).backward()
-            opt.zero_grad()
+            (opt if pattern == "dropped" else model).zero_grad()  # the held sums go with the gradients
             loss_fn(model, batch(step, rank)).backward()
         else:
             with opt.no_sync():
@@ -118,7 +119,7 @@ def _accumulate(rank, world, shape, stage, pattern):
     return out
 
 
-@pytest.mark.parametrize("pattern", ["sync-last", "step-in-no-sync", "dropped"])
+@pytest.mark.parametrize("pattern", ["sync-last", "step-in-no-sync", "dropped", "model-dropped"])
 @pytest.mark.parametrize("stage", [2, pytest.param(3, marks=slow)])
 def test_no_sync_accumulation_on_a_mesh(stage, pattern):
     """The node-held sums cross nodes once and give the 1-D run's result up to the summation order: Adam divides a
