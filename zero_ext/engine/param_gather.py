@@ -217,6 +217,7 @@ class ParamGather:
         (its parameters then become plain tensors). Never a second gather of a bucket that is present."""
         if rt.params is SHARDED:
             self._make_room(self._incoming(rt))
+            self._finish_replica_syncs()  # (a mesh's chunks complete first: bucket_updated)
             rt.start_param_sync(self.comm)
             self.live[rt.key] = rt
             if not self._manual:
@@ -272,16 +273,21 @@ class ParamGather:
         """Nothing to gather: every bucket was released before the update, and the next use gathers the new
         values (this rank's slice, rounded from the master, goes straight into the all-gather). On a mesh whose
         state is sharded over every rank, the replicas' updated slices are gathered into this rank's chunk
-        (``state.sharded_params.ChunkedParams``), waited for by :meth:`settle` (the end of ``step()``)."""
+        (``state.sharded_params.ChunkedParams``), in flight until the first gather after ``step()`` (or
+        :meth:`settle`) waits for them all: ``step()`` returns without waiting (this scheduler is ``deferred``), and
+        a gather from a chunk still being written would send the previous step's slices of the other replicas."""
         pending = group.flat_params.sync_after_update(self.comm, bucket)
         if pending is not None:
             self._replica_syncs.append(pending)
 
+    def _finish_replica_syncs(self) -> None:
+        while self._replica_syncs:
+            self._replica_syncs.pop(0).wait()
+
     def settle(self) -> None:
         """Outside forward and backward nothing stays gathered: release every bucket (before ``step()`` updates
         the shards they were gathered from, and for ``finish_sync()``)."""
-        while self._replica_syncs:
-            self._replica_syncs.pop(0).wait()
+        self._finish_replica_syncs()
         if not self._stack and not self._manual:
             self._release_everything(forward_too=True)
 
