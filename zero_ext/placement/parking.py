@@ -13,7 +13,7 @@ its views is undefined (it holds no bytes): the owner refuses every call that wo
 Host buffers are made once per storage, pinned on CUDA when asked, and reused by every later cycle: 100 offload /
 reload cycles allocate nothing after the first (no growth of the process's resident memory; DeepSpeed's offload
 allocated new pinned buffers per call). A storage that no longer exists (a staging pool grown, a group added) loses
-its buffer at the next offload.
+its buffer at the next offload. Without a GPU the buffers are freed by each reload instead (:attr:`keeps_buffers`).
 
 Streams ([Note: parking streams]): a non-blocking park queues the device-to-host copies on one side stream that first
 waits for the current stream (the copies read the last values written); each storage is then freed with the side
@@ -62,6 +62,10 @@ class ParkingLot:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.slots: dict[int, _Slot] = {}  # storage key -> slot
+        # Host buffers outlive the reload where they are worth keeping: on CUDA (pinning is slow, and the next cycle
+        # needs them again). On a CPU-only run the device is host memory too, and keeping them would double the
+        # optimizer's memory while training: they are freed by the reload (the tests set this to check the reuse).
+        self.keeps_buffers = self.cuda
         self._stream = None  # the side stream of non-blocking copies: one, so that they stay in order
         self._queued = None  # an event after the last copies queued on the side stream
 
@@ -163,6 +167,8 @@ class ParkingLot:
                 else:
                     dst.copy_(slot.host)
                 slot.parked = False
+                if not self.keeps_buffers:
+                    slot.host = None
         if side is not None:
             current.wait_stream(side)  # work queued after the call reads the bytes (no host wait)
             self._queued = torch.cuda.Event()
