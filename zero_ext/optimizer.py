@@ -406,7 +406,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._check_open()
         sleeping = asleep(self._engine.state)
         if sleeping is not None:  # offload_states(): every rank raises (the step's agreement carries it)
-            sleeping.refuse_step("step()")
+            sleeping.refuse_step("step()", is_step=True)
         if grad_scaler is not None:
             raise ValueError(
                 "zero_ext.ZeroAdamW.step: torch.amp.GradScaler (fp16 loss scaling) is not supported; train with bf16 "
@@ -442,7 +442,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._check_open()
         sleeping = asleep(self._engine.state)
         if sleeping is not None:
-            sleeping.refuse_step("clip_grad_norm_()")
+            sleeping.refuse_step("clip_grad_norm_()", is_step=False)
         if norm_type != 2.0:
             raise ValueError(
                 f"zero_ext.ZeroAdamW.clip_grad_norm_: only `norm_type=2.0` is supported, got {norm_type!r}"

@@ -214,16 +214,22 @@ class Sleep:
             f"{', '.join(self.parked)} in host memory); call opt.reload_states() first. Nothing was changed"
         )
 
-    def refuse_step(self, what: str) -> None:
+    def refuse_step(self, what: str, is_step: bool) -> None:
         """``step()`` / ``clip_grad_norm_()`` while parked: the other ranks learn it in the step's agreement (one
         collective, the flags of :meth:`zero_ext.engine.step.Stepper.agree`, this rank's marked failed) and raise
-        too; then this rank raises."""
+        too; then this rank raises. A ``step()`` counts as one for the divergence check, as on the other ranks."""
         state = self.state
-        if state.comm.communicates:
-            state.comm.position.at("step")
-            flags = torch.zeros(2 + len(state.step_counts.indices), dtype=torch.float32)
-            flags[0] = 1.0
-            state.comm.reduce_step_stats(flags, torch.zeros(2, dtype=torch.float32, device=state.update_device))
+        position = state.comm.position
+        try:
+            if state.comm.communicates:
+                position.at("step")
+                flags = torch.zeros(2 + len(state.step_counts.indices), dtype=torch.float32)
+                flags[0] = 1.0
+                state.comm.reduce_step_stats(flags, torch.zeros(2, dtype=torch.float32, device=state.update_device))
+        finally:
+            if is_step:  # (Stepper.step counts every call, failed or not)
+                position.step += 1
+                position.at("after step")
         raise self.refusal(what)
 
     def blocks_forward(self) -> bool:

@@ -35,13 +35,14 @@ class _Slot:
     """One storage this lot knows: its tensor (a strong reference: the storage, and so its identity, stays alive while
     the slot does), its host buffer (made at its first park, then reused) and whether it is parked now."""
 
-    __slots__ = ("tensor", "host", "nbytes", "parked")
+    __slots__ = ("tensor", "host", "nbytes", "parked", "freed")
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
         self.host: Optional[torch.Tensor] = None
         self.nbytes = 0
         self.parked = False
+        self.freed = False  # its storage was resized to zero (not a CPU storage numpy shares: see park)
 
 
 def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
@@ -72,6 +73,10 @@ class ParkingLot:
     # ---------------------------------------------------------------- what is where
     def parked_bytes(self) -> int:
         return sum(s.nbytes for s in self.slots.values() if s.parked)
+
+    def kept_bytes(self) -> int:
+        """Bytes parked but still allocated (CPU storages numpy shares: they cannot be resized)."""
+        return sum(s.nbytes for s in self.slots.values() if s.parked and not s.freed)
 
     def host_bytes(self) -> int:
         """Bytes of host buffers this lot holds (kept for the next cycle while the storages are back)."""
@@ -138,7 +143,11 @@ class ParkingLot:
                 else:
                     slot.host.copy_(src)
                 del src
-                storage.resize_(0)
+                # A CPU storage numpy shared once (a checkpoint's ``.numpy()`` views) can never be resized again: its
+                # bytes are copied but stay allocated (no GPU storage is ever in that case).
+                slot.freed = storage.resizable()
+                if slot.freed:
+                    storage.resize_(0)
                 slot.parked = True
         if side is not None:
             self._queued = torch.cuda.Event()
@@ -159,7 +168,8 @@ class ParkingLot:
         with torch._C.DisableTorchFunctionSubclass():
             for slot in todo:
                 storage = slot.tensor.untyped_storage()
-                storage.resize_(slot.nbytes)  # allocated on the current stream
+                if slot.freed:
+                    storage.resize_(slot.nbytes)  # allocated on the current stream
                 dst = _bytes_of(storage, self.device)
                 if side is not None:
                     with torch.cuda.stream(side):
