@@ -561,8 +561,7 @@ class ZeroAdamW(torch.optim.Optimizer):
                 f"zero_ext.ZeroAdamW.named_full_params: `module` must be a torch.nn.Module, got {type(module).__name__}"
             )
         check_flag("named_full_params", "buffers", buffers)
-        sleep = asleep(self._engine.state)
-        return named_full_params(self._engine, sleep.lot if sleep is not None else None, module, buffers)
+        return named_full_params(self._engine, module, buffers)
 
     # ------------------------------------------------------------------ state
     # opt.state[p]: this rank's piece of p's state, read-only (zero_ext.torch_compat.state_view)

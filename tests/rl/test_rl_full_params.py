@@ -137,3 +137,20 @@ def test_training_unchanged_by_streaming():
     with opt.gathered_params(), ref.gathered_params():
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
     assert opt.comm_stats() == ref.comm_stats()  # (one rank: nothing communicated either way)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_offload_or_reload_between_items(stage):
+    """The caller may offload (or reload) while iterating: each item is read from wherever its bytes are then."""
+    model, opt = _make(stage)
+    _train(model, opt, 1, 0)
+    expected = [(n, t.clone()) for n, t in opt.named_full_params()]
+    got = []
+    for i, (name, t) in enumerate(opt.named_full_params()):
+        got.append((name, t.clone()))
+        if i == 2:
+            opt.offload_states()
+        if i == 6:
+            opt.reload_states()
+    assert [n for n, _ in got] == [n for n, _ in expected]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, expected))

@@ -129,6 +129,17 @@ def _one_rank_offloaded(rank, world, stage, tmp):
     return errors
 
 
+def test_not_inside_gathered_params():
+    model, opt = _make(3)
+    _train(model, opt, 1)
+    with opt.gathered_params():
+        with pytest.raises(RuntimeError, match="offload_states: called while parameters are gathered"):
+            opt.offload_states()
+    assert set(opt.states_device().values()) == {"device"}
+    opt.offload_states()
+    opt.reload_states()
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_one_rank_offloaded_fails_every_rank(stage, tmp_path):
     errors = run_on_ranks(2, _one_rank_offloaded, stage, str(tmp_path), timeout=300)

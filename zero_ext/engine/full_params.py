@@ -26,6 +26,7 @@ import torch
 from ..state.sharded_state import FlatGroup, ShardedState
 from ..update.rule import MASTER
 from .model_state import ModelState
+from .sleep import asleep
 
 
 def _names_of(state: ShardedState, module: Optional[torch.nn.Module]):
@@ -45,19 +46,25 @@ def _names_of(state: ShardedState, module: Optional[torch.nn.Module]):
     return names, model
 
 
-def named_full_params(engine, lot, module=None, buffers: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """The iterator; ``lot``: the optimizer's parking lot while offloaded (host copies are read), else None."""
+def _where(state: ShardedState, t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a buffer of the optimizer), or its host copy while it is offloaded (asked at each use: the caller may
+    offload or reload between two items)."""
+    sleeping = asleep(state)
+    return sleeping.lot.host_view(t) if sleeping is not None else t
+
+
+def named_full_params(engine, module=None, buffers: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """The iterator over ``engine``'s parameters (see the module docstring)."""
     state: ShardedState = engine.state
     names, model = _names_of(state, module)
-    if lot is None:
+    if asleep(state) is None:
         engine.param_sync.settle()  # (stages 1-2, defer_all_gather_to: the last gathers finish first)
     for group in state.groups:
         if group.flat_params.shards_params:
-            yield from _gathered(state, group, names, lot)
+            yield from _gathered(state, group, names)
         else:
-            buffer = group.flat_params.buffer
-            buffer = lot.host_view(buffer) if lot is not None else buffer  # (its host copy while offloaded)
             for i, p in enumerate(group.params):
+                buffer = _where(state, group.flat_params.buffer)
                 view = group.layout.slots[i].param_range.of(buffer).view(p.shape)
                 for key in names[id(p)]:
                     yield key, view
@@ -72,7 +79,7 @@ def named_full_params(engine, lot, module=None, buffers: bool = False) -> Iterat
             yield name, p.detach()
 
 
-def _gathered(state: ShardedState, group: FlatGroup, names, lot) -> Iterator[tuple[str, torch.Tensor]]:
+def _gathered(state: ShardedState, group: FlatGroup, names) -> Iterator[tuple[str, torch.Tensor]]:
     """Stage 3: ``group``'s parameters, one run of buckets gathered at a time (collective)."""
     layout, rank, comm = group.layout, state.rank, state.comm
     fp = group.flat_params
@@ -86,8 +93,7 @@ def _gathered(state: ShardedState, group: FlatGroup, names, lot) -> Iterator[tup
                 mine = bucket.rank_range(rank).shifted(-bucket.offset).of(full)
                 # this rank's shard, or the fp32 master a gather rounds (to nearest even) when no shard is kept
                 source = fp.shard if fp.shard is not None else group.state.buffers[MASTER]
-                source = lot.host_view(source) if lot is not None else source  # (its host copy while offloaded)
-                mine.copy_(bucket.shard_range.of(source))
+                mine.copy_(bucket.shard_range.of(_where(state, source)))
                 comm.start_all_gather(full, mine).wait()
             views = [(group.params[i], run.slot_range(layout.slots[i]).of(buf)) for i in run.slots]
         del buf  # the views hold it while the caller does
