@@ -146,3 +146,27 @@ def test_one_rank_offloaded_fails_every_rank(stage, tmp_path):
     assert all("reload_states()" in e for e in errors[0])
     assert "failed on 1 other rank" in errors[1][0]  # the step's agreement
     assert "failed" in errors[1][1]  # the checkpoint's
+
+
+def _no_sync_pending(rank, world, stage):
+    """Gradients accumulated under no_sync() and not reduced yet: the offload issues no collective (rank 1 offloads
+    alone, then both step), and the step after the reload reduces them as it would have."""
+    model, opt = _make(stage)
+    ref_model, ref = _make(stage)
+    for m, o in ((model, opt), (ref_model, ref)):
+        with o.no_sync():
+            loss_fn(m, batch(0, rank)).backward()
+    if rank == 1:
+        before = opt.comm_stats()
+        opt.offload_states()
+        opt.reload_states()
+        assert opt.comm_stats() == before  # nothing communicated
+    for o in (opt, ref):
+        o.step()
+        o.zero_grad()
+    _same(_snapshot(model, opt), _snapshot(ref_model, ref))
+    return True
+
+
+def test_offload_is_collective_free_with_no_sync_gradients():
+    assert run_on_ranks(2, _no_sync_pending, 1, timeout=120) == [True, True]

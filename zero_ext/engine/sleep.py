@@ -177,7 +177,10 @@ class Sleep:
             if busy is not None:
                 raise RuntimeError(f"zero_ext.ZeroAdamW.offload_states: {busy}")
             engine.param_sync.settle()
-            engine.grad_sync.finish_grad_sync()
+            # Local waits only: the reductions every rank launched in backward. Gradients accumulated under no_sync()
+            # and not reduced yet stay so (parked with "grads"; the next step reduces them): finish_grad_sync()
+            # would launch that reduction here, a collective.
+            engine.grad_sync.wait_inflight()
             if self.state.param_edits is not None:  # the shards follow parameters changed in place (stages 1, 2)
                 self.state.param_edits.adopt(checked=False)
             self._set_grads_aside()
