@@ -2,7 +2,7 @@
 model with ``named_full_params()``, "generation" with the copy, ``reload_states()``, steps) ends bitwise where the
 same loop without the detour ends: parameters, every byte of the optimizer's state (``state_dict()``), the counters,
 and a checkpoint saved at the end (file by file, byte by byte). Stages 1-3, offload None / cpu / nvme, the precision
-settings (bf16 and int8 moments, bf16 parameter + remainder as the master, amsgrad), 1-3 gloo ranks."""
+settings (bf16 and int8 moments, bf16 parameter + remainder as the master, amsgrad), ZeroMuon, 1-3 gloo ranks."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from distributed import run_on_ranks
 from engine_reference import offload_kwargs
 from tiny_transformer import batch, build, loss_fn
 
-from zero_ext import ZeroAdamW, checkpoint
+from zero_ext import ZeroAdamW, ZeroMuon, checkpoint
 
 STEPS, DETOURS = 5, (1, 3)  # the detour after these steps
 PRECISIONS = {
@@ -39,8 +39,14 @@ def _generate(model: torch.nn.Module, step: int, rank: int) -> torch.Tensor:
 
 def _run(rank, stage, offload, precision, root, tag, detour, include, ckpt):
     model = build(torch.bfloat16)
-    opt = ZeroAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, stage=stage, module=model, bucket_size=1500,
-                    **PRECISIONS[precision], **offload_kwargs(offload, root, rank, tag, 1 << 16))  # fmt: skip
+    where = offload_kwargs(offload, root, rank, tag, 1 << 16)
+    if precision == "muon":  # ZeroMuon: its matrices whole on owner ranks, the rest AdamW
+        from muon_reference import MUON, zero_muon_groups
+
+        opt = ZeroMuon(zero_muon_groups(model), **MUON, stage=stage, module=model, bucket_size=1500, **where)
+    else:
+        opt = ZeroAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, stage=stage, module=model, bucket_size=1500,
+                        **PRECISIONS[precision], **where)  # fmt: skip
     generated = []
     for step in range(STEPS):
         loss_fn(model, batch(step, rank)).backward()
@@ -101,6 +107,11 @@ def test_detour_with_offload(offload, tmp_path):
 @pytest.mark.parametrize("precision", ["bf16_moments", "int8_moments", "remainders"])
 def test_detour_precisions_stage3(precision, tmp_path):
     _check(1, 3, None, precision, tmp_path)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_detour_zero_muon(stage, tmp_path):
+    _check(2, stage, None, "muon", tmp_path)
 
 
 @pytest.mark.parametrize("include", [["optim_states"], ["grads", "params"], "params"])
