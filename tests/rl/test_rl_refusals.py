@@ -79,14 +79,13 @@ def _refused(rank, world, stage, tmp):
         loss_fn(model, batch(5, rank))
     assert all(p.grad is None for p in model.parameters())
     opt.reload_states()
-    # a backward reaching the gradient hooks: the parameters on the device, the optimizer's state parked
-    if stage < 3:
-        opt.offload_states(include=["optim_states", "grads"])
-        loss = loss_fn(model, batch(5, rank))
-        with pytest.raises(RuntimeError, match=RELOAD):
-            loss.backward()
-        opt.reload_states()
-        model.zero_grad()  # (autograd's own .grad of the refused backward; the optimizer's state is untouched)
+    # a backward reaching the gradient hooks: the parameters (stage 3: the master its gathers round) on the device
+    opt.offload_states(include=["optim_states", "grads"] if stage < 3 else ["grads"])
+    loss = loss_fn(model, batch(5, rank))
+    with pytest.raises(RuntimeError, match=RELOAD):
+        loss.backward()
+    opt.reload_states()
+    model.zero_grad()  # (autograd's own .grad of the refused backward; the optimizer's state is untouched)
     _train(model, opt, 2, first=2, rank=rank)
     _train(ref_model, ref, 2, first=2, rank=rank)
     _same(_snapshot(model, opt), _snapshot(ref_model, ref))
