@@ -13,6 +13,16 @@ one byte per moment plus an fp32 scale per block of :data:`INT8_BLOCK` elements 
 the gradients and the stage-3 parameter shard as ZeroAdamW keeps them (an fp32 gradient shard on every rank; no
 bf16 parameter shard at stage 3 unless it is half of the master, with ``param_remainders``): what
 :func:`report` measures, padding and the bounded staging pool aside.
+
+A 2-D ``mesh=(R, S)`` (HSDP: R replicas of a shard group of S ranks, N = R x S) shards the optimizer state and the
+reduced gradients (stages 2, 3) over D ranks: all R x S by default (the shard group's reduce-scatter, then the
+replicas'), or the S of a shard group, replicated R times, with ``replicate_state=True`` (FSDP2's HSDP); stage 3's
+parameters are sharded over the S ranks of a shard group only (each rank keeps its 1/S chunk: forward's and
+backward's gathers never leave the node). For K = 12, per rank:
+
+    stage 1   4 Psi + 12 Psi / D      stage 2   2 Psi + 14 Psi / D      stage 3   2 Psi / S + 14 Psi / D
+
+``mesh=(1, N)`` is the 1-D layout.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ if TYPE_CHECKING:  # a type only: buffers.py never imports this module back
 
 __all__ = [
     "estimate", "estimate_breakdown", "state_bytes_per_element", "moment_bytes", "INT8_BLOCK", "MemoryReport",
-    "report", "human_bytes", "muon_owner_bytes", "MUON_STATE_BYTES",
+    "report", "human_bytes", "muon_owner_bytes", "MUON_STATE_BYTES", "mesh_divisors",
 ]  # fmt: skip
 
 # Elements per fp32 scale of int8 moments: the int8 kernels' block, chosen by measurement
@@ -68,9 +78,29 @@ def state_bytes_per_element(
     return _rule(moment_dtype, amsgrad=amsgrad, param_remainders=param_remainders).bytes_per_element()
 
 
+def mesh_divisors(
+    world_size: Optional[int], mesh: Optional[tuple[int, int]] = None, replicate_state: bool = False
+) -> tuple[int, int]:
+    """``(shard, state)``: how many ranks share stage 3's parameters (a shard group's S; N without a mesh) and how
+    many share the optimizer state and the reduced gradients (R x S by default, S with ``replicate_state``; N
+    without a mesh). ``mesh`` is ``(R, S)``, replicas x shard-group size; ``world_size``, if given, must be R x S."""
+    if mesh is None:
+        if replicate_state:
+            raise ValueError("replicate_state=True describes a 2-D mesh: give mesh=(R, S)")
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        return world_size, world_size
+    if len(mesh) != 2 or not all(isinstance(d, int) and d >= 1 for d in mesh):
+        raise ValueError(f"mesh must be (replicas, shard group size), two ints >= 1, got {mesh!r}")
+    replicas, shard = mesh
+    if world_size is not None and world_size != replicas * shard:
+        raise ValueError(f"world_size {world_size} is not the mesh's {replicas} x {shard} = {replicas * shard}")
+    return shard, shard if replicate_state else replicas * shard
+
+
 def estimate_breakdown(
     num_params: int,
-    world_size: int,
+    world_size: Optional[int],
     stage: int,
     *,
     param_bytes: int = 2,
@@ -80,6 +110,8 @@ def estimate_breakdown(
     moment_dtype: torch.dtype = torch.float32,
     engine: bool = False,
     muon_params: int = 0,
+    mesh: Optional[tuple[int, int]] = None,
+    replicate_state: bool = False,
 ) -> dict[str, Fraction]:
     """Per-rank bytes of params, grads and optimizer states under ZeRO ``stage`` (exact fractions).
 
@@ -97,6 +129,12 @@ def estimate_breakdown(
     ``muon_params`` (``zero_ext.ZeroMuon``): how many of the ``num_params`` are Muon matrices; their state is the Muon
     rule's (:data:`MUON_STATE_BYTES`: an fp32 master and an fp32 momentum buffer, 8 bytes), the rest AdamW's. The
     matrices are owned whole, so a rank's share is the average here; :func:`muon_owner_bytes` gives each rank's.
+
+    ``mesh=(R, S)`` (``world_size`` R x S, or None): stage 3's parameters sharded over the S ranks of a shard group,
+    the optimizer state and the reduced gradients over R x S (or over S with ``replicate_state=True``):
+    :func:`mesh_divisors`. With ``engine=True`` and the state sharded over R x S, stage 3 keeps the param-dtype
+    chunk of the S-way split (the shard group's gathers start from it; the master is 1/R of it, so it cannot be
+    rounded from the master at each gather).
     """
     if not isinstance(muon_params, int) or not 0 <= muon_params <= num_params:
         raise ValueError(f"muon_params must be an int in [0, num_params], got {muon_params!r}")
@@ -109,23 +147,22 @@ def estimate_breakdown(
         )
     if not isinstance(num_params, int) or num_params < 0:
         raise ValueError(f"num_params must be an int >= 0, got {num_params!r}")
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    shard, state_ranks = mesh_divisors(world_size, mesh, replicate_state)
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {stage!r}")
     if engine and stage == 0:
         raise ValueError("engine=True describes ZeroAdamW: stage must be 1, 2 or 3, got 0 (DDP)")
     # The documented formula is arithmetic on the stage number (the paper's table: stage >= k shards the k-th kind),
     # so it compares numbers on purpose; the engine's layers ask the stage object (engine/stages.py) instead.
-    psi, n = Fraction(num_params), world_size
-    params = psi * param_bytes / (n if stage >= 3 else 1)
+    psi, n = Fraction(num_params), state_ranks  # n: the ranks one copy of the state and the gradients spreads over
+    params = psi * param_bytes / (shard if stage >= 3 else 1)
     grads = psi * grad_bytes / (n if stage >= 2 else 1)
     states = ((psi - muon_params) * Fraction(optimizer_state_bytes) + muon_params * MUON_STATE_BYTES) / (
-        n if stage >= 1 else 1
+        state_ranks if stage >= 1 else 1
     )
     if engine:
         grads = (psi * grad_bytes if stage == 1 else 0) + psi * GRAD_SHARD_BYTES / n
-        if stage == 3 and param_bytes < 4 and not param_remainders:
+        if stage == 3 and param_bytes < 4 and not param_remainders and shard == n:
             params = Fraction(0)  # the fp32 master is the shard: each gather rounds it
     return {"params": params, "grads": grads, "optimizer_states": states}
 
@@ -142,19 +179,23 @@ def estimate(
     grad_bytes: int = 2,
     optimizer_state_bytes: Optional[Union[int, Fraction]] = None,
     muon_params: int = 0,
+    mesh: Optional[tuple[int, int]] = None,
+    replicate_state: bool = False,
 ) -> float:
     """The ZeRO model-state bytes per rank for ``stage`` 0 (plain DDP), 1, 2 or 3 (see module docstring); the
-    keywords are :func:`estimate_breakdown`'s.
+    keywords are :func:`estimate_breakdown`'s (``mesh=(R, S)``: HSDP, ``world_size`` R x S or None).
 
     >>> round(estimate(7_500_000_000, 64, 2) / 1e9, 1)   # ZeRO paper, Table 1
     16.6
     >>> estimate(1000, 8, 3, param_remainders=True, moment_dtype=torch.int8, engine=True) / 1000  # B/param
     1.265625
+    >>> estimate(1000, 64, 3, mesh=(8, 8)) / 1000, estimate(1000, 64, 3, mesh=(8, 8), replicate_state=True) / 1000
+    (0.46875, 2.0)
     """
     parts = estimate_breakdown(num_params, world_size, stage, param_remainders=param_remainders,
                                moment_dtype=moment_dtype, engine=engine, param_bytes=param_bytes,
                                grad_bytes=grad_bytes, optimizer_state_bytes=optimizer_state_bytes,
-                               muon_params=muon_params)  # fmt: skip
+                               muon_params=muon_params, mesh=mesh, replicate_state=replicate_state)  # fmt: skip
     return float(sum(parts.values()))
 
 
@@ -231,6 +272,10 @@ class MemoryReport:
     optimizer: str = "ZeroAdamW"  # the optimizer's class (its title line)
     owners: str = ""  # ZeroMuon: how its matrices are spread over the ranks (owner layouts)
     muon_numel: int = 0  # ZeroMuon: real elements of its Muon matrices, all ranks together
+    # HSDP (a 2-D mesh): (replicas R, shard group size S), world_size = R x S; None for the 1-D layout. The state is
+    # sharded over R x S ranks, or over S and replicated R times with ``replicate_state``.
+    mesh: Optional[tuple[int, int]] = None
+    replicate_state: bool = False
 
     def bytes_on(self, medium: str) -> int:
         """Bytes on ``medium``: "device" (the parameters' device; the host when that is the CPU), "host" (host
@@ -247,7 +292,16 @@ class MemoryReport:
     def estimate(self) -> float:
         """:func:`estimate` for this run (the average rank). Meaningful when every trainable param has one dtype:
         ``widths`` are those of the param dtype (``formula`` is exact for mixed dtypes too)."""
-        return estimate(self.num_params, self.world_size, self.stage, muon_params=self.muon_numel, **self.widths)
+        return estimate(self.num_params, self.world_size, self.stage, muon_params=self.muon_numel, mesh=self.mesh,
+                        replicate_state=self.replicate_state, **self.widths)  # fmt: skip
+
+    def layout_line(self) -> str:
+        """How the ranks share the model state: "N ranks" (1-D) or the mesh, and what each dimension shards."""
+        if self.mesh is None:
+            return f"{self.world_size} ranks"
+        r, s = self.mesh
+        d = f"{s}, replicated {r}x" if self.replicate_state else f"all {r * s}"
+        return f"mesh {r} x {s} (replicate x shard): state and gradients sharded over {d}, stage 3's params over {s}"
 
     def table(self) -> str:
         """A readable ledger: every allocation, then the identity that splits the total into the ZeRO formula and
@@ -263,12 +317,16 @@ class MemoryReport:
         w = self.widths
         p, g = w.get("param_bytes", 2), w.get("grad_bytes", 2)
         o = w.get("optimizer_state_bytes", state_bytes_per_element())
-        formula = {1: f"{p} + {g} + {o}/N", 2: f"{p} + ({g} + {o})/N", 3: f"({p} + {g} + {o})/N"}.get(
-            self.stage, ""
-        ) + " B/param"
+        if self.mesh is None:
+            formula = {1: f"{p} + {g} + {o}/N", 2: f"{p} + ({g} + {o})/N", 3: f"({p} + {g} + {o})/N"}
+        else:  # parameters and gradients over the shard group S, the state over D (R x S, or S when replicated)
+            d = "S" if self.replicate_state else "(R x S)"
+            formula = {1: f"{p} + {g} + {o}/{d}", 2: f"{p} + ({g} + {o})/{d}", 3: f"{p}/S + ({g} + {o})/{d}"}
+        formula = formula.get(self.stage, "") + " B/param"
         lines = [
             f"{self.optimizer} model state, rank {self.rank} of {self.world_size}, stage {self.stage}: "
             f"{self.num_params:,} parameters, {self.owned_numel:,} in this rank's shard",
+            *([f"  {self.layout_line()}"] if self.mesh is not None else []),
             f"  {'':<34}{'bytes':>11}{'B/param':>9}",
         ]
         lines += [f"  {self.owners}"] if self.owners else []
@@ -337,15 +395,31 @@ def human_bytes(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
-def report(state: "ShardedState", staging=None, window=None) -> MemoryReport:
+def report(
+    state: "ShardedState",
+    staging=None,
+    window=None,
+    *,
+    mesh: Optional[tuple[int, int]] = None,
+    replicate_state: bool = False,
+) -> MemoryReport:
     """Every persistent byte ``state`` holds on this rank, by kind, and how it relates to the formula. ``staging``:
     the engine's gradient staging pool (``engine.staging.StagingPool``), bounded, not per parameter; ``window``:
     stage 3's gather scheduler (``engine.param_gather.ParamGather``), whose gathered buckets are bounded, not
-    persistent."""
+    persistent. ``mesh=(R, S)`` (HSDP, ``comm.hsdp``): ``state``'s layout is that of the R x S ranks (layout rank
+    ``s * R + r``; stage 3 keeps the param-dtype chunk of the R slices of shard rank s), or with
+    ``replicate_state`` that of the S shard ranks; the report's ``world_size`` is R x S either way."""
     # The ledger checks every byte against the formula, term by term, so it follows the formula's arithmetic on the
     # stage number (estimate_breakdown) rather than the stage object's questions: the two must read alike.
     stage, world, rank = state.stage, state.world_size, state.rank
-    out = MemoryReport(stage, world, 0, 0, rank=rank)
+    replicas = 1  # the layout ranks whose slices make this rank's stage-3 parameter chunk
+    if mesh is not None:
+        _, layout_ranks = mesh_divisors(None, mesh, replicate_state)
+        replicas = 1 if replicate_state else mesh[0]
+        if layout_ranks != world:
+            raise ValueError(f"mesh {mesh}: the state's layout has {world} ranks, not {layout_ranks}")
+    out = MemoryReport(stage, world if mesh is None else mesh[0] * mesh[1], 0, 0, rank=rank, mesh=mesh,
+                       replicate_state=replicate_state)  # fmt: skip
     owned = [g.layout for g in state.groups if isinstance(g.layout, OwnerLayout)]
     if owned:
         out.muon_numel = sum(layout.real_numel for layout in owned)
@@ -376,7 +450,10 @@ def report(state: "ShardedState", staging=None, window=None) -> MemoryReport:
         owned, shard = group.layout.owned_real_numel(rank), group.layout.shard_numel
         out.num_params += psi
         out.owned_numel += owned
-        out.formula += (pw * psi if stage < 3 else pw * owned) + (gw * psi if stage == 1 else gw * owned) + sw * owned
+        # stage 3's chunk: the slices of layout ranks first .. first + replicas - 1 (this rank's own in 1-D)
+        first = rank - rank % replicas
+        chunk = sum(group.layout.owned_real_numel(k) for k in range(first, first + replicas))
+        out.formula += (pw * psi if stage < 3 else pw * chunk) + (gw * psi if stage == 1 else gw * owned) + sw * owned
         buffer_width = group.grad_buffer.element_size() if group.grad_buffer is not None else 0  # stage 1
         shard_bytes = sw + 4  # fp32 optimizer states + fp32 grad shard
         out.padding += buffer_width * (full - psi) + shard_bytes * (shard - owned)
@@ -384,7 +461,7 @@ def report(state: "ShardedState", staging=None, window=None) -> MemoryReport:
         if stage < 3:
             out.padding += pw * (full - psi)
         elif kept:
-            out.padding += pw * (shard - owned)
+            out.padding += pw * (shard * replicas - chunk)
         else:
             out.param_shard_not_kept += pw * owned
         # fp32 gradients beyond the formula's param-dtype ones: the grad shard, and an fp32 stage-1 buffer.

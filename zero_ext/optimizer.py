@@ -68,6 +68,16 @@ class ZeroAdamW(torch.optim.Optimizer):
             ``module=``). See :mod:`zero_ext.engine.param_gather`.
         process_group: the data-parallel group (default: the world; a single process when torch.distributed
             is not initialised).
+        mesh: beyond one node (HSDP): a 2-D ``torch.distributed.device_mesh.DeviceMesh`` with dims
+            ``("replicate", "shard")`` (``init_device_mesh("cuda", (nodes, gpus_per_node), mesh_dim_names=
+            ("replicate", "shard"))``, FSDP2's convention), or ``"auto"`` (that mesh from torchrun's
+            ``LOCAL_WORLD_SIZE``, said on rank 0). Gradients are reduce-scattered inside the node, then across
+            nodes only ``1/S`` of them; parameters are gathered inside the node (stage 3's forward and backward never
+            cross nodes); the optimizer state stays sharded over every rank. A 1-D mesh is its group (the default
+            layout). See ``docs/hsdp.md`` and :mod:`zero_ext.comm.hsdp`.
+        replicate_state: with a 2-D ``mesh``: keep the optimizer state sharded over the node's ranks only and
+            replicated across nodes (FSDP2's HSDP: the replicas all-reduce the reduced gradient shard, one collective
+            latency fewer per bucket, ``R`` copies of master and moments). Default False: sharded over all ranks.
         bucket_size: elements per bucket. Default: the model in 8 buckets on NCCL, 4 on gloo (so that even a small
             model overlaps reduction with backward; gloo's per-collective cost is higher), clamped to
             [N * 2**14, max(2**22, N * 2**18)] (``planning.default_bucket_size``).
@@ -199,6 +209,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         defer_all_gather_to: Optional[torch.nn.Module] = None,
         staging_buffers: int = 2,
         communicator: Optional[Communicator] = None,
+        mesh=None,
+        replicate_state: bool = False,
         offload: Optional[str] = None,
         offload_dir: Optional[str] = None,
         offload_window: Optional[int] = None,
@@ -223,7 +235,8 @@ class ZeroAdamW(torch.optim.Optimizer):
             prefetch=prefetch, gather_units=gather_units, param_init=param_init, param_device=param_device,
             defer_all_gather_to=defer_all_gather_to, staging_buffers=staging_buffers, offload=offload,
             offload_dir=offload_dir, offload_window=offload_window, param_remainders=param_remainders,
-            moment_dtype=moment_dtype, collective_timeout=collective_timeout,
+            moment_dtype=moment_dtype, collective_timeout=collective_timeout, mesh=mesh,
+            replicate_state=replicate_state,
         ))  # fmt: skip
 
     def _construct(self, params: Iterable, defaults: dict, check_arguments: Callable[[], None], options: dict) -> None:
@@ -346,13 +359,17 @@ class ZeroAdamW(torch.optim.Optimizer):
         Stage 1 skips communication inside the context and accumulates in ``param.grad`` (the param dtype); the
         first backward after it (or ``step()``) reduces the accumulated sum. Stage 2 has no full-size buffer to
         accumulate in, so it still reduces every backward pass and accumulates the means in the fp32 grad shard.
+        On a 2-D ``mesh`` stages 2 and 3 reduce inside the node only and hold the node's sums (1/S of the gradients,
+        in ``reduce_dtype``); they cross nodes once, with the first backward after the context (or at ``step()``).
         """
         previous = self._engine.grad_sync.sync_enabled
         self._engine.grad_sync.sync_enabled = False
+        held = self._engine.state.comm.hold_replicas(True)
         try:
             yield
         finally:
             self._engine.grad_sync.sync_enabled = previous
+            self._engine.state.comm.hold_replicas(held)
 
     def finish_sync(self) -> None:
         """Finish every gradient reduction and parameter gather in flight (the current stream waits for them; no
@@ -378,7 +395,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         bits)."""
         self._check_open()
         refuse_if_asleep(self._engine.state, "gathered_params()")
-        world = self._engine.state.world_size
+        world = self._engine.state.comm.process_count  # a rank of the job (on a mesh, not the layout's)
         if modifier_rank is not None and not (isinstance(modifier_rank, int) and 0 <= modifier_rank < world):
             raise ValueError(f"zero_ext.ZeroAdamW.gathered_params: `modifier_rank` must be a rank in [0, {world}), "
                              f"got {modifier_rank!r}")  # fmt: skip

@@ -50,7 +50,7 @@ def test_gradients_move_only_empty_filling_ready_syncing_synced():
     _, opt = _opt(2)
     rt = opt.bucket_runtimes[(0, 0)]
     assert rt.grad is GradState.EMPTY and rt.params is ParamState.GATHERED
-    _refused(rt, rt.start_grad_sync, None)  # launched before its gradients are in
+    _refused(rt, rt.start_grad_sync, None, None, torch.float32, False)  # launched before its gradients are in
     _refused(rt, rt.finish_grad_sync)  # nothing in flight
     _refused(rt, rt.reshard)  # stages 1 and 2 keep every parameter
     while not rt.grad_arrived():
@@ -58,8 +58,8 @@ def test_gradients_move_only_empty_filling_ready_syncing_synced():
     assert rt.grad is GradState.READY
     _refused(rt, rt.grad_arrived)  # more gradients than the bucket has, this round
     _refused(rt, rt.finish_grad_sync)
-    rt.start_grad_sync(None)
+    rt.start_grad_sync(None, None, torch.float32, False)  # nothing to send: no collective
     assert rt.grad is GradState.SYNCING
-    _refused(rt, rt.start_grad_sync, None)  # reduced twice
+    _refused(rt, rt.start_grad_sync, None, None, torch.float32, False)  # reduced twice
     rt.finish_grad_sync()
     assert rt.grad is GradState.SYNCED

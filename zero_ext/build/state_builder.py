@@ -15,15 +15,17 @@ Nothing is changed before step 2 succeeds on every rank: a failed construction l
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
 
 from ..comm import communicator_for, fallback_device
-from ..comm.mesh import Mesh
+from ..comm.mesh import Mesh, mesh_communicator
 from ..engine.config import EngineConfig
 from ..engine.model_state import ModelState
 from ..placement.offload import placement_class, placement_factory, prepare_offload
+from ..state.sharded_params import ChunkedParams, ShardedParams
 from ..state.sharded_state import FlatGroup, ShardedState
 from ..update.protocol import UpdateRule
 from ..update.registry import rule_for_group
@@ -39,7 +41,12 @@ class StateBuilder:
     def __init__(self, param_groups: Sequence[dict], options: EngineConfig):
         self.param_groups, self.options = param_groups, options
         self.plan = self._plan()
-        self.comm = options.communicator or communicator_for(options.process_group, self.device)
+        if options.communicator is not None:
+            self.comm = options.communicator
+        elif options.mesh is not None:
+            self.comm = mesh_communicator(options.mesh, options.replicate_state, self.device, communicator_for)
+        else:
+            self.comm = communicator_for(options.process_group, self.device)
         trainable = sum(p.numel() for _, members in self.plan.groups for _, p in members)
         self.bucket_size = options.bucket_size or default_bucket_size(trainable, self.comm)
         self._agree()
@@ -102,7 +109,8 @@ class StateBuilder:
     def _agree(self) -> None:
         o = self.options
         settings = (
-            f"stage={o.stage} reduce={o.reduce_dtype} bucket={self.bucket_size} offload={o.offload} "
+            f"stage={o.stage} mesh={Mesh(self.comm).shape} {getattr(self.comm, 'grid', '')} "
+            f"replicate_state={o.replicate_state} reduce={o.reduce_dtype} bucket={self.bucket_size} offload={o.offload} "
             f"{o.offload_window} rules={[r.describe() for r in self.rules]} "
             f"sync_module_states={o.sync_module_states} {describe(self.to_sync)}"  # the broadcast in build() matches
         )
@@ -137,6 +145,8 @@ def build_flat_groups(comm, o: EngineConfig, directory, names: dict[int, str], d
     a failure to create the files on any rank fails every rank, the files made so far deleted."""
     placement = placement_factory(o.offload, directory, o.offload_window, comm.rank, first_index + len(specs))
     params_cls = o.strategy.params_storage
+    if params_cls is ShardedParams and getattr(comm, "replicas", 1) > 1 and not comm.replicate_state:
+        params_cls = functools.partial(ChunkedParams, replicas=comm.replicas)  # stage 3 on a mesh: gathers in-node
     groups, error = [], None
     try:
         for fi, (gi, members, layout, rule) in enumerate(specs, start=first_index):

@@ -170,7 +170,8 @@ def save(path: str | os.PathLike, optimizer, *, extra: Any = None, timeout: floa
     state = sharded_state_of(optimizer, "save")
     comm = state.comm
     path = os.path.abspath(os.fspath(path))
-    tid = arrive(comm, secrets.randbits(48) if comm.rank == 0 else 0, timeout, f"saving {path}")[0]
+    first = comm.process_rank == 0  # writes the metadata, the model's files and the marker, publishes
+    tid = arrive(comm, secrets.randbits(48) if first else 0, timeout, f"saving {path}")[0]
     sleeping = asleep(state)  # offload_states(): refused on every rank, through the agreement below
     if sleeping is None:
         optimizer.finish_sync()
@@ -181,8 +182,9 @@ def save(path: str | os.PathLike, optimizer, *, extra: Any = None, timeout: floa
             raise sleeping.refusal("zero_ext.checkpoint.save")
         _check_target(path)
         os.makedirs(tmp, exist_ok=True)
-        crc = _write_rank(tmp, state)
-        if comm.rank == 0:
+        # every layout rank's shard once: a replica of replicated state (hsdp.py) holds the same bytes, and skips
+        crc = _write_rank(tmp, state) if comm.writes_checkpoints else 0
+        if first:
             meta = _meta(state, optimizer.param_groups)
             meta["model"], side_crcs = write_model_files(tmp, state)
             if extra is not None:
@@ -190,12 +192,16 @@ def save(path: str | os.PathLike, optimizer, *, extra: Any = None, timeout: floa
             meta_crc = write_json(os.path.join(tmp, META), meta)
     except BaseException as e:  # noqa: BLE001  (reported to every rank below, then re-raised)
         error = e
-    crcs = comm.agree(crc if error is None else -1)
-    if error is None and min(crcs) < 0:
-        error = CheckpointError(f"saving {path}: rank(s) {[r for r, c in enumerate(crcs) if c < 0]} failed "
+    agreed = comm.agree(crc if error is None else -1)  # process order
+    if error is None and min(agreed) < 0:
+        error = CheckpointError(f"saving {path}: rank(s) {[r for r, c in enumerate(agreed) if c < 0]} failed "
                                 f"(see their errors); the previous checkpoint is untouched, the partial one is {tmp}")  # fmt: skip
     agree(comm, error, f"saving {path}")
-    if comm.rank == 0:
+    crcs = [0] * comm.world_size  # by layout rank: each file's writer
+    for process, rank in enumerate(comm.layout_ranks()):
+        if rank is not None:
+            crcs[rank] = agreed[process]
+    if first:
         try:
             _write_marker(tmp, comm.world_size, crcs, meta_crc, side_crcs)
             _publish(tmp, path, tid)

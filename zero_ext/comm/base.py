@@ -20,6 +20,7 @@ no streams: gloo runs the transfer in its own threads and the epilogue runs insi
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable, Optional
 
@@ -89,25 +90,60 @@ DONE = Pending()  # an operation that needed no communication
 
 class CommCounts:
     """Elements and bytes passed to each kind of collective since construction (ZeRO-1/2 promise 2*Psi
-    elements per step; the benchmarks check it). Bytes depend on the dtype that travels."""
+    elements per step; the benchmarks check it). Bytes depend on the dtype that travels.
+
+    Also the *wire* bytes this rank sent, by link: a ring reduce-scatter or all-gather of ``n`` bytes over ``g``
+    ranks sends ``(g-1)/g * n`` from every rank, an all-reduce twice that. ``link`` says which network the group's
+    collectives cross: ``"inter"`` when the group spans nodes, ``"intra"`` when it stays in one (see
+    :func:`link_of`; a mesh's shard group is intra-node and its replicate group inter-node, by the mesh's
+    convention). ``as_dict()`` adds ``{kind}_{link}_node_bytes`` and the totals ``intra_node_bytes`` and
+    ``inter_node_bytes``: what HSDP meshes promise to cut (``zero_ext.comm.hsdp``)."""
 
     KINDS = ("reduce_scatter", "all_gather", "all_reduce")
+    LINKS = ("intra", "inter")
 
-    def __init__(self):
+    def __init__(self, group_size: int = 1, link: str = "intra"):
+        self.group_size, self.link = group_size, link
         self._elements = dict.fromkeys(self.KINDS, 0)
         self._bytes = dict.fromkeys(self.KINDS, 0)
+        self._wire = {(kind, link): 0 for kind in self.KINDS for link in self.LINKS}
 
     def add(self, kind: str, tensor: torch.Tensor) -> None:
+        n = tensor.numel() * tensor.element_size()
         self._elements[kind] += tensor.numel()
-        self._bytes[kind] += tensor.numel() * tensor.element_size()
+        self._bytes[kind] += n
+        g = self.group_size
+        self._wire[(kind, self.link)] += (2 if kind == "all_reduce" else 1) * (g - 1) * n // g
 
     def as_dict(self) -> dict[str, int]:
-        """``{kind}_elements`` and ``{kind}_bytes`` for every kind."""
+        """``{kind}_elements``, ``{kind}_bytes``, ``{kind}_{link}_node_bytes`` for every kind, and the wire totals
+        ``intra_node_bytes`` and ``inter_node_bytes``."""
         out = {}
         for kind in self.KINDS:
             out[f"{kind}_elements"] = self._elements[kind]
             out[f"{kind}_bytes"] = self._bytes[kind]
+            for link in self.LINKS:
+                out[f"{kind}_{link}_node_bytes"] = self._wire[(kind, link)]
+        for link in self.LINKS:
+            out[f"{link}_node_bytes"] = sum(self._wire[(kind, link)] for kind in self.KINDS)
         return out
+
+    @staticmethod
+    def summed(parts: "list[CommCounts]") -> dict[str, int]:
+        """The counts of several groups' communicators (a mesh's), added up."""
+        total: dict[str, int] = {}
+        for part in parts:
+            for key, value in part.as_dict().items():
+                total[key] = total.get(key, 0) + value
+        return total
+
+
+def link_of(world_size: int) -> str:
+    """``"inter"`` when a group of ``world_size`` ranks spans nodes: more ranks than torchrun's
+    ``LOCAL_WORLD_SIZE`` (ranks per node); ``"intra"`` otherwise, and where the variable is not set (mp.spawn, one
+    machine)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return "inter" if local.isdigit() and 0 < int(local) < world_size else "intra"
 
 
 class Communicator:
@@ -122,7 +158,10 @@ class Communicator:
         self.device = torch.device(device)
         self.world_size = world_size
         self.rank = rank
-        self.counts = CommCounts()
+        self.counts = CommCounts(world_size, link_of(world_size))
+        # The process's identity in host agreements (``agree`` answers in this order) and messages: the group's rank
+        # here; a mesh's layout rank differs from it (hsdp.py).
+        self.process_rank, self.process_count = rank, world_size
         # Where this rank is in its collectives, and the watch that compares every rank's position when a wait
         # lasts past ZeroAdamW's collective_timeout (None: plain waits). See divergence.py.
         self.position = Position()
@@ -136,6 +175,15 @@ class Communicator:
         # all_gather: parameter gathers overlap the optimizer update and the next forward on it.
         self.all_gather_stream = torch.cuda.Stream(device=self.device) if cuda else None
 
+    def layout_ranks(self) -> list:
+        """Every process's layout rank, in process order (None: a replica that writes no checkpoint files)."""
+        return list(range(self.world_size))
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Whether this process writes its shard files (a replica of replicated state does not)."""
+        return True
+
     # ---------------------------------------------------------------- policy
     def wire_dtype(self, grad_dtype: torch.dtype, reduce_dtype: torch.dtype) -> torch.dtype:
         """The dtype a gradient of ``grad_dtype`` travels in, for a mean in ``reduce_dtype``."""
@@ -148,6 +196,23 @@ class Communicator:
     def workspace_bytes(self, bucket_numel: int, wire_dtype: torch.dtype, reduce_dtype, accumulate: bool) -> int:
         """Bytes of caller-owned workspace :meth:`start_reduce_scatter` needs for a bucket of ``bucket_numel``."""
         return 0
+
+    # ---------------------------------------------------------------- no_sync across nodes (a mesh's; hsdp.py)
+    def hold_replicas(self, hold: bool) -> bool:
+        """``no_sync()``: keep reduced gradients inside the node (True) until the synchronising micro-batch; returns
+        the previous setting. Nothing to hold without replicas."""
+        return False
+
+    def held_keys(self) -> frozenset:
+        """The buckets whose node-reduced gradients wait to cross nodes (:meth:`start_release`)."""
+        return frozenset()
+
+    def start_release(self, key, out: torch.Tensor, accumulate: bool) -> Pending:
+        """Send bucket ``key``'s held gradients across nodes into ``out`` (its grad shard)."""
+        raise KeyError(key)
+
+    def drop_held(self) -> None:
+        """Forget the held gradients (``zero_grad()``)."""
 
     # ---------------------------------------------------------------- collectives
     def start_reduce_scatter(

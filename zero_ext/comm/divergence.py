@@ -159,7 +159,7 @@ class DivergenceWatch:
     def enter_gathered(self) -> None:
         """``gathered_params()`` entry, stage 3: a store barrier of every rank, before any of its gathers."""
         self._entries += 1
-        store, world = self._get_store(), self.comm.world_size
+        store, world = self._get_store(), self.comm.process_count
         key = f"{self._prefix}gathered/{self._entries}"
         if store.add(key, 1) >= world:
             store.set(key + "/all", b"1")
@@ -188,7 +188,7 @@ class DivergenceWatch:
         when one rank evaluates or generates while another trains: this one tiny collective per phase (the same
         size on every rank, so it pairs with anything in its place) finds such a divergence before the first
         mismatched gather."""
-        pos, world = self.comm.position, self.comm.world_size
+        pos, world = self.comm.position, self.comm.process_count
         code = BOUNDARIES.index(phase)
         mine = torch.tensor([pos.step, code, pos.count], dtype=torch.int64)
         everyone = torch.empty(world * 3, dtype=torch.int64)
@@ -199,7 +199,7 @@ class DivergenceWatch:
         if any(row != rows[0] for row in rows):
             lines = [
                 f"zero_ext.ZeroAdamW: the ranks stopped running the same modules (rank-dependent control flow; "
-                f"checked at the start of a {phase} on rank {self.comm.rank}). Where each rank is:"
+                f"checked at the start of a {phase} on rank {self.comm.process_rank}). Where each rank is:"
             ]
             for r, (step, c, count) in enumerate(rows):
                 lines.append(f"  rank {r}: starting a {BOUNDARIES[c]} at step {step}, {count} collectives issued")
@@ -221,13 +221,13 @@ class DivergenceWatch:
 
     def _post(self, waiting: dict, raised: Optional[str] = None) -> None:
         pos = self.comm.position
-        post = dict(rank=self.comm.rank, count=pos.count, waiting=waiting, ring=pos.recent(), phase=pos.phase,
+        post = dict(rank=self.comm.process_rank, count=pos.count, waiting=waiting, ring=pos.recent(), phase=pos.phase,
                     module=pos.module, step=pos.step, raised=raised)  # fmt: skip
-        self._get_store().set(self._key(self.comm.rank), json.dumps(post))
+        self._get_store().set(self._key(self.comm.process_rank), json.dumps(post))
 
     def _read(self) -> dict[int, dict]:
         store, posts = self._get_store(), {}
-        for r in range(self.comm.world_size):
+        for r in range(self.comm.process_count):
             key = self._key(r)
             if store.check([key]):
                 posts[r] = json.loads(store.get(key))
@@ -238,11 +238,11 @@ class DivergenceWatch:
         since = time.monotonic()
         while True:
             if done(self._poll):
-                self._get_store().delete_key(self._key(self.comm.rank))  # slow, not wrong
+                self._get_store().delete_key(self._key(self.comm.process_rank))  # slow, not wrong
                 return
             posts = self._read()
-            verdict = divergence(posts, self.comm.world_size)
-            missing = [r for r in range(self.comm.world_size) if r not in posts]
+            verdict = divergence(posts, self.comm.process_count)
+            missing = [r for r in range(self.comm.process_count) if r not in posts]
             if verdict is None and missing and time.monotonic() - since > self.timeout:
                 verdict = (
                     f"rank(s) {missing} issued no zero_ext collective for {2 * self.timeout:g} s while the others "
@@ -258,9 +258,9 @@ class DivergenceWatch:
     def _message(self, verdict: str, posts: dict[int, dict], missing: list[int]) -> str:
         lines = [
             f"zero_ext.ZeroAdamW: the ranks stopped running the same collectives (rank-dependent control flow; seen "
-            f"by rank {self.comm.rank} after waiting {self.timeout:g} s): {verdict}. Where each rank is:"
+            f"by rank {self.comm.process_rank} after waiting {self.timeout:g} s): {verdict}. Where each rank is:"
         ]
-        for r in range(self.comm.world_size):
+        for r in range(self.comm.process_count):
             lines.append(f"  rank {r}: " + (where(posts[r]) if r in posts else "not waiting in a zero_ext collective"))
         lines.append(GUIDE)
         return "\n".join(lines)

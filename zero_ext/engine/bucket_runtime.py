@@ -2,7 +2,10 @@
 
 A :class:`BucketRuntime` is made once per (flat group, bucket) by :class:`zero_ext.engine.runtime.BucketRuntimes`,
 which owns them for the engine's whole life (``add_param_group`` adds those of its buckets); the reducer, the parameter all-gathers (stages 1 and 2) and stage 3's gather scheduler all act on these
-objects, never on private lists of their own. The object holds
+objects, never on private lists of their own. It owns both directions of its communication, as Megatron's bucket
+group does: ``start_grad_sync`` launches its reduce-scatter (into the grad shard, or the landing buffer its
+placement gives) and ``finish_grad_sync`` waits for it; ``start_param_sync`` launches its all-gather and
+``finish_param_sync`` waits for it. The object holds
 
 - its gradients: how many arrived this round, the staging-pool entry it leases (``staging``), its reduce-scatter
   in flight (``grad_pending``), and the phase :class:`GradState`;
@@ -22,7 +25,8 @@ Gradients (one round = one synchronised backward pass)::
 
     EMPTY --grad--> FILLING --last grad--> READY --its turn: start_grad_sync--> SYNCING --finish_grad_sync--> SYNCED
       |___________ end of backward (missing gradients count as zero) ____^        |
-    a new round starts from SYNCED (or SYNCING: the previous reduction is waited for at the next launch)
+    a new round starts from SYNCED (or SYNCING: the previous reduction is waited for at the next launch); on a mesh
+    under no_sync() SYNCED --release_held--> SYNCING sends the node-held sums across nodes (comm/hsdp.py)
 
 Parameters::
 
@@ -35,6 +39,8 @@ from __future__ import annotations
 
 import enum
 from typing import TYPE_CHECKING, Optional
+
+import torch
 
 from ..comm import Pending
 
@@ -79,7 +85,8 @@ _GRAD_MOVES = {
     GradState.FILLING: {GradState.FILLING, GradState.READY},
     GradState.READY: {GradState.SYNCING},
     GradState.SYNCING: {GradState.SYNCED, GradState.EMPTY, GradState.READY},  # a new round while in flight
-    GradState.SYNCED: {GradState.EMPTY, GradState.READY},  # READY: step() reduces what no_sync() accumulated
+    # READY: step() reduces what no_sync() accumulated; SYNCING: a mesh sends its held gradients (release_held)
+    GradState.SYNCED: {GradState.EMPTY, GradState.READY, GradState.SYNCING},
 }
 _PARAM_MOVES = {  # stage 3: a present bucket is never gathered again
     ParamState.SHARDED: {ParamState.GATHERING},
@@ -124,9 +131,12 @@ class BucketRuntime:
 
     # ---------------------------------------------------------------- transitions
     def move_grad(self, to: GradState) -> None:
+        self._check_grad_move(to)
+        self.grad = to
+
+    def _check_grad_move(self, to: GradState) -> None:
         if to not in _GRAD_MOVES[self.grad]:
             raise IllegalTransition(f"bucket {self.key}: gradients cannot go from {self.grad.name} to {to.name}")
-        self.grad = to
 
     def _move_params(self, to: ParamState) -> None:
         if to not in (_PARAM_MOVES if self.group.flat_params.shards_params else _FULL_PARAM_MOVES)[self.params]:
@@ -140,12 +150,40 @@ class BucketRuntime:
         self.move_grad(GradState.READY if self.arrived >= len(self.bucket.slots) else GradState.FILLING)
         return self.grad is GradState.READY
 
-    def start_grad_sync(self, pending: Optional[Pending]) -> None:
-        """Its reduce-scatter was launched (``pending``; None when nothing was sent): READY -> SYNCING. The
-        staging lease passes to the pool, which reuses the entry once ``pending`` is waited for."""
+    def start_grad_sync(self, comm, send: Optional[torch.Tensor], reduce_dtype, accumulate: bool) -> Optional[Pending]:
+        """Launch its reduce-scatter of ``send`` (None: nothing to send) into its grad shard, or into the landing
+        buffer its placement gives (offload), which then takes it: READY -> SYNCING. Returns the collective's
+        Pending (None when nothing was sent); the staging lease passes to the pool, which reuses the entry once it
+        is waited for."""
+        self._check_grad_move(GradState.SYNCING)  # before anything is launched
+        pending = None
+        if send is not None:
+            placement = self.group.state
+            target, direct = placement.grad_target(self.bucket)  # the grad shard, or a landing buffer (offload)
+            comm.position.bucket = self.key  # labels the collective (divergence.py)
+            workspace = None if self.staging is None else self.staging.workspace()
+            pending = comm.start_reduce_scatter(
+                send, target, reduce_dtype=reduce_dtype, accumulate=accumulate and direct, workspace=workspace
+            )
+            if not direct:
+                placement.landed(self.bucket, target, pending, accumulate)
         self.move_grad(GradState.SYNCING)
         self.grad_pending = pending
         self.staging = None
+        return pending
+
+    def release_held(self, comm) -> None:
+        """A mesh under ``no_sync()`` held its node-reduced gradients (``comm.hsdp``): send them across nodes into its
+        grad shard (added), SYNCED -> SYNCING."""
+        self._check_grad_move(GradState.SYNCING)
+        placement = self.group.state
+        target, direct = placement.grad_target(self.bucket)
+        comm.position.bucket = self.key
+        pending = comm.start_release(self.key, target, accumulate=direct)
+        if not direct:
+            placement.landed(self.bucket, target, pending, True)
+        self.move_grad(GradState.SYNCING)
+        self.grad_pending = pending
 
     def finish_grad_sync(self) -> None:
         """Wait for its reduce-scatter (the grad shard then holds the mean): SYNCING -> SYNCED."""

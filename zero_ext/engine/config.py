@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Communicator
+from ..comm.mesh import check_mesh
 from ..placement.offload import check_offload_options
 from ..update.registry import DEFAULT_RULE
 from ..update.rule import check_flag, check_moment_dtype
@@ -26,6 +27,8 @@ class EngineConfig:
     stage: int
     process_group: Optional[dist.ProcessGroup] = None
     communicator: Optional[Communicator] = None
+    mesh: Any = None  # a DeviceMesh (2-D: ("replicate", "shard")), "auto" or None (comm/mesh.py)
+    replicate_state: bool = False  # with a 2-D mesh: FSDP2's replicated optimizer state instead of sharded everywhere
     bucket_size: Optional[int] = None
     reduce_dtype: torch.dtype = torch.float32
     grad_accum_dtype: Optional[torch.dtype] = None
@@ -60,6 +63,7 @@ class EngineConfig:
         check_stage3_options(stage_for(o.stage), o.module, o.reshard_after_forward, o.prefetch, o.defer_all_gather_to)
         check_gather_units(o.gather_units)
         check_process_group(o.process_group, o.communicator)
+        check_mesh(o.mesh, o.process_group, o.communicator, o.replicate_state)
         check_collective_timeout(o.collective_timeout)
         if o.defer_all_gather_to is not None and o.module is not None and o.defer_all_gather_to is not o.module:
             raise ValueError("zero_ext.ZeroAdamW: `defer_all_gather_to` and `module` must be the same model")

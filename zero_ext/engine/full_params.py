@@ -19,6 +19,7 @@ offloaded) and touches neither the model's parameters nor the gather schedule: t
 
 from __future__ import annotations
 
+import contextlib
 from typing import Iterator, Optional
 
 import torch
@@ -51,6 +52,17 @@ def _where(state: ShardedState, t: torch.Tensor) -> torch.Tensor:
     offload or reload between two items)."""
     sleeping = asleep(state)
     return sleeping.lot.host_view(t) if sleeping is not None else t
+
+
+@contextlib.contextmanager
+def _shard_at(fp, base: torch.Tensor):
+    """``fp.rank_slice`` sliced out of ``base`` (the shard's host copy while it is offloaded: no view of a parked
+    storage can be made), by the storage's own slicing (a mesh's chunks, ``ChunkedParams``, lay it out otherwise)."""
+    kept, fp.shard = fp.shard, base
+    try:
+        yield
+    finally:
+        fp.shard = kept
 
 
 def named_full_params(engine, module=None, buffers: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -91,9 +103,14 @@ def _gathered(state: ShardedState, group: FlatGroup, names) -> Iterator[tuple[st
                 bucket = layout.buckets[b]
                 full = bucket.bucket_range.shifted(-run.offset).of(buf)
                 mine = bucket.rank_range(rank).shifted(-bucket.offset).of(full)
-                # this rank's shard, or the fp32 master a gather rounds (to nearest even) when no shard is kept
-                source = fp.shard if fp.shard is not None else group.state.buffers[MASTER]
-                mine.copy_(bucket.shard_range.of(_where(state, source)))
+                # this rank's slice of its kept shard (or mesh chunk), or of the fp32 master a gather rounds (to
+                # nearest even) when none is kept
+                if fp.shard is not None:
+                    with _shard_at(fp, _where(state, fp.shard)):
+                        source = fp.rank_slice(bucket)
+                else:
+                    source = bucket.shard_range.of(_where(state, group.state.buffers[MASTER]))
+                mine.copy_(source)
                 comm.start_all_gather(full, mine).wait()
             views = [(group.params[i], run.slot_range(layout.slots[i]).of(buf)) for i in run.slots]
         del buf  # the views hold it while the caller does

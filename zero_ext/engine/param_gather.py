@@ -123,6 +123,7 @@ class ParamGather:
         self.run_bytes: dict[tuple[int, int], int] = {}
         self.keys: dict[int, set[Key]] = {}  # id(module) -> buckets it uses (own parameters, then learned reads)
         self._hooks = []
+        self._replica_syncs = []  # mesh chunks being completed after step() (bucket_updated)
         self.position = self.comm.position  # where this rank is, for the divergence check (divergence.py)
         self.names = {id(m): name for name, m in module.named_modules()}
         self._recompute_peak = 0  # the most bytes a recomputed (checkpointed) forward held gathered at once
@@ -270,11 +271,18 @@ class ParamGather:
     # ---------------------------------------------------------------- what step() and finish_sync() call
     def bucket_updated(self, group, bucket) -> None:
         """Nothing to gather: every bucket was released before the update, and the next use gathers the new
-        values (this rank's slice, rounded from the master, goes straight into the all-gather)."""
+        values (this rank's slice, rounded from the master, goes straight into the all-gather). On a mesh whose
+        state is sharded over every rank, the replicas' updated slices are gathered into this rank's chunk
+        (``state.sharded_params.ChunkedParams``), waited for by :meth:`settle` (the end of ``step()``)."""
+        pending = group.flat_params.sync_after_update(self.comm, bucket)
+        if pending is not None:
+            self._replica_syncs.append(pending)
 
     def settle(self) -> None:
         """Outside forward and backward nothing stays gathered: release every bucket (before ``step()`` updates
         the shards they were gathered from, and for ``finish_sync()``)."""
+        while self._replica_syncs:
+            self._replica_syncs.pop(0).wait()
         if not self._stack and not self._manual:
             self._release_everything(forward_too=True)
 

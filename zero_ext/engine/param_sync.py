@@ -107,15 +107,13 @@ def write_back(state: ShardedState, modifier_rank: int) -> None:
     for group, bucket in state.buckets():
         full = group.flat_params.gathered(bucket)
         with torch._C.DisableTorchFunctionSubclass():
-            shard = group.flat_params.rank_slice(bucket)
             state.comm.broadcast(full, modifier_rank)
             mine = bucket.rank_range(state.rank).shifted(-bucket.offset).of(full)
             if group.state.master_copy:
                 # Against the master, not the values before the broadcast: at stages 1 and 2 the modifier's own
                 # shard is part of `full`, already edited.
                 master_follows(group, bucket, mine)
-            if shard is not None and shard.data_ptr() != mine.data_ptr():  # None: cast from the master
-                shard.copy_(mine)
+            group.flat_params.follow(bucket, full)  # stage 3's kept shard (or mesh chunk)
     if state.param_edits is not None:
         state.param_edits.record()
 
@@ -129,8 +127,9 @@ def params_from_master(state: ShardedState) -> None:
             mine = group.flat_params.rank_slice(bucket)  # None: stage 3 casts the master at each gather
             if group.state.master_copy and mine is not None:
                 mine.copy_(group.state.read("master", bucket.shard_range))
-            if group.flat_params.gathers_after_update:
-                pending.append(state.comm.start_all_gather(group.flat_params.gathered(bucket), mine))
+            synced = group.flat_params.sync_after_update(state.comm, bucket)
+            if synced is not None:
+                pending.append(synced)
     for p in pending:
         p.wait()
     if state.param_edits is not None:

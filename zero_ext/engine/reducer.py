@@ -160,23 +160,10 @@ class GradSync:
         """Launch ``gb``'s reduce-scatter into its grad shard (the strategy says what goes on the wire)."""
         gb.wait_grad()  # its reduction of an earlier round, if still in flight, lands first
         send = self.strategy.send(gb)
-        pending = None
-        if send is not None:
-            entry = gb.staging
-            placement = gb.group.state
-            target, direct = placement.grad_target(gb.bucket)  # the grad shard, or a landing buffer (offload)
-            self.comm.position.bucket = gb.key  # labels the collective (divergence.py)
-            pending = self.comm.start_reduce_scatter(
-                send,
-                target,
-                reduce_dtype=self.strategy.reduce_dtype,
-                accumulate=self.strategy.accumulate and direct,
-                workspace=None if entry is None else entry.workspace(),
-            )
-            if not direct:
-                placement.landed(gb.bucket, target, pending, self.strategy.accumulate)
+        entry = gb.staging
+        pending = gb.start_grad_sync(self.comm, send, self.strategy.reduce_dtype, self.strategy.accumulate)
+        if pending is not None:
             self.pool.launched(entry, pending)
-        gb.start_grad_sync(pending)
 
     def finish_grad_sync(self) -> None:
         """Make every reduction of the gradients so far visible in the grad shards (the current stream waits)."""
@@ -184,6 +171,15 @@ class GradSync:
             self._close_round()
         if self.strategy.unreduced:  # backward ran only under no_sync(): reduce the accumulated gradients now
             self._open_round_without_backward()
+        self.wait_inflight()
+        if self.comm.held_keys():  # a mesh under no_sync(): the node-reduced sums cross nodes now
+            self._release_held()
+
+    def _release_held(self) -> None:
+        held = self.comm.held_keys()
+        for gb in self.buckets:
+            if gb.key in held:
+                gb.release_held(self.comm)
         self.wait_inflight()
 
     def _open_round_without_backward(self) -> None:
@@ -218,6 +214,7 @@ class GradSync:
             group.state.finish_landing()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.comm.drop_held()  # gradients held inside the node (a mesh's no_sync) are dropped with the others
         self.placeholders.zero_grad()
         self.finish_grad_sync()
         self.strategy.zero_grad(set_to_none)

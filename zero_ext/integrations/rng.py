@@ -48,9 +48,9 @@ def gather(comm: Communicator) -> list[dict[str, Any]]:
     Through ``comm.cpu_group``, never an NCCL group: ``all_gather_object`` there would pickle into CUDA tensors and
     wait for the device."""
     mine = capture()
-    if comm.world_size == 1:
+    if comm.process_count == 1:
         return [mine]
-    states: list[Any] = [None] * comm.world_size
+    states: list[Any] = [None] * comm.process_count
     dist.all_gather_object(states, mine, group=comm.cpu_group)
     return states
 

@@ -273,7 +273,7 @@ class ZeroTrainer(Trainer):
         comm = opt.sharded_state.comm
         extra = {
             "format": _EXTRA_FORMAT,
-            "world_size": comm.world_size,
+            "world_size": comm.process_count,
             "scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
             "rng": rng.gather(comm),
         }
@@ -307,7 +307,7 @@ class ZeroTrainer(Trainer):
         if self.lr_scheduler is not None and extra["scheduler"] is not None:
             self.lr_scheduler.load_state_dict(extra["scheduler"])
         self._zero_rng = (resume_from, extra["rng"])
-        saved, now = extra["world_size"], opt.sharded_state.comm.world_size
+        saved, now = extra["world_size"], opt.sharded_state.comm.process_count
         if saved != now:
             logger.warning("ZeroTrainer: %s was saved at %d ranks and resumes at %d: rank r takes saved rank r %% %d's "
                            "random generators, and the ranks see other samples than before, so dropout differs from "
@@ -318,7 +318,7 @@ class ZeroTrainer(Trainer):
             return
         if self._zero_rng is None or self._zero_rng[0] != resume_from:
             return super()._load_rng_state(resume_from)  # a checkpoint without optimizer state
-        rng.restore(self._zero_rng[1], self.zero_optimizer.sharded_state.comm.rank)
+        rng.restore(self._zero_rng[1], self.zero_optimizer.sharded_state.comm.process_rank)
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
         """The Trainer's ``save_model`` (``save_pretrained`` on the main process) on the full parameters: at stages 1

@@ -125,7 +125,7 @@ def prepare_offload(
         os.makedirs(parent, exist_ok=True)
         if not os.path.isdir(parent):
             raise OSError(f"`offload_dir` {parent!r} is not a directory")
-        directory = tempfile.mkdtemp(prefix=leftovers.dir_prefix(comm.rank), dir=parent)
+        directory = tempfile.mkdtemp(prefix=leftovers.dir_prefix(comm.process_rank), dir=parent)
         key = fingerprint([socket.gethostname(), str(os.stat(parent).st_dev)])  # ranks sharing this disk
     except OSError as e:
         error = f"cannot use `offload_dir` {offload_dir!r}: {e}"
@@ -147,7 +147,7 @@ def prepare_offload(
         if error is not None:
             raise ValueError(f"{WHERE}: {error}")
         raise ValueError(f"{WHERE}: offload='nvme' failed on rank(s) {failed} (see their errors)")
-    if comm.rank == sharing[0]:  # once per disk: what killed processes left there
+    if comm.process_rank == sharing[0]:  # once per disk: what killed processes left there
         leftovers.warn(parent)
     return directory
 

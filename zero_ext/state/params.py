@@ -70,5 +70,12 @@ class FullParams:
         """This rank's slice of ``bucket`` in the param dtype (to read: a checkpoint's ``param`` section)."""
         return self.rank_slice(bucket)
 
+    def follow(self, bucket: Bucket, full: torch.Tensor) -> None:
+        """Nothing: the slice is part of ``full``."""
+
+    def sync_after_update(self, comm, bucket: Bucket):
+        """Every rank's updated slice into the full buffer (in place); its Pending."""
+        return comm.start_all_gather(self.gathered(bucket), self.rank_slice(bucket))
+
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"params": self.buffer}

@@ -28,7 +28,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ..layout import Bucket, Layout, Run
+from ..layout import Bucket, Layout, Range, Run
 
 # Properties that read no data: their getters (and .data/.grad/.requires_grad setters) pass straight through.
 _METADATA = frozenset(
@@ -232,5 +232,78 @@ class ShardedParams:
                     return slot.index
         return None
 
+    def follow(self, bucket: Bucket, full: torch.Tensor) -> None:
+        """The kept shard follows ``full`` (``bucket``'s gathered values, edited: ``gathered_params(modifier_rank)``)."""
+        shard = self.rank_slice(bucket)
+        if shard is not None:
+            shard.copy_(bucket.rank_range(self.rank).shifted(-bucket.offset).of(full))
+
+    def sync_after_update(self, comm, bucket: Bucket):
+        """Nothing to communicate after an update: the next use gathers the updated shard (None)."""
+        return None
+
     def tensors(self) -> dict[str, torch.Tensor]:
         return {} if self.shard is None else {"params": self.shard}
+
+
+class ChunkedParams(ShardedParams):
+    """Stage 3 on a mesh whose optimizer state is sharded over every rank (``comm.hsdp``): each rank keeps its
+    *chunk* of every bucket in the param dtype, the ``replicas`` contiguous slices of its shard-group rank (``1/S``
+    of the bucket, where the master and moments are ``1/N``), so the gathers of forward and backward run inside the
+    shard group (inside the node) from the chunk. The update writes this rank's slice of the chunk
+    (:meth:`rank_slice`); :meth:`sync_after_update` then gathers the replicas' updated slices into it (across nodes,
+    once per step). The chunk is kept, never cast from the master at each gather: the other replicas' slices are
+    not on this rank."""
+
+    def __init__(self, layout: Layout, rank: int, dtype: torch.dtype, device: torch.device, replicas: int):
+        self.replicas = replicas
+        self.replica = rank % replicas  # layout rank = shard rank x replicas + replica (comm/hsdp.py)
+        self.first = rank - self.replica  # the chunk's first layout rank
+        super().__init__(layout, rank, dtype, device)
+        self.shard = torch.zeros(layout.shard_numel * replicas, dtype=dtype, device=device)
+
+    def chunk(self, bucket: Bucket) -> torch.Tensor:
+        """This rank's chunk of ``bucket`` (the shard group gathers it)."""
+        start = bucket.shard_offset * self.replicas
+        return self.shard[start : start + bucket.shard_numel * self.replicas]
+
+    def _chunk_range(self, bucket: Bucket) -> Range:
+        """The chunk's elements in the flat buffer (the first layout rank's slice to the last's)."""
+        return Range(bucket.rank_range(self.first).start, bucket.rank_range(self.first + self.replicas - 1).end)
+
+    def adopt(self, params: Sequence[torch.Tensor]) -> None:
+        self.params = list(params)
+        for p in self.params:
+            if p.is_meta:
+                torch.utils.swap_tensors(p, type(p)(self.poison.expand(p.shape), requires_grad=p.requires_grad))
+        with torch._C.DisableTorchFunctionSubclass():
+            for j in range(self.replicas):
+                for piece in self.layout.owned_pieces(self.first + j):
+                    bucket = self.layout.buckets[piece.bucket]
+                    at = piece.shard_offset - bucket.shard_offset + j * bucket.shard_numel
+                    flat = self.params[piece.index].detach().reshape(-1)
+                    target = self.chunk(bucket)[at : at + piece.numel]
+                    target.copy_(piece.param_range.of(flat))
+        for run in self.layout.runs:
+            self.forget(run)
+
+    def fill_shard(self, run: Run, full: torch.Tensor) -> None:
+        for b in run.buckets:
+            bucket = self.layout.buckets[b]
+            self.chunk(bucket).copy_(self._chunk_range(bucket).shifted(-run.offset).of(full))
+
+    def cast_from(self, source) -> None:
+        """The chunk is kept (see the class docstring): nothing to drop."""
+
+    def rank_slice(self, bucket: Bucket) -> torch.Tensor:
+        n = bucket.shard_numel
+        return self.chunk(bucket)[self.replica * n : (self.replica + 1) * n]
+
+    def gather_input(self, bucket: Bucket, full: torch.Tensor) -> torch.Tensor:
+        return self.chunk(bucket)
+
+    def follow(self, bucket: Bucket, full: torch.Tensor) -> None:
+        self.chunk(bucket).copy_(self._chunk_range(bucket).shifted(-bucket.offset).of(full))
+
+    def sync_after_update(self, comm, bucket: Bucket):
+        return comm.start_replica_gather(self.chunk(bucket), self.rank_slice(bucket))

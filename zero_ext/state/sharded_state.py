@@ -112,8 +112,8 @@ class ShardedState:
         update_device: Optional[torch.device] = None,
         tracks_param_edits: bool,
     ):
-        self.mesh = mesh  # the shard group (and, for HSDP, the replicate group: a single replica today)
-        self.comm: Communicator = mesh.shard  # every collective of the layout runs on the shard group
+        self.mesh = mesh  # the layout's communicator; for HSDP also its shard and replicate groups (comm/mesh.py)
+        self.comm: Communicator = mesh.comm  # every collective of the layout goes through it
         self.stage = stage
         self.bucket_size = bucket_size
         self.groups = list(groups)

@@ -1,0 +1,350 @@
+"""A 2-D mesh's collectives: shard within a node, replicate across nodes (HSDP), the optimizer state still sharded
+over every rank by default.
+
+A mesh of ``R`` replicas x ``S`` shard ranks (``("replicate", "shard")``, FSDP2's convention: the shard group is a
+node's ranks, the replicate group one rank of each node). :class:`MeshCommunicator` is the communicator the rest of
+the engine sees; it composes the two groups' own communicators (each with its streams on CUDA):
+
+- **State sharded over all R x S ranks** (default, ``replicate_state=False``). The layout is the 1-D layout of
+  ``N = R x S`` ranks, and rank ``(r, s)`` is its slice ``k = s * R + r``: the ``R`` slices of shard rank ``s`` are
+  contiguous (its *chunk*, ``1/S`` of a bucket). So a reduce-scatter is the shard group's reduce-scatter into the
+  chunk (inside the node) and then the replicas' reduce-scatter of the chunk into the slice (across nodes, ``1/S``
+  of the bytes); an all-gather is the replicas' all-gather of the slice into the chunk, then the shard group's of the
+  chunk into the bucket. Across nodes travel ``2 (R-1)/R x Psi/S`` bytes per rank and step, what FSDP2 HSDP's
+  all-reduce of the chunk sends, but each rank keeps ``1/N`` of the master and moments instead of ``1/S``. Because
+  the layout is the 1-D layout of ``N`` ranks, the state, its checkpoints (written once: every rank holds different
+  bytes) and their consolidation are those of ``N`` ranks: a checkpoint moves between ``R x S`` meshes and 1-D runs
+  like one between world sizes. Stage 3 keeps each rank's chunk of the parameters (``1/S`` of them: what the
+  shard group gathers from, so forward and backward gathers never leave the node) and after each update the
+  replicas all-gather their updated slices into it (``state.sharded_params.ChunkedParams``).
+- **State replicated over the R replicas** (``replicate_state=True``, FSDP2's HSDP): the layout is that of the
+  ``S`` shard ranks; a reduce-scatter is the shard group's into the slice, then an all-reduce of the slice over the
+  replicas (one collective latency fewer per bucket); parameters are gathered inside the shard group only; each
+  replica updates the same slice to the same bits. Checkpoints are written by replica 0 only.
+
+The process identity (``process_rank``: the global rank) is what host agreements and error messages use; ``rank``
+is the layout's.
+
+On CPU (gloo) a two-level collective's second level starts when it is waited for, or when this communicator starts
+its next collective (whichever comes first; the same points on every rank, so each group sees its collectives in
+the same order everywhere); on CUDA both levels are queued at once, the second on its group's stream behind an
+event of the first (no host wait).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..kernels.dispatch import accumulate_into
+from .base import DONE, CommCounts, Communicator, Pending
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 64) * 64
+
+
+class TwoLevel(Pending):
+    """A collective of two levels: ``first`` in flight, ``then()`` starts the second (its Pending)."""
+
+    __slots__ = ("_first", "_then", "_second", "_cuda_stream")
+
+    def __init__(self, first: Pending, then: Callable[[], Pending], second_stream=None):
+        super().__init__()
+        self._done = False
+        self._first, self._then, self._second = first, then, None
+        if second_stream is not None:  # CUDA: queue the second level now, behind the first's event
+            first.wait_on(second_stream)
+            self._second = then()
+
+    @property
+    def launched(self) -> bool:
+        return self._second is not None
+
+    def launch(self) -> None:
+        """CPU: wait for the first level (its epilogue runs) and start the second."""
+        if not self._done and self._second is None:
+            self._first.wait()
+            self._second = self._then()
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        self.launch()
+        self._first.wait()  # CUDA: the current stream waits for both (also what keeps the first's tensors alive)
+        self._second.wait()
+        self._done = True
+        self._first = self._second = self._then = None
+
+    def wait_on(self, stream) -> None:
+        self.launch()
+        self._second.wait_on(stream)
+
+
+class MeshCommunicator(Communicator):
+    """The collectives of a ``replicate`` x ``shard`` mesh (see the module's docstring). ``shard`` and
+    ``replicate``: the two groups' communicators (this rank's row and column); ``world``: one over every rank of the
+    mesh (host agreements, the step's statistics)."""
+
+    name = "mesh"
+
+    def __init__(
+        self, shard: Communicator, replicate: Communicator, world: Communicator, replicate_state: bool,
+        grid: list[list[int]],
+    ):  # fmt: skip
+        self.shard, self.replicate, self.world, self.grid = shard, replicate, world, grid
+        self.replicate_state = replicate_state
+        R, S = replicate.world_size, shard.world_size
+        self.replicas, self.replica = R, replicate.rank
+        world_size = S if replicate_state else R * S
+        rank = shard.rank if replicate_state else shard.rank * R + replicate.rank
+        super().__init__(world.group, world.device, world_size, rank)
+        self.reduce_scatter_stream, self.all_gather_stream = shard.reduce_scatter_stream, shard.all_gather_stream
+        self.cpu_group = world.cpu_group
+        self.process_rank, self.process_count = world.process_rank, world.process_count
+        # the mesh's convention: the shard group inside a node, the replicas (and so the world) across nodes
+        shard.counts.link, replicate.counts.link, world.counts.link = "intra", "inter", "inter"
+        for c in (shard, replicate, world):  # one position: the divergence watch sees every group's collectives
+            c.position = self.position
+        self._unlaunched: list[TwoLevel] = []  # CPU: second levels not started yet, in order
+        # no_sync(): each bucket's node-reduced gradient sum (1/S of it, in reduce_dtype) until it crosses nodes
+        self._holding = False
+        self._held: dict = {}
+
+    # ---------------------------------------------------------------- what the engine reads
+    @property
+    def counts(self):
+        return _MeshCounts(self)
+
+    @counts.setter
+    def counts(self, value) -> None:  # Communicator.__init__ assigns one; the groups' own are what count
+        pass
+
+    @property
+    def watch(self):
+        return self.world.watch
+
+    @watch.setter
+    def watch(self, value) -> None:
+        for c in (getattr(self, "shard", None), getattr(self, "replicate", None), getattr(self, "world", None)):
+            if c is not None:
+                c.watch = value
+
+    def layout_ranks(self) -> list[Optional[int]]:
+        """Every process's layout rank, in process order (None: a replica that does not write checkpoints)."""
+        R = self.replicas
+        where = {}
+        for row in self.grid:  # a row: one shard group; a column: one replicate group (group ranks: sorted order)
+            for s, g in enumerate(sorted(row)):
+                where[g] = [None, s]
+        for column in zip(*self.grid):
+            for r, g in enumerate(sorted(column)):
+                where[g][0] = r
+        out: list[Optional[int]] = []
+        for g in range(len(where)):
+            r, s = where[g]
+            out.append((s if r == 0 else None) if self.replicate_state else s * R + r)
+        return out
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        return not self.replicate_state or self.replica == 0
+
+    # ---------------------------------------------------------------- policy
+    def wire_dtype(self, grad_dtype, reduce_dtype):
+        return self.shard.wire_dtype(grad_dtype, reduce_dtype)
+
+    def prescale(self, grad_dtype, reduce_dtype) -> float:
+        # 1.0: each level's exact mean divides by its own size (gloo, fp32); else the sums of both levels make the
+        # mean of values pre-scaled by 1/(R x S)
+        if self.shard.prescale(grad_dtype, reduce_dtype) == 1.0:
+            return 1.0
+        return 1.0 / (self.replicas * self.shard.world_size)
+
+    def _divides(self, grad_dtype, reduce_dtype) -> bool:
+        return self.prescale(grad_dtype, reduce_dtype) == 1.0
+
+    def _segments(self, bucket_numel, wire_dtype, reduce_dtype, accumulate) -> tuple[int, int, int]:
+        """Bytes of the workspace's three parts: the shard level's, the chunk (in ``reduce_dtype``), the replica
+        level's."""
+        chunk = bucket_numel // self.shard.world_size
+        first = self.shard.workspace_bytes(bucket_numel, wire_dtype, reduce_dtype, False)
+        if self.replicate_state:
+            second = 0
+        else:
+            second = self.replicate.workspace_bytes(chunk, reduce_dtype, reduce_dtype, accumulate)
+        return _aligned(first), _aligned(chunk * reduce_dtype.itemsize), _aligned(second)
+
+    def workspace_bytes(self, bucket_numel, wire_dtype, reduce_dtype, accumulate) -> int:
+        return sum(self._segments(bucket_numel, wire_dtype, reduce_dtype, accumulate))
+
+    # ---------------------------------------------------------------- collectives
+    def _advance(self) -> None:
+        """CPU: start the second level of every earlier two-level collective (in order) before a new one."""
+        while self._unlaunched:
+            self._unlaunched.pop(0).launch()
+
+    def _two_level(self, first: Pending, then: Callable[[], Pending], second: Communicator, stream_kind: str):
+        stream = getattr(second, stream_kind)
+        pending = TwoLevel(first, then, stream)
+        if stream is None:
+            self._unlaunched.append(pending)
+        return pending
+
+    def start_reduce_scatter(self, send, out, *, reduce_dtype, accumulate, workspace=None) -> Pending:
+        """The shard group's reduce-scatter into the chunk, then the replicas' (or their all-reduce) into ``out``.
+        Under ``no_sync()`` (:meth:`hold_replicas`) the chunk is added to the bucket's held sum instead and ``out``
+        gets nothing of this micro-batch (zeros, or unchanged with ``accumulate``); the synchronising micro-batch
+        (or :meth:`start_release`) sends the sum across nodes once."""
+        self._advance()
+        n = send.numel()
+        a, c, b = self._segments(n, send.dtype, reduce_dtype, accumulate)
+        if workspace is None or workspace.dtype != torch.uint8 or workspace.numel() < a + c + b:
+            raise ValueError(f"start_reduce_scatter: `workspace` must be a uint8 buffer of at least {a + c + b} bytes")
+        chunk = workspace[a : a + c].view(reduce_dtype)[: n // self.shard.world_size]
+        key = self.position.bucket  # the bucket this reduction is for (set by the reducer, labels the collective)
+        first = self.shard.start_reduce_scatter(
+            send, chunk, reduce_dtype=reduce_dtype, accumulate=False, workspace=workspace[:a]
+        )
+        stream = self.replicate.reduce_scatter_stream
+        if self._holding:
+
+            def hold() -> None:
+                held = self._held.get(key)
+                if held is None:
+                    self._held[key] = chunk.clone()
+                else:
+                    held.add_(chunk)
+                if not accumulate:
+                    out.zero_()
+
+            return self._two_level(
+                first, lambda: _local(stream, hold, (chunk, out)), self.replicate, "reduce_scatter_stream"
+            )
+        held = self._held.pop(key, None)
+
+        def then() -> Pending:
+            if held is not None:  # the synchronising micro-batch: the held micro-batches' sums go with it
+                _local(stream, lambda: chunk.add_(held), (chunk, held))
+            return self._across(chunk, out, accumulate, send.dtype, reduce_dtype, workspace[a + c :])
+
+        return self._two_level(first, then, self.replicate, "reduce_scatter_stream")
+
+    def _across(self, chunk, out, accumulate, wire_dtype, reduce_dtype, workspace) -> Pending:
+        """The node-reduced ``chunk`` across nodes into ``out``."""
+        if self.replicate_state:
+            return self._all_reduce_chunk(chunk, out, accumulate, self._divides(wire_dtype, reduce_dtype))
+        return self.replicate.start_reduce_scatter(
+            chunk, out, reduce_dtype=reduce_dtype, accumulate=accumulate, workspace=workspace
+        )
+
+    def hold_replicas(self, hold: bool) -> bool:
+        previous, self._holding = self._holding, hold
+        return previous
+
+    def held_keys(self) -> frozenset:
+        return frozenset(self._held)
+
+    def start_release(self, key, out, accumulate: bool) -> Pending:
+        self._advance()
+        held = self._held.pop(key)
+        reduce_dtype = held.dtype
+        workspace = None
+        if not self.replicate_state:
+            need = self.replicate.workspace_bytes(held.numel(), reduce_dtype, reduce_dtype, accumulate)
+            workspace = torch.empty(need, dtype=torch.uint8, device=held.device)
+        return self._across(held, out, accumulate, reduce_dtype, reduce_dtype, workspace)
+
+    def drop_held(self) -> None:
+        self._held.clear()
+
+    def _all_reduce_chunk(self, chunk, out, accumulate: bool, divide: bool) -> Pending:
+        """replicate_state: sum the shard group's reduced slice over the replicas, into ``out``."""
+        replicate = self.replicate
+        replicate.counts.add("all_reduce", chunk)
+
+        def epilogue() -> None:
+            if divide:
+                chunk.div_(replicate.world_size)
+            if accumulate:
+                accumulate_into(out, chunk)
+            else:
+                out.copy_(chunk)
+
+        collective = lambda: dist.all_reduce(chunk, group=replicate.group, async_op=True)  # noqa: E731
+        return replicate._on_stream(replicate.reduce_scatter_stream, "all_reduce", collective, epilogue, (chunk, out))
+
+    def start_all_gather(self, output, input) -> Pending:
+        """Gather every rank's ``input`` into ``output``: a slice of ``1/N`` (stages 1 and 2's updated slice) over
+        the replicas into the chunk, then over the shard group; a chunk (``1/S``: stage 3's kept parameters, or
+        every gather with ``replicate_state``) over the shard group only, inside the node."""
+        self._advance()
+        S = self.shard.world_size
+        if input.numel() * S == output.numel():
+            return self.shard.start_all_gather(output, input)
+        if input.numel() * S * self.replicas != output.numel():
+            raise ValueError(
+                f"start_all_gather: `input` must be 1/{S} or 1/{S * self.replicas} of `output`, got {input.numel()} "
+                f"and {output.numel()} elements"
+            )
+        chunk = output.view(S, -1)[self.shard.rank]
+        first = self.replicate.start_all_gather(chunk, input)
+        return self._two_level(
+            first, lambda: self.shard.start_all_gather(output, chunk), self.shard, "all_gather_stream"
+        )
+
+    def start_replica_gather(self, chunk, slice_) -> Pending:
+        """Stage 3 (state sharded over every rank): the replicas' updated slices into this rank's chunk."""
+        self._advance()
+        return self.replicate.start_all_gather(chunk, slice_)
+
+    def start_all_reduce(self, tensor) -> Pending:
+        self._advance()
+        return self.world.start_all_reduce(tensor)
+
+    def reduce_step_stats(self, flags: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+        self._advance()
+        summed = self.world.reduce_step_stats(flags, stats)
+        if self.replicate_state:  # every replica contributed the same shard's values: the mean over replicas
+            stats.div_(self.replicas)
+            summed = summed / self.replicas
+        return summed
+
+    def broadcast(self, tensor, src, group=None) -> None:
+        self.world.broadcast(tensor, src, group)
+
+    def agree(self, value: int, timeout: Optional[float] = None) -> list[int]:
+        self._advance()
+        return self.world.agree(value, timeout)
+
+    def abort(self) -> None:
+        for c in (self.shard, self.replicate, self.world):
+            c.abort()
+
+
+def _local(stream, fn: Callable[[], None], tensors) -> Pending:
+    """Run ``fn`` (local tensor work) after what ``stream`` queued: on CPU now, on CUDA queued on ``stream``."""
+    if stream is None:
+        fn()
+        return DONE
+    with torch.cuda.stream(stream):
+        fn()
+        event = torch.cuda.Event()
+        event.record(stream)
+    return Pending(None, event, stream.device, None, tensors)
+
+
+class _MeshCounts:
+    """What the mesh's groups sent, added up (``comm_stats()``); the shard group's counted intra-node, the
+    replicas' inter-node."""
+
+    def __init__(self, comm: MeshCommunicator):
+        self.parts = [comm.shard.counts, comm.replicate.counts, comm.world.counts]
+
+    def as_dict(self) -> dict[str, int]:
+        return CommCounts.summed(self.parts)
+
+
+__all__ = ["DONE", "MeshCommunicator", "TwoLevel"]
