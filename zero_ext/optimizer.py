@@ -503,15 +503,22 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     def comm_stats(self) -> dict[str, int]:
         """Elements and bytes this rank has passed to each collective since construction (one rank
-        communicates nothing: its gradients go straight to the grad shard and its all-gather is in place)."""
+        communicates nothing: its gradients go straight to the grad shard and its all-gather is in place):
+        ``{kind}_elements`` and ``{kind}_bytes`` for ``reduce_scatter``, ``all_gather``, ``all_reduce``; and the wire
+        bytes this rank sent by link, ``{kind}_intra_node_bytes`` / ``{kind}_inter_node_bytes`` with the totals
+        ``intra_node_bytes`` and ``inter_node_bytes`` (a ring's ``(g-1)/g`` of each buffer, twice for an all-reduce;
+        a group counts as inter-node when it spans nodes: a mesh's replicate group, or a 1-D group larger than
+        torchrun's ``LOCAL_WORLD_SIZE``). See ``docs/hsdp.md``."""
         return self._engine.state.comm.counts.as_dict()
 
     def memory_report(self) -> memory.MemoryReport:
         """Every persistent byte on this rank by kind; see :class:`zero_ext.memory.MemoryReport`."""
         engine = self._engine
+        mesh = engine.state.mesh  # a 2-D mesh's (R, S), or None for the 1-D layout
         out = memory.report(
-            engine.state, staging=engine.runtimes.staging, window=engine.stage.window(engine.param_sync)
-        )
+            engine.state, staging=engine.runtimes.staging, window=engine.stage.window(engine.param_sync),
+            mesh=mesh.shape if mesh.replicate is not None else None, replicate_state=mesh.replicate_state,
+        )  # fmt: skip
         out.optimizer = type(self).__name__
         return out
 

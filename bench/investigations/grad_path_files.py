@@ -49,6 +49,10 @@ def _files(rank: int, world: int, port: int, stage: int, queue) -> None:
         return os.path.relpath(f, package) if f.startswith(package + os.sep) else None
 
     entries, order = collections.Counter(), []
+    layer_entries = collections.Counter()  # control entering a layer (folder) from another layer or from outside
+
+    def layer(f):
+        return None if f is None else f.split("/")[0].removesuffix(".py")
 
     def profile(frame, event, arg):
         if event == "call":
@@ -58,6 +62,8 @@ def _files(rank: int, world: int, port: int, stage: int, queue) -> None:
                 entries[here] += 1
                 if here not in order:
                     order.append(here)
+                if layer(caller) != layer(here):
+                    layer_entries[layer(here)] += 1
 
     loss = model(x).float().pow(2).mean()
     sys.setprofile(profile)
@@ -67,7 +73,7 @@ def _files(rank: int, world: int, port: int, stage: int, queue) -> None:
     sys.setprofile(None)
     threading.setprofile(None)
     if rank == 0:
-        queue.put((order, dict(entries)))
+        queue.put((order, dict(entries), dict(layer_entries)))
     dist.barrier()
     os._exit(0)  # pytorch#190489: gloo can abort at interpreter exit
 
@@ -86,7 +92,7 @@ def main() -> None:
     procs = [ctx.Process(target=_files, args=(r, 2, port, args.stage, queue)) for r in range(2)]
     for p in procs:
         p.start()
-    order, entries = queue.get(timeout=300)
+    order, entries, layer_entries = queue.get(timeout=300)
     for p in procs:
         p.join()
     layers = list(dict.fromkeys(f.split("/")[0].removesuffix(".py") for f in order))
@@ -95,10 +101,19 @@ def main() -> None:
         f"One stage-{args.stage} backward + `step()` on rank 0 of 2 gloo ranks visits **{len(order)} zero_ext files** "
         f"in {len(layers)} layers ({', '.join(layers)}), with {sum(entries.values())} entries from another file.\n\n"
         + markdown_table(["first reached", "file", "entries"], rows)
+        + "\n\nControl entering each layer (a folder, or a top-level module) from another layer or from outside "
+        "zero_ext (autograd's hooks, the caller of `step()`):\n\n"
+        + markdown_table(["layer", "entries"], sorted(layer_entries.items(), key=lambda kv: -kv[1]))
     )
     name = "grad_path_files" + ("" if args.stage == 2 else f"_stage{args.stage}")
     kw = {"out_dir": args.out_dir} if args.out_dir else {}
-    for path in write_results(name, info, {"stage": args.stage, "order": order, "entries": entries}, body, **kw):
+    for path in write_results(
+        name,
+        info,
+        {"stage": args.stage, "order": order, "entries": entries, "layer_entries": layer_entries},
+        body,
+        **kw,
+    ):
         print(path)
     print(body)
 

@@ -6,7 +6,6 @@ from fractions import Fraction
 import pytest
 import torch
 
-from zero_ext import memory
 from zero_ext.memory import estimate, estimate_breakdown, mesh_divisors
 
 PSI = 6400
@@ -78,9 +77,7 @@ def _report_on_mesh(rank, world, stage, replicate_state):
     try:
         loss_fn(model, batch(0, rank)).backward()
         opt.step()
-        e = opt._engine  # the seam optimizer.memory_report() passes, with the mesh
-        r = memory.report(e.state, staging=e.runtimes.staging, window=e.stage.window(e.param_sync), mesh=(2, 2),
-                          replicate_state=replicate_state)  # fmt: skip
+        r = opt.memory_report()  # the mesh and the state layout passed by the optimizer
         extras = r.padding + r.staging + r.grad_shard_fp32 + r.offload_buffers - r.param_shard_not_kept
         out = dict(identity=r.total + sum(r.on_disk.values()) == r.formula + extras, formula=r.formula,
                    psi=r.num_params, widths=r.widths, world=r.world_size, text=r.table(), estimate=r.estimate,

@@ -92,16 +92,17 @@ def _against_torch(rank, world, shape):
 
 def _accumulate(rank, world, shape, stage, pattern):
     """Two steps of two micro-batches; ``pattern``: "sync-last" (the first under no_sync), "step-in-no-sync" (both
-    under no_sync: step() sends the held sums), "dropped" (a no_sync micro-batch, then zero_grad(), then one)."""
+    under no_sync: step() sends the held sums), "dropped" (a no_sync micro-batch, then opt.zero_grad(), then one),
+    "model-dropped" (the same with model.zero_grad())."""
     from mesh_runs import batch, loss_fn, model_for, optimizer
 
     model = model_for(torch.float32)
     opt = optimizer(model, shape, stage)
     for step in range(2):
-        if pattern == "dropped":
+        if pattern in ("dropped", "model-dropped"):
             with opt.no_sync():
                 loss_fn(model, batch(10 + step, rank)).backward()
-            opt.zero_grad()
+            (opt if pattern == "dropped" else model).zero_grad()  # the held sums go with the gradients
             loss_fn(model, batch(step, rank)).backward()
         else:
             with opt.no_sync():
@@ -118,7 +119,7 @@ def _accumulate(rank, world, shape, stage, pattern):
     return out
 
 
-@pytest.mark.parametrize("pattern", ["sync-last", "step-in-no-sync", "dropped"])
+@pytest.mark.parametrize("pattern", ["sync-last", "step-in-no-sync", "dropped", "model-dropped"])
 @pytest.mark.parametrize("stage", [2, pytest.param(3, marks=slow)])
 def test_no_sync_accumulation_on_a_mesh(stage, pattern):
     """The node-held sums cross nodes once and give the 1-D run's result up to the summation order: Adam divides a
@@ -164,3 +165,32 @@ def test_zero_muon_on_a_mesh():
     flat = run_on_ranks(4, _muon, None, 2, False)[0]
     for a, b in zip(flat, runs[0][0]):
         torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-3)
+
+
+def _moments(rank, world, shape, stage, moment_dtype):
+    from mesh_runs import batch, loss_fn, model_for, optimizer
+
+    model = model_for(torch.float32)
+    kw = {} if moment_dtype is None else {"moment_dtype": getattr(torch, moment_dtype)}
+    opt = optimizer(model, shape, stage, **kw)
+    for step in range(3):
+        loss_fn(model, batch(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+    with opt.gathered_params():
+        out = [p.detach().float().clone() for p in model.parameters()]
+    opt.close()
+    return out
+
+
+@pytest.mark.parametrize("moment_dtype", ["bfloat16", pytest.param("int8", marks=slow)])
+def test_low_precision_moments_on_a_mesh(moment_dtype):
+    """bf16 (stochastic rounding keyed on each element's canonical index) and int8 moments on a 2 x 2 mesh: the
+    stages bitwise equal (the layout is the 1-D layout of 4 ranks, so the keys are those of any layout), and the run
+    the 1-D run's with the same moments up to the mean's summation order (a fraction of one update, as above)."""
+    runs = [run_on_ranks(4, _moments, (2, 2), stage, moment_dtype) for stage in (1, 2, 3)]
+    for run in runs:
+        assert all(torch.equal(a, b) for rank in run for a, b in zip(runs[0][0], rank))
+    flat = run_on_ranks(4, _moments, None, 2, moment_dtype)[0]
+    for a, b in zip(flat, runs[0][0]):
+        torch.testing.assert_close(b, a, rtol=1e-3, atol=2e-4)
