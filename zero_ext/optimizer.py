@@ -20,8 +20,10 @@ from .comm import Communicator
 from .comm.divergence import DivergenceWatch
 from .engine.config import EngineConfig
 from .engine.engine import Engine
+from .engine.full_params import named_full_params
 from .engine.param_sync import write_back
 from .engine.runtime import BucketRuntimes
+from .engine.sleep import Sleep, asleep, check_flag, check_include, refuse_if_asleep
 from .placement.offload import warn_if_one_thread
 from .state.sharded_state import ShardedState
 from .torch_compat import no_copy
@@ -288,6 +290,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         A closed optimizer cannot step."""
         if getattr(self, "_closed", True):
             return
+        self.reload_states()  # (offloaded: the model gets its parameters back first)
         self.finish_sync()
         self._engine.grad_sync.placeholders.drop()
         self._engine.grad_sync.remove_hooks()
@@ -322,6 +325,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             rule_for_group(torch.float32, g, default=self.default_rule).check_group(where, g)
             return
         self._check_open()
+        refuse_if_asleep(self._engine.state, "add_param_group()")
         dedupe_new_group(param_group, stacklevel=2)
         self.finish_sync()
         busy = self._engine.stage.busy(self._engine.runtimes)
@@ -372,6 +376,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         host synchronisation on CUDA). Needed before reading parameters outside forward when
         ``defer_all_gather_to`` is set, or the shards of :attr:`sharded_state`. At stages 1 and 2 this rank's fp32
         master then follows parameters changed in place since the last step (:mod:`zero_ext.state.param_edits`)."""
+        refuse_if_asleep(self._engine.state, "finish_sync() (or what calls it: state_dict(), opt.state, ...)")
         self._engine.param_sync.settle()
         self._engine.grad_sync.finish_grad_sync()
         if self._engine.state.param_edits is not None:  # the shards follow parameters changed in place (stages 1, 2)
@@ -389,6 +394,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         the shards; the fp32 master follows every element whose value changed (unchanged ones keep their fp32
         bits)."""
         self._check_open()
+        refuse_if_asleep(self._engine.state, "gathered_params()")
         world = self._engine.state.comm.process_count  # a rank of the job (on a mesh, not the layout's)
         if modifier_rank is not None and not (isinstance(modifier_rank, int) and 0 <= modifier_rank < world):
             raise ValueError(f"zero_ext.ZeroAdamW.gathered_params: `modifier_rank` must be a rank in [0, {world}), "
@@ -415,6 +421,9 @@ class ZeroAdamW(torch.optim.Optimizer):
         raises on every rank before anything changes anywhere (see :mod:`zero_ext.engine.step`). ``grad_scaler`` is what
         ``torch.amp.GradScaler.step`` passes: fp16 loss scaling is not supported (bf16 needs none), so it raises."""
         self._check_open()
+        sleeping = asleep(self._engine.state)
+        if sleeping is not None:  # offload_states(): every rank raises (the step's agreement carries it)
+            sleeping.refuse_step("step()", is_step=True)
         if grad_scaler is not None:
             raise ValueError(
                 "zero_ext.ZeroAdamW.step: torch.amp.GradScaler (fp16 loss scaling) is not supported; train with bf16 "
@@ -448,6 +457,9 @@ class ZeroAdamW(torch.optim.Optimizer):
         every stage (also collective): after a synchronised backward each ``.grad`` is a placeholder of the sharded
         mean gradient whose norm and in-place scaling the engine implements (:mod:`zero_ext.engine.grad_placeholders`)."""
         self._check_open()
+        sleeping = asleep(self._engine.state)
+        if sleeping is not None:
+            sleeping.refuse_step("clip_grad_norm_()", is_step=False)
         if norm_type != 2.0:
             raise ValueError(
                 f"zero_ext.ZeroAdamW.clip_grad_norm_: only `norm_type=2.0` is supported, got {norm_type!r}"
@@ -470,6 +482,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         gradient, which the next ``step()`` applies as torch does: decay and moments move). ``model.zero_grad()``
         or ``p.grad = None`` between backward and ``step()`` drops those gradients at every stage, as in torch."""
         self._check_open()
+        refuse_if_asleep(self._engine.state, "zero_grad()")
         self._engine.grad_sync.zero_grad(set_to_none)
 
     # ------------------------------------------------------------------ introspection
@@ -508,6 +521,71 @@ class ZeroAdamW(torch.optim.Optimizer):
         )  # fmt: skip
         out.optimizer = type(self).__name__
         return out
+
+    # ------------------------------------------------------------------ RL colocation: sleep and wake
+    @property
+    def _sleep(self) -> Sleep:
+        sleep = self.__dict__.get("_sleep_state")
+        if sleep is None:
+            sleep = self.__dict__["_sleep_state"] = Sleep(self._engine)
+        return sleep
+
+    def offload_states(self, include=None, pin_memory: bool = True, non_blocking: bool = False) -> None:
+        """Move what the optimizer owns on the device to host memory and give the memory back (DeepSpeed's
+        ``engine.offload_states``), for an inference engine sharing the GPU between training phases. Local (no
+        collective; call it on every rank), idempotent (twice is once), between steps (not inside forward, backward
+        or ``gathered_params()``).
+
+        ``include``: None (everything) or group names (:mod:`zero_ext.engine.sleep`): ``"optim_states"`` (master,
+        moments, every kind of state), ``"grads"`` (grad shard, stage 1's gradient buffer, staging pool, landing
+        ring), ``"params"`` (the flat parameter buffer; stage 3: the shards). State that ``offload="cpu"`` / ``"nvme"``
+        keeps in host memory or on disk stays where it is. Host buffers are made at the first call (pinned on CUDA
+        with ``pin_memory``) and reused by every later one. On CUDA the freed blocks are returned to the driver
+        with ``torch.cuda.empty_cache()`` before the call returns, so ``torch.cuda.memory_allocated()`` and
+        ``memory_reserved()`` both drop and another process can allocate them; ``non_blocking=True`` queues the
+        copies on a side stream and returns (the blocks are not reused before the copies read them; the cache is then
+        emptied by a later blocking call or your own ``torch.cuda.empty_cache()``). On a CPU-only run the "device" is
+        host memory too: the optimizer's buffers are freed (their storages hold 0 bytes) and the values kept in
+        separate host buffers, with the same rules.
+
+        Until :meth:`reload_states`, ``step()`` and everything else that would read a parked byte raises naming
+        ``reload_states()``; ``.grad`` is None; stages 1-2 parameters read their host copy (a forward with
+        ``module=`` raises); :meth:`named_full_params` works."""
+        self._check_open()
+        groups = check_include(include)
+        pin = check_flag("offload_states", "pin_memory", pin_memory)
+        nb = check_flag("offload_states", "non_blocking", non_blocking)
+        self._sleep.offload(groups, pin, nb)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Bring back everything :meth:`offload_states` moved, bit for bit (DeepSpeed's ``engine.reload_states``);
+        local, idempotent. ``non_blocking=True``: the host-to-device copies are queued on a side stream that the
+        current stream waits for, so work queued after the call reads the reloaded values (no host wait)."""
+        nb = check_flag("reload_states", "non_blocking", non_blocking)
+        sleep = self.__dict__.get("_sleep_state")
+        if sleep is not None:
+            sleep.reload(nb)
+
+    def states_device(self) -> dict[str, str]:
+        """Where each group of :meth:`offload_states` is now: ``{"optim_states": ..., "grads": ..., "params": ...}``,
+        each ``"device"`` (some byte on the parameters' device), ``"host"`` or ``"disk"``."""
+        return self._sleep.where()
+
+    def named_full_params(self, module: Optional[torch.nn.Module] = None, *, buffers: bool = False):
+        """Yield ``(name, tensor)`` for every parameter of the model, whole, in its dtype, under every name
+        ``model.state_dict()`` gives it (names from ``module=`` at construction, or from ``module`` here; without
+        either, the optimizer's own names), streamed bucket by bucket: what vLLM's ``model.load_weights()`` takes.
+        ``buffers=True`` adds the persistent buffers (the whole ``state_dict``). Works while offloaded; never changes
+        training. Stages 1-2: views of the parameters (read them, do not write them). Stage 3: collective, every rank
+        iterates to the end; one bucket (or one split parameter) gathered at a time beyond what the caller holds.
+        See :mod:`zero_ext.engine.full_params`."""
+        self._check_open()
+        if module is not None and not isinstance(module, torch.nn.Module):
+            raise TypeError(
+                f"zero_ext.ZeroAdamW.named_full_params: `module` must be a torch.nn.Module, got {type(module).__name__}"
+            )
+        check_flag("named_full_params", "buffers", buffers)
+        return named_full_params(self._engine, module, buffers)
 
     # ------------------------------------------------------------------ state
     # opt.state[p]: this rank's piece of p's state, read-only (zero_ext.torch_compat.state_view)

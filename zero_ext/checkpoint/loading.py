@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..engine.param_sync import params_from_master
+from ..engine.sleep import asleep
 from ..state.sharded_state import ShardedState
 from ..update.registry import DEFAULT_RULE, RULE_KEY
 from .agreement import agree, arrive, sharded_state_of
@@ -158,9 +159,13 @@ def load(path: str | os.PathLike, optimizer, *, timeout: float = 300.0) -> Any:
     state = sharded_state_of(optimizer, "load")
     comm = state.comm
     arrive(comm, 0, timeout, f"loading {os.fspath(path)}")
-    optimizer.finish_sync()
+    sleeping = asleep(state)  # offload_states(): refused on every rank, through the agreement below
+    if sleeping is None:
+        optimizer.finish_sync()
     ck, error, work, saved_groups, steps, model_tensors, extra = None, None, [], [], {}, [], None
     try:
+        if sleeping is not None:
+            raise sleeping.refusal("zero_ext.checkpoint.load")
         ck = Checkpoint(path)
         mapping = _match(ck, state, optimizer.param_groups)
         saved_groups = _saved_groups(ck, state, optimizer.param_groups, state.device)

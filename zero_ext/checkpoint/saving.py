@@ -19,6 +19,7 @@ import secrets
 import shutil
 from typing import Any
 
+from ..engine.sleep import asleep
 from ..state.sharded_state import FlatGroup, ShardedState
 from ..update.registry import rule_name_of
 from .agreement import agree, arrive, sharded_state_of
@@ -171,10 +172,14 @@ def save(path: str | os.PathLike, optimizer, *, extra: Any = None, timeout: floa
     path = os.path.abspath(os.fspath(path))
     first = comm.process_rank == 0  # writes the metadata, the model's files and the marker, publishes
     tid = arrive(comm, secrets.randbits(48) if first else 0, timeout, f"saving {path}")[0]
-    optimizer.finish_sync()
+    sleeping = asleep(state)  # offload_states(): refused on every rank, through the agreement below
+    if sleeping is None:
+        optimizer.finish_sync()
     tmp = f"{path}.tmp-{tid:012x}"
     crc, meta_crc, side_crcs, error = -1, -1, {}, None
     try:
+        if sleeping is not None:
+            raise sleeping.refusal("zero_ext.checkpoint.save")
         _check_target(path)
         os.makedirs(tmp, exist_ok=True)
         # every layout rank's shard once: a replica of replicated state (hsdp.py) holds the same bytes, and skips

@@ -80,6 +80,7 @@ from .bucket_runtime import BucketRuntime, Hold, Key, ParamState
 from .gather_units import hooked_modules, own_params
 from .model_state import wrapping_in_ddp
 from .runtime import BucketRuntimes
+from .sleep import asleep
 
 SHARDED, GATHERING, GATHERED = ParamState.SHARDED, ParamState.GATHERING, ParamState.GATHERED
 
@@ -336,6 +337,9 @@ class ParamGather:
     def _pre_forward(self, module, args, kwargs):
         if self._local():
             return None
+        sleeping = asleep(self.state)  # offload_states() parked what the gathers read: refused before anything
+        if sleeping is not None and sleeping.blocks_forward():
+            raise sleeping.refusal("a stage-3 forward")
         if in_backward():
             # Activation checkpointing recomputing a forward inside backward (and perhaps stopping it early, so
             # no post-hook may follow): gather, and hold until the module's backward or the bucket's READY.

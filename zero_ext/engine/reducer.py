@@ -24,6 +24,7 @@ from .bucket_runtime import BucketRuntime, GradState
 from .grad_placeholders import GradPlaceholders
 from .grads import GradStrategy
 from .runtime import BucketRuntimes
+from .sleep import refuse_if_asleep
 from .weak_hooks import remove_all, remove_with, weak_call
 
 
@@ -95,6 +96,7 @@ class GradSync:
     # ---------------------------------------------------------------- backward
     @torch.compiler.disable
     def _on_grad(self, gb: BucketRuntime, slot, param: torch.Tensor) -> None:
+        refuse_if_asleep(self.state, "a backward reached the gradient hooks")  # (offload_states(): sleep.py)
         self.epoch += 1
         if self.placeholders.active:  # the gradients change from here: the placeholders go first
             self.placeholders.on_backward()
@@ -110,6 +112,7 @@ class GradSync:
     def _on_split_grad(self, gbs: tuple[BucketRuntime, ...], slot, param: torch.Tensor) -> None:
         """The gradient of a parameter split across ``gbs``: one fragment arrives in each (each bucket counts its
         fragments); the strategy writes a fragment when its bucket launches, so staging stays bucket-sized."""
+        refuse_if_asleep(self.state, "a backward reached the gradient hooks")
         self.epoch += 1
         if self.placeholders.active:
             self.placeholders.on_backward()
