@@ -46,15 +46,10 @@ def _compare(rank, world, stage, replicate):
     return True
 
 
-# Stage 3 with the state sharded over every rank (ChunkedParams) is not reproducible from one run to the next on
-# main's code even without any offload (two plain runs in the same ranks differ): not comparable here until it is.
-CHUNKED_RUNS_DIFFER = pytest.mark.xfail(reason="two plain stage-3 chunked mesh runs differ on main", strict=False)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "stage, replicate",
-    [(1, False), (1, True), (2, False), (2, True), pytest.param(3, False, marks=CHUNKED_RUNS_DIFFER), (3, True)],
+    [(1, False), (1, True), (2, False), (2, True), (3, False), (3, True)],
 )
 def test_detour_on_a_mesh(stage, replicate):
     assert run_on_ranks(4, _compare, stage, replicate, timeout=300) == [True] * 4
