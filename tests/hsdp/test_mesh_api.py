@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 from distributed import run_on_ranks
-from mesh_runs import model_for, optimizer
+from mesh_runs import make_mesh, model_for, optimizer
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import zero_ext
@@ -23,7 +23,7 @@ def _error_of(fn):
 def _refusals(rank, world):
     model = model_for(torch.float32)
     params = list(model.parameters())
-    good = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    good = make_mesh((2, 2))
     misnamed = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "fsdp"))
     three = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("a", "replicate", "shard"))
     small = DeviceMesh("cpu", torch.tensor([[0, 1]]), mesh_dim_names=("replicate", "shard"))

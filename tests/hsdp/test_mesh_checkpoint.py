@@ -65,8 +65,11 @@ def _files(path):
         pytest.param((4, (2, 2), 3, True), [(4, (2, 2), 2, False), (4, (1, 4), 3, False)], marks=slow),
         pytest.param((3, (3, 1), 1, False), [(4, (2, 2), 3, False)], marks=slow),
         pytest.param((4, None, 3, False), [(4, (2, 2), 1, False)], marks=slow),
+        pytest.param(
+            (6, (2, 3), 2, False), [(6, (3, 2), 3, False), (6, (2, 3), 1, True), (4, (2, 2), 2, False)], marks=slow
+        ),
     ],
-    ids=["2x2-sharded", "2x2-replicated", "3x1", "1d"],
+    ids=["2x2-sharded", "2x2-replicated", "3x1", "1d", "2x3"],
 )
 def test_checkpoints_move_between_mesh_shapes(save_at, load_at, tmp_path):
     world, shape, stage, replicated = save_at

@@ -13,9 +13,9 @@ from zero_ext import ZeroAdamW
 
 
 def _run(rank, stage, replicate, detour):
-    from torch.distributed.device_mesh import init_device_mesh
+    from mesh_runs import make_mesh
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    mesh = make_mesh((2, 2))
     model = build(torch.bfloat16)
     opt = ZeroAdamW(model.parameters(), lr=3e-3, stage=stage, module=model, bucket_size=1500, mesh=mesh,
                     replicate_state=replicate)  # fmt: skip

@@ -15,11 +15,19 @@ HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 WINDOW = 3 * 12 * 4096
 
 
+_MESHES: dict = {}
+
+
 def make_mesh(shape):
-    """``shape`` (R, S): the ("replicate", "shard") mesh; None: the 1-D layout."""
+    """``shape`` (R, S): the ("replicate", "shard") mesh; None: the 1-D layout. One mesh per shape and worker
+    process: every init_device_mesh makes new process groups, whose gloo threads (hundreds after a few dozen tests)
+    stay alive for the pool's life and slow every later test."""
     if shape is None:
         return None
-    return init_device_mesh("cpu", tuple(shape), mesh_dim_names=("replicate", "shard"))
+    key = tuple(shape)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh("cpu", key, mesh_dim_names=("replicate", "shard"))
+    return _MESHES[key]
 
 
 def model_for(dtype):
