@@ -145,8 +145,9 @@ def build_flat_groups(comm, o: EngineConfig, directory, names: dict[int, str], d
     a failure to create the files on any rank fails every rank, the files made so far deleted."""
     placement = placement_factory(o.offload, directory, o.offload_window, comm.rank, first_index + len(specs))
     params_cls = o.strategy.params_storage
-    if params_cls is ShardedParams and getattr(comm, "replicas", 1) > 1 and not comm.replicate_state:
-        params_cls = functools.partial(ChunkedParams, replicas=comm.replicas)  # stage 3 on a mesh: gathers in-node
+    mesh = Mesh(comm)
+    if params_cls is ShardedParams and mesh.replicate_size > 1 and not mesh.replicate_state:
+        params_cls = functools.partial(ChunkedParams, replicas=mesh.replicate_size)  # stage 3: gathers in the node
     groups, error = [], None
     try:
         for fi, (gi, members, layout, rule) in enumerate(specs, start=first_index):

@@ -93,10 +93,12 @@ class ShardedParams:
 
     gathers_after_update = False  # the next use gathers the updated shard
     shards_params = True  # a bucket starts SHARDED (bucket_runtime.ParamState)
+    replicas = 1  # the layout ranks whose slices this rank keeps per bucket (ChunkedParams: a mesh's replicas)
 
     def __init__(self, layout: Layout, rank: int, dtype: torch.dtype, device: torch.device):
         self.layout, self.rank, self.dtype, self.device = layout, rank, dtype, device
-        self.shard: Optional[torch.Tensor] = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+        shard_numel = layout.shard_numel * self.replicas
+        self.shard: Optional[torch.Tensor] = torch.zeros(shard_numel, dtype=dtype, device=device)
         self.source: Optional[Callable[[Bucket], torch.Tensor]] = None  # bucket -> its fp32 master slice
         # run index -> its gathered storage: made at the first gather of one of its buckets, the run's parameters
         # view it from then on; zero bytes while none of its buckets is gathered. (Not made here: a model built on
@@ -114,11 +116,15 @@ class ShardedParams:
             if p.is_meta:  # built on meta (meta_init.py initialises it later): become a tensor on our device
                 torch.utils.swap_tensors(p, type(p)(self.poison.expand(p.shape), requires_grad=p.requires_grad))
         with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
-            for piece in self.layout.owned_pieces(self.rank):
-                flat = self.params[piece.index].detach().reshape(-1)
-                piece.shard_range.of(self.shard).copy_(piece.param_range.of(flat))
+            self._keep_pieces()
         for run in self.layout.runs:
             self.forget(run)
+
+    def _keep_pieces(self) -> None:
+        """This rank's pieces of every parameter into the kept shard."""
+        for piece in self.layout.owned_pieces(self.rank):
+            flat = self.params[piece.index].detach().reshape(-1)
+            piece.shard_range.of(self.shard).copy_(piece.param_range.of(flat))
 
     def _run(self, bucket: Bucket) -> Run:
         return self.layout.runs[self.layout.run_of[bucket.index]]
@@ -259,8 +265,7 @@ class ChunkedParams(ShardedParams):
         self.replicas = replicas
         self.replica = rank % replicas  # layout rank = shard rank x replicas + replica (comm/hsdp.py)
         self.first = rank - self.replica  # the chunk's first layout rank
-        super().__init__(layout, rank, dtype, device)
-        self.shard = torch.zeros(layout.shard_numel * replicas, dtype=dtype, device=device)
+        super().__init__(layout, rank, dtype, device)  # (the shard: replicas x the layout's shard_numel)
 
     def chunk(self, bucket: Bucket) -> torch.Tensor:
         """This rank's chunk of ``bucket`` (the shard group gathers it)."""
@@ -271,21 +276,14 @@ class ChunkedParams(ShardedParams):
         """The chunk's elements in the flat buffer (the first layout rank's slice to the last's)."""
         return Range(bucket.rank_range(self.first).start, bucket.rank_range(self.first + self.replicas - 1).end)
 
-    def adopt(self, params: Sequence[torch.Tensor]) -> None:
-        self.params = list(params)
-        for p in self.params:
-            if p.is_meta:
-                torch.utils.swap_tensors(p, type(p)(self.poison.expand(p.shape), requires_grad=p.requires_grad))
-        with torch._C.DisableTorchFunctionSubclass():
-            for j in range(self.replicas):
-                for piece in self.layout.owned_pieces(self.first + j):
-                    bucket = self.layout.buckets[piece.bucket]
-                    at = piece.shard_offset - bucket.shard_offset + j * bucket.shard_numel
-                    flat = self.params[piece.index].detach().reshape(-1)
-                    target = self.chunk(bucket)[at : at + piece.numel]
-                    target.copy_(piece.param_range.of(flat))
-        for run in self.layout.runs:
-            self.forget(run)
+    def _keep_pieces(self) -> None:
+        """The pieces of every layout rank of the chunk, each at its place in its bucket's chunk."""
+        for j in range(self.replicas):
+            for piece in self.layout.owned_pieces(self.first + j):
+                bucket = self.layout.buckets[piece.bucket]
+                at = piece.shard_offset - bucket.shard_offset + j * bucket.shard_numel
+                flat = self.params[piece.index].detach().reshape(-1)
+                self.chunk(bucket)[at : at + piece.numel].copy_(piece.param_range.of(flat))
 
     def fill_shard(self, run: Run, full: torch.Tensor) -> None:
         for b in run.buckets:
