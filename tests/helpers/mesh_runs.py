@@ -156,6 +156,22 @@ def train_against_reference(rank, world, shape, stage, offload="none", dtype_nam
 __all__ = ["make_mesh", "model_for", "optimizer", "train_against_reference", "batch", "loss_fn"]
 
 
+def train_steps(model, opt, rank: int, steps: int, start: int = 0) -> None:
+    """``steps`` plain steps of this rank's batches (``start`` onwards): backward, step, zero_grad, nothing read."""
+    for step in range(start, start + steps):
+        loss_fn(model, batch(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def full_copies(model, opt) -> list:
+    """Copies of the model's full parameters (gathered at stage 3), then the optimizer closed."""
+    with opt.gathered_params():
+        out = [p.detach().clone() for p in model.parameters()]
+    opt.close()
+    return out
+
+
 def train_kw(rank, world, shape, stage, kw):
     """:func:`train_against_reference` with keyword options (run_on_ranks passes positional arguments only)."""
     return train_against_reference(rank, world, shape, stage, **kw)

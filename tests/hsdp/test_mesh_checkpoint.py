@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 from distributed import run_on_ranks
-from mesh_runs import batch, loss_fn, model_for, optimizer
+from mesh_runs import batch, loss_fn, model_for, optimizer, train_steps
 from safetensors.torch import load_file
 
 from zero_ext import checkpoint
@@ -20,10 +20,7 @@ slow = pytest.mark.slow
 def _save(rank, world, shape, stage, replicate_state, path):
     model = model_for(torch.float32)
     opt = optimizer(model, shape, stage, replicate_state=replicate_state)
-    for step in range(2):
-        loss_fn(model, batch(step, rank)).backward()
-        opt.step()
-        opt.zero_grad()
+    train_steps(model, opt, rank, 2)
     checkpoint.save(path, opt)
     opt.close()
     return True

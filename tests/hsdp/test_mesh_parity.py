@@ -132,11 +132,9 @@ def test_no_sync_accumulation_on_a_mesh(stage, pattern):
 
 
 def _muon(rank, world, shape, stage, replicate_state):
-    from mesh_runs import make_mesh
+    from mesh_runs import full_copies, make_mesh, train_steps
     from muon_reference import MUON, freeze, zero_muon_groups
-    from tiny_transformer import batch as tiny_batch
     from tiny_transformer import build
-    from tiny_transformer import loss_fn as tiny_loss
 
     from zero_ext import ZeroMuon
 
@@ -144,14 +142,8 @@ def _muon(rank, world, shape, stage, replicate_state):
     freeze(model)
     opt = ZeroMuon(zero_muon_groups(model), **MUON, stage=stage, module=model, bucket_size=1500,
                    mesh=make_mesh(shape), replicate_state=replicate_state)  # fmt: skip
-    for step in range(3):
-        tiny_loss(model, tiny_batch(step, rank)).backward()
-        opt.step()
-        opt.zero_grad()
-    with opt.gathered_params():
-        out = [p.detach().clone() for p in model.parameters()]
-    opt.close()
-    return out
+    train_steps(model, opt, rank, 3)
+    return full_copies(model, opt)
 
 
 def test_zero_muon_on_a_mesh():
@@ -168,19 +160,13 @@ def test_zero_muon_on_a_mesh():
 
 
 def _moments(rank, world, shape, stage, moment_dtype):
-    from mesh_runs import batch, loss_fn, model_for, optimizer
+    from mesh_runs import full_copies, model_for, optimizer, train_steps
 
     model = model_for(torch.float32)
     kw = {} if moment_dtype is None else {"moment_dtype": getattr(torch, moment_dtype)}
     opt = optimizer(model, shape, stage, **kw)
-    for step in range(3):
-        loss_fn(model, batch(step, rank)).backward()
-        opt.step()
-        opt.zero_grad()
-    with opt.gathered_params():
-        out = [p.detach().float().clone() for p in model.parameters()]
-    opt.close()
-    return out
+    train_steps(model, opt, rank, 3)
+    return full_copies(model, opt)
 
 
 @pytest.mark.parametrize("moment_dtype", ["bfloat16", pytest.param("int8", marks=slow)])
@@ -200,14 +186,11 @@ def _unread(rank, world, shape, stage, replicate_state):
     """Four steps with nothing read in between (step() returns with the replicas' gathers of stage 3's chunks in
     flight; the next forward's gathers must wait for them): the parameters' digest."""
     from engine_reference import params_digest
-    from mesh_runs import batch, loss_fn, model_for, optimizer
+    from mesh_runs import model_for, optimizer, train_steps
 
     model = model_for(torch.float32)
     opt = optimizer(model, shape, stage, replicate_state=replicate_state)
-    for step in range(4):
-        loss_fn(model, batch(step, rank)).backward()
-        opt.step()
-        opt.zero_grad()
+    train_steps(model, opt, rank, 4)
     with opt.gathered_params():
         digest = params_digest(model)
     opt.close()

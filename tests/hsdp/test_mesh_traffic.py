@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 from distributed import run_on_ranks
-from mesh_runs import batch, loss_fn, model_for, optimizer
+from mesh_runs import batch, loss_fn, model_for, optimizer, train_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -18,10 +18,7 @@ def _step_bytes(rank, world, shape, stage, per_node, kw):
     try:
         model = model_for(torch.float32)
         opt = optimizer(model, shape, stage, **kw)
-        for step in range(2):  # stage 3 learns its gather order in the first
-            loss_fn(model, batch(step, rank)).backward()
-            opt.step()
-            opt.zero_grad()
+        train_steps(model, opt, rank, 2)  # stage 3 learns its gather order in the first
         before = opt.comm_stats()
         loss_fn(model, batch(2, rank)).backward()
         opt.step()
