@@ -5,7 +5,8 @@ shard) and ``step()`` (update -> all-gather), on rank 0 of 2 gloo ranks, bf16 pa
 
 A profile hook records every Python call whose code lies in zero_ext (the Triton kernels' package included) and
 counts an *entry* whenever the caller's file differs: how many files a step touches, in the order control first
-reaches them, and how often control crosses into each. The layering goal (docs/architecture.md) is a gradient that
+reaches them, and how often control crosses into each; then the same, cut at each entry from outside zero_ext (one
+gradient hook, the end-of-backward callback, ``step()``). The layering goal (docs/architecture.md) is a gradient that
 crosses each layer once; this counts how far the code is from it. Results: results/grad_path_files.{md,json}.
 """
 
@@ -50,20 +51,55 @@ def _files(rank: int, world: int, port: int, stage: int, queue) -> None:
 
     entries, order = collections.Counter(), []
     layer_entries = collections.Counter()  # control entering a layer (folder) from another layer or from outside
+    # One segment per entry from outside zero_ext (a gradient hook, the end-of-backward callback, step()): the files
+    # it visits in order, each file's entries and each layer's, and the collectives it starts
+    segments: list[dict] = []
+    depth = [0]  # zero_ext frames on the stack: a call at depth 0 starts a segment
+
+    def zero_ext_caller(frame):
+        """The zero_ext file that called ``frame``, looking through a few frames of torch's own wrappers (a hook
+        decorated with ``torch.compiler.disable`` is called by dynamo's wrapper, not by the engine's hook); None
+        when the call came from outside zero_ext."""
+        back = frame.f_back
+        for _ in range(4):
+            if back is None:
+                return None
+            f = where(back.f_code.co_filename)
+            if f is not None:
+                return f
+            back = back.f_back
+        return None
 
     def layer(f):
         return None if f is None else f.split("/")[0].removesuffix(".py")
 
     def profile(frame, event, arg):
-        if event == "call":
-            here = where(frame.f_code.co_filename)
-            caller = where(frame.f_back.f_code.co_filename) if frame.f_back is not None else None
-            if here is not None and caller != here:
-                entries[here] += 1
-                if here not in order:
-                    order.append(here)
-                if layer(caller) != layer(here):
-                    layer_entries[layer(here)] += 1
+        if event not in ("call", "return"):
+            return
+        here = where(frame.f_code.co_filename)
+        if here is None:
+            return
+        if event == "return":
+            depth[0] -= 1
+            return
+        if depth[0] == 0:
+            segments.append({"entry": f"{here}:{frame.f_code.co_name}", "files": collections.Counter(),
+                             "order": [], "layers": collections.Counter(), "collectives": []})  # fmt: skip
+        depth[0] += 1
+        seg = segments[-1]
+        if frame.f_code.co_name.startswith("start_") and here.startswith("comm/"):
+            seg["collectives"].append(frame.f_code.co_name)
+        caller = zero_ext_caller(frame)
+        if caller != here:
+            entries[here] += 1
+            seg["files"][here] += 1
+            if here not in order:
+                order.append(here)
+            if here not in seg["order"]:
+                seg["order"].append(here)
+            if layer(caller) != layer(here):
+                layer_entries[layer(here)] += 1
+                seg["layers"][layer(here)] += 1
 
     loss = model(x).float().pow(2).mean()
     sys.setprofile(profile)
@@ -73,7 +109,7 @@ def _files(rank: int, world: int, port: int, stage: int, queue) -> None:
     sys.setprofile(None)
     threading.setprofile(None)
     if rank == 0:
-        queue.put((order, dict(entries), dict(layer_entries)))
+        queue.put((order, dict(entries), dict(layer_entries), segments))
     dist.barrier()
     os._exit(0)  # pytorch#190489: gloo can abort at interpreter exit
 
@@ -92,7 +128,7 @@ def main() -> None:
     procs = [ctx.Process(target=_files, args=(r, 2, port, args.stage, queue)) for r in range(2)]
     for p in procs:
         p.start()
-    order, entries, layer_entries = queue.get(timeout=300)
+    order, entries, layer_entries, segments = queue.get(timeout=300)
     for p in procs:
         p.join()
     layers = list(dict.fromkeys(f.split("/")[0].removesuffix(".py") for f in order))
@@ -105,12 +141,44 @@ def main() -> None:
         "zero_ext (autograd's hooks, the caller of `step()`):\n\n"
         + markdown_table(["layer", "entries"], sorted(layer_entries.items(), key=lambda kv: -kv[1]))
     )
+    seg_rows = []
+    for i, seg in enumerate(segments):
+        files = seg["files"]
+        seg_rows.append((
+            i + 1, f"`{seg['entry']}`", len(files), sum(files.values()),
+            max(files.values(), default=0), max(seg["layers"].values(), default=0),
+            ", ".join(f"{k} {v}" for k, v in seg["layers"].items()), ", ".join(seg["collectives"]) or "-",
+        ))  # fmt: skip
+    body += (
+        "\n\nThe same run cut at each entry from outside zero_ext (a gradient hook, the end-of-backward callback, "
+        "`step()`): the files each visits, their entries, the most entries of one file and of one layer, the "
+        "entries by layer, and the collectives it starts:\n\n"
+        + markdown_table(
+            ["#", "entered at", "files", "file entries", "most of one file", "most of one layer", "layers", "starts"],
+            seg_rows,
+        )
+    )
+    launching = [seg for seg in segments if "start_reduce_scatter" in seg["collectives"]]
+    gathering = [seg for seg in segments if "start_all_gather" in seg["collectives"]]
+    if launching and gathering:
+        path = list(dict.fromkeys(launching[0]["order"] + gathering[0]["order"]))
+        body += (
+            f"\n\nFrom the hook of the gradient that completes the bucket (reduce-scatter) to `step()`'s all-gather: "
+            f"**{len(path)} files** ({len(launching[0]['order'])} in the hook, {len(gathering[0]['order'])} in "
+            f"`step()`): " + ", ".join(f"`{f}`" for f in path) + "."
+        )
     name = "grad_path_files" + ("" if args.stage == 2 else f"_stage{args.stage}")
     kw = {"out_dir": args.out_dir} if args.out_dir else {}
     for path in write_results(
         name,
         info,
-        {"stage": args.stage, "order": order, "entries": entries, "layer_entries": layer_entries},
+        {
+            "stage": args.stage,
+            "order": order,
+            "entries": entries,
+            "layer_entries": layer_entries,
+            "segments": segments,
+        },  # fmt: skip
         body,
         **kw,
     ):

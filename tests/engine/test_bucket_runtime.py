@@ -15,6 +15,18 @@ def _opt(stage):
     return model, ZeroAdamW(model.named_parameters(), stage=stage, bucket_size=16 * 17, module=model)
 
 
+class _NothingToSend:
+    """A gradient strategy with nothing on the wire (as one process at stage 2): the launch moves the phase only."""
+
+    reduce_dtype, accumulate = torch.float32, True
+
+    def send(self, gb):
+        return None
+
+
+_NOTHING_TO_SEND = _NothingToSend()
+
+
 def _refused(rt, verb, *args):
     before = (rt.grad, rt.params)
     with pytest.raises(IllegalTransition, match=r"bucket \(0, \d\)"):
@@ -50,7 +62,7 @@ def test_gradients_move_only_empty_filling_ready_syncing_synced():
     _, opt = _opt(2)
     rt = opt.bucket_runtimes[(0, 0)]
     assert rt.grad is GradState.EMPTY and rt.params is ParamState.GATHERED
-    _refused(rt, rt.start_grad_sync, None, None, torch.float32, False)  # launched before its gradients are in
+    _refused(rt, rt.start_grad_sync, None, _NOTHING_TO_SEND, None)  # launched before its gradients are in
     _refused(rt, rt.finish_grad_sync)  # nothing in flight
     _refused(rt, rt.reshard)  # stages 1 and 2 keep every parameter
     while not rt.grad_arrived():
@@ -58,8 +70,8 @@ def test_gradients_move_only_empty_filling_ready_syncing_synced():
     assert rt.grad is GradState.READY
     _refused(rt, rt.grad_arrived)  # more gradients than the bucket has, this round
     _refused(rt, rt.finish_grad_sync)
-    rt.start_grad_sync(None, None, torch.float32, False)  # nothing to send: no collective
+    rt.start_grad_sync(None, _NOTHING_TO_SEND, None)  # nothing to send: no collective
     assert rt.grad is GradState.SYNCING
-    _refused(rt, rt.start_grad_sync, None, None, torch.float32, False)  # reduced twice
+    _refused(rt, rt.start_grad_sync, None, _NOTHING_TO_SEND, None)  # reduced twice
     rt.finish_grad_sync()
     assert rt.grad is GradState.SYNCED

@@ -3,8 +3,9 @@
 A :class:`BucketRuntime` is made once per (flat group, bucket) by :class:`zero_ext.engine.runtime.BucketRuntimes`,
 which owns them for the engine's whole life (``add_param_group`` adds those of its buckets); the reducer, the parameter all-gathers (stages 1 and 2) and stage 3's gather scheduler all act on these
 objects, never on private lists of their own. It owns both directions of its communication, as Megatron's bucket
-group does: ``start_grad_sync`` launches its reduce-scatter (into the grad shard, or the landing buffer its
-placement gives) and ``finish_grad_sync`` waits for it; ``start_param_sync`` launches its all-gather and
+group does: ``start_grad_sync`` has the stage's gradient strategy write what goes on the wire (into the staging
+entry it leases) and launches its reduce-scatter (into the grad shard, or the landing buffer its placement gives),
+and ``finish_grad_sync`` waits for it; ``start_param_sync`` launches its all-gather and
 ``finish_param_sync`` waits for it. The object holds
 
 - its gradients: how many arrived this round, the staging-pool entry it leases (``staging``), its reduce-scatter
@@ -39,8 +40,6 @@ from __future__ import annotations
 
 import enum
 from typing import TYPE_CHECKING, Optional
-
-import torch
 
 from ..comm import Pending
 
@@ -150,27 +149,36 @@ class BucketRuntime:
         self.move_grad(GradState.READY if self.arrived >= len(self.bucket.slots) else GradState.FILLING)
         return self.grad is GradState.READY
 
-    def start_grad_sync(self, comm, send: Optional[torch.Tensor], reduce_dtype, accumulate: bool) -> Optional[Pending]:
-        """Launch its reduce-scatter of ``send`` (None: nothing to send) into its grad shard, or into the landing
-        buffer its placement gives (offload), which then takes it: READY -> SYNCING. Returns the collective's
-        Pending (None when nothing was sent); the staging lease passes to the pool, which reuses the entry once it
-        is waited for."""
-        self._check_grad_move(GradState.SYNCING)  # before anything is launched
+    def start_grad_sync(self, comm, gradients, pool) -> None:
+        """Launch its reduce-scatter: READY -> SYNCING. Its reduction of an earlier round, if still in flight, lands
+        first; ``gradients`` (the stage's gradient strategy, ``grads.py``) writes what goes on the wire, leasing an
+        entry of the staging ``pool`` in ``staging`` (None: nothing to send, no collective); the mean goes into its
+        grad shard, or into the landing buffer its placement gives (offload), which then takes it. The lease passes
+        back to the pool with the collective, which reuses the entry once it is waited for."""
+        self._check_grad_move(GradState.SYNCING)  # before anything is written or launched
+        self.wait_grad()
+        send = gradients.send(self)
         pending = None
         if send is not None:
             placement = self.group.state
             target, direct = placement.grad_target(self.bucket)  # the grad shard, or a landing buffer (offload)
             comm.position.bucket = self.key  # labels the collective (divergence.py)
-            workspace = None if self.staging is None else self.staging.workspace()
+            entry = self.staging
+            accumulate = gradients.accumulate
             pending = comm.start_reduce_scatter(
-                send, target, reduce_dtype=reduce_dtype, accumulate=accumulate and direct, workspace=workspace
+                send,
+                target,
+                reduce_dtype=gradients.reduce_dtype,
+                accumulate=accumulate and direct,
+                workspace=None if entry is None else entry.workspace,
             )
             if not direct:
                 placement.landed(self.bucket, target, pending, accumulate)
+            if entry is not None:
+                pool.launched(entry, pending)
         self.move_grad(GradState.SYNCING)
         self.grad_pending = pending
         self.staging = None
-        return pending
 
     def release_held(self, comm) -> None:
         """A mesh under ``no_sync()`` held its node-reduced gradients (``comm.hsdp``): send them across nodes into its

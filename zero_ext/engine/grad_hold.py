@@ -22,7 +22,7 @@ once written, the strategy adds it to what it wrote (:attr:`Arrival.AGAIN_WRITTE
 from __future__ import annotations
 
 import enum
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -45,21 +45,30 @@ class Arrival(enum.Enum):
 Held = list[tuple[Slot, torch.Tensor, torch.Tensor]]
 
 
+# What the hold hands back to be written: a bucket, the slots of its held gradients and those gradients, contiguous
+# (each parameter's .grad already freed: the list keeps the gradient for the write)
+Taken = tuple[BucketRuntime, list[Slot], list[torch.Tensor]]
+
+
 class GradHold:
-    """The bucket whose gradients are held and the slots of each bucket that got a gradient this round."""
+    """The bucket whose gradients are held and the slots of each bucket that got a gradient this round.
 
-    __slots__ = ("_write", "bucket", "held", "_held_slots", "_held_numel", "_seen")
+    It never writes: every call that lets held gradients go returns them (:data:`Taken`), and the strategy that
+    called writes them, so the pairing is in the return values, not in a callback the hold keeps."""
 
-    def __init__(self, write: Callable[[BucketRuntime, Held], None]):
-        self._write = write  # writes the held gradients of a bucket (then frees them)
+    __slots__ = ("bucket", "held", "_held_slots", "_held_numel", "_seen")
+
+    def __init__(self):
         self.bucket: Optional[BucketRuntime] = None
         self.held: Held = []
         self._held_slots: set[int] = set()
         self._held_numel = 0
         self._seen: dict[int, set[int]] = {}  # bucket order -> slot indices with a gradient this round
 
-    def arrive(self, gb: BucketRuntime, slot: Slot, param: torch.Tensor, grad: torch.Tensor) -> Arrival:
-        """``param``'s gradient (``grad``, its ``.grad``) arrived."""
+    def arrive(self, gb: BucketRuntime, slot: Slot, param: torch.Tensor, grad: torch.Tensor) -> tuple[Arrival, tuple]:
+        """``param``'s gradient (``grad``, its ``.grad``) arrived. Returns how it counts and what the caller must
+        write now, in order (a tuple of :data:`Taken`, usually empty): the held gradients of another bucket (one
+        bucket's wait at a time), and this bucket's once the hold reached ``HOLD_ELEMENTS``."""
         seen = self._seen.get(gb.order)
         if seen is None:
             seen = self._seen[gb.order] = set()
@@ -68,40 +77,40 @@ class GradHold:
                 # autograd added the second into .grad, in place or as a new tensor: keep what .grad is now
                 at = next(i for i, (s, _, _) in enumerate(self.held) if s.index == slot.index)
                 self.held[at] = (slot, param, grad)
-                return Arrival.AGAIN_HELD
-            return Arrival.AGAIN_WRITTEN
+                return Arrival.AGAIN_HELD, ()
+            return Arrival.AGAIN_WRITTEN, ()
         seen.add(slot.index)
+        writes = ()
         if gb is not self.bucket:
-            self.flush()
+            other = self.take()
+            writes = () if other is None else (other,)
             self.bucket = gb
         self.held.append((slot, param, grad))
         self._held_slots.add(slot.index)
         self._held_numel += slot.numel
         if self._held_numel >= HOLD_ELEMENTS:
-            self.flush()
-        return Arrival.FIRST
+            writes += (self.take(),)
+        return Arrival.FIRST, writes
 
-    def flush(self, gb: Optional[BucketRuntime] = None) -> None:
-        """Write the held gradients (only if they are ``gb``'s, when given)."""
+    def take(self, gb: Optional[BucketRuntime] = None) -> Optional[Taken]:
+        """Let the held gradients go (only if they are ``gb``'s, when given), to be written by the caller; None
+        when nothing (of ``gb``'s) is held."""
         if self.bucket is None or (gb is not None and gb is not self.bucket):
-            return
+            return None
         bucket, held = self.bucket, self.held
         self.bucket, self.held, self._held_numel = None, [], 0
         self._held_slots.clear()
-        if held:
-            self._write(bucket, held)
+        if not held:
+            return None
+        slots, grads = [], []
+        for slot, param, grad in held:
+            slots.append(slot)
+            grads.append(grad if grad.is_contiguous() else grad.contiguous())
+            param.grad = None
+        return bucket, slots, grads
 
-    def end_round(self) -> None:
-        self.flush()  # (every bucket launched at the round's end, so nothing is held; kept for safety)
+    def end_round(self) -> Optional[Taken]:
+        """A backward pass ended: the slots seen are forgotten; returns what is still held (nothing: every bucket
+        launched at the round's end; kept for safety), to be written."""
         self._seen.clear()
-
-
-def take_grads(held: Held) -> tuple[list[Slot], list[torch.Tensor]]:
-    """The held gradients, contiguous, and their slots; each parameter's ``.grad`` is freed (the list keeps the
-    gradient for the write)."""
-    slots, grads = [], []
-    for slot, param, grad in held:
-        slots.append(slot)
-        grads.append(grad if grad.is_contiguous() else grad.contiguous())
-        param.grad = None
-    return slots, grads
+        return self.take()

@@ -13,9 +13,11 @@
 - :class:`ShardGrads` (stages 2 and 3 on one process): nothing to communicate, so a bucket's gradients are added
   straight into their places in the grad shard, in one call when it launches.
 
-A strategy answers three things for :class:`zero_ext.engine.reducer.GradSync`: what to do when a gradient arrives
-(:meth:`on_grad`), what to send when a bucket launches (:meth:`send`), and whether the result overwrites or is
-added to the grad shard (``accumulate``).
+A strategy answers three things: what to do when a gradient arrives (:meth:`on_grad`, asked by the reducer,
+:class:`zero_ext.engine.reducer.GradSync`), what to send when a bucket launches (:meth:`send`, asked by the bucket's
+:class:`~zero_ext.engine.bucket_runtime.BucketRuntime` as it launches), and whether the result overwrites or is
+added to the grad shard (``accumulate``). The strategies that hold a bucket's gradients (``grad_hold.py``) write
+what the hold lets go, which it returns.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from ..kernels.dispatch import accumulate_into, add_flattened, cast_scale_into, 
 from ..layout import Slot
 from ..state.sharded_state import FlatGroup, ShardedState
 from .bucket_runtime import BucketRuntime
-from .grad_hold import Arrival, GradHold, take_grads
+from .grad_hold import Arrival, GradHold, Taken
 from .hand_grads import zero_hand_grads
 from .staging import StagingPool
 
@@ -40,12 +42,22 @@ class GradStrategy:
     def __init__(self, state: ShardedState, pool: StagingPool, reduce_dtype: torch.dtype):
         self.state, self.comm, self.reduce_dtype = state, state.comm, reduce_dtype
         self.pool = pool  # sized from send_bytes() by GradSync
+        self._travels: dict[torch.dtype, tuple[torch.dtype, float]] = {}
+
+    def _travel(self, dtype: torch.dtype) -> tuple[torch.dtype, float]:
+        """How gradients of ``dtype`` travel: the wire dtype and the pre-scale, asked of the communicator once per
+        dtype (both are fixed for its life), not at every launch."""
+        travel = self._travels.get(dtype)
+        if travel is None:
+            comm, reduce = self.comm, self.reduce_dtype
+            travel = self._travels[dtype] = (comm.wire_dtype(dtype, reduce), comm.prescale(dtype, reduce))
+        return travel
 
     def wire_dtype(self, group: FlatGroup) -> torch.dtype:
-        return self.comm.wire_dtype(group.dtype, self.reduce_dtype)
+        return self._travel(group.dtype)[0]
 
     def prescale(self, group: FlatGroup) -> float:
-        return self.comm.prescale(group.dtype, self.reduce_dtype)
+        return self._travel(group.dtype)[1]
 
     def send_bytes(self, group: FlatGroup) -> int:
         """Staging bytes per element of a bucket of ``group`` (0: sent without staging)."""
@@ -109,6 +121,18 @@ class GradStrategy:
         """Flat groups ``added`` (``add_param_group``; already in the state): what this strategy needs of them. What it
         holds of the others (gradients still to be applied, their reduction) stays; nothing is in flight."""
 
+    # ---------------------------------------------------------------- a bucket's gradients held (grad_hold.py)
+    def _write(self, gb: BucketRuntime, slots: list[Slot], grads: list[torch.Tensor]) -> None:
+        """Write the gradients ``grads`` of ``gb``'s ``slots``, let go by the hold (strategies that keep a
+        :class:`GradHold`)."""
+        raise NotImplementedError
+
+    def _write_taken(self, *taken: Optional[Taken]) -> None:
+        """Write, in order, what the hold let go (None: nothing)."""
+        for t in taken:
+            if t is not None:
+                self._write(*t)
+
 
 class ShardedGradStrategy(GradStrategy):
     """Stages 2 and 3: the gradients live only in the fp32 grad shard, so ``step()`` consumes them (zeroes the
@@ -120,7 +144,7 @@ class ShardedGradStrategy(GradStrategy):
         super().__init__(state, pool, reduce_dtype)
         self._clean = False  # the grad shards are zero and no gradient arrived since
         self._got: set[int] = set()  # parameters whose gradient arrived since the last step() or zero_grad()
-        self._hold = GradHold(self._write)  # a bucket's gradients wait in .grad and are written at once
+        self._hold = GradHold()  # a bucket's gradients wait in .grad and are written at once
         self._split_seen: set[tuple[int, int]] = set()  # (group, slot) of split parameters with a gradient this round
         _drop_early_grads(state.groups, state.stage, "the optimizer existed")
 
@@ -129,7 +153,8 @@ class ShardedGradStrategy(GradStrategy):
         if grad.layout is not torch.strided:
             _dense(param, gb.group.names[slot.index])
         self.arrived(gb.group, slot)
-        arrival = self._hold.arrive(gb, slot, param, grad)
+        arrival, writes = self._hold.arrive(gb, slot, param, grad)
+        self._write_taken(*writes)
         if arrival is Arrival.AGAIN_WRITTEN:
             self._add_again(gb, slot, param, grad)
         return arrival is Arrival.FIRST
@@ -149,16 +174,12 @@ class ShardedGradStrategy(GradStrategy):
         this round (else added to what its first wrote)."""
         raise NotImplementedError
 
-    def _write(self, gb: BucketRuntime, held) -> None:
-        """Write the held gradients of ``gb`` (``grad_hold.take_grads`` frees them)."""
-        raise NotImplementedError
-
     def _add_again(self, gb: BucketRuntime, slot: Slot, param: torch.Tensor, grad: torch.Tensor) -> None:
         """A second gradient for a slot already written this round: add it to what was written, free ``.grad``."""
         raise NotImplementedError
 
     def end_round(self) -> None:
-        self._hold.end_round()
+        self._write_taken(self._hold.end_round())
         self._split_seen.clear()
 
     def arrived(self, group: FlatGroup, slot: Slot) -> None:
@@ -250,10 +271,10 @@ class BufferedGrads(GradStrategy):
         p.grad = view
 
     def wire_dtype(self, group: FlatGroup) -> torch.dtype:
-        return self.comm.wire_dtype(self.buffer_dtype(group), self.reduce_dtype)
+        return self._travel(self.buffer_dtype(group))[0]
 
     def prescale(self, group: FlatGroup) -> float:
-        return self.comm.prescale(self.buffer_dtype(group), self.reduce_dtype)
+        return self._travel(self.buffer_dtype(group))[1]
 
     def _staged(self, group: FlatGroup) -> bool:
         return self.wire_dtype(group) != self.buffer_dtype(group) or self.prescale(group) != 1.0
@@ -290,11 +311,19 @@ class BufferedGrads(GradStrategy):
             for i in bucket.slots:
                 self._adopt(group, group.layout.slots[i], group.params[i], group.params[i].grad, keep=True)
         grads = bucket.bucket_range.of(group.grad_buffer)
+        return self._stage(gb, grads)
+
+    def _stage(self, gb: BucketRuntime, grads: torch.Tensor) -> torch.Tensor:
+        """What goes on the wire for the bucket's slice ``grads`` of the buffer: the slice itself, or it cast and
+        pre-scaled into the send buffer of a staging entry; the entry is leased either way (the communicator's
+        workspace is in it)."""
+        group = gb.group
+        staged = self._staged(group)
         if gb.staging is None:
-            gb.staging = self.pool.acquire(gb)  # for the communicator's workspace, and the send buffer if staged
-        if not self._staged(group):
+            gb.staging = self.pool.acquire(gb, self.wire_dtype(group) if staged else None, gb.bucket.numel)
+        if not staged:
             return grads
-        send = gb.staging.send(self.wire_dtype(group), bucket.numel)
+        send = gb.staging.send_view
         cast_scale_into(send, grads, self.prescale(group))
         return send
 
@@ -376,7 +405,7 @@ class Fp32GradBuffer(BufferedGrads):
 
     def __init__(self, state: ShardedState, pool: StagingPool, reduce_dtype: torch.dtype):
         self._got: set[int] = set()
-        self._hold = GradHold(self._write)  # a synchronised pass adds a bucket's gradients at once (grad_hold.py)
+        self._hold = GradHold()  # a synchronised pass adds a bucket's gradients at once (grad_hold.py)
         super().__init__(state, pool, reduce_dtype)
 
     def buffer_dtype(self, group: FlatGroup) -> torch.dtype:
@@ -408,35 +437,28 @@ class Fp32GradBuffer(BufferedGrads):
         if grad.layout is not torch.strided:
             _dense(param, gb.group.names[slot.index])
         if not syncing:  # inside no_sync() no launch comes to write it: added now
-            self._hold.flush()
+            self._write_taken(self._hold.take())
             self._keep_early_grad(gb.group, slot, param)
             self._unreduced = True
             return False
         self._got.add(gb.group.param_indices[slot.index])
-        arrival = self._hold.arrive(gb, slot, param, grad)
+        arrival, writes = self._hold.arrive(gb, slot, param, grad)
+        self._write_taken(*writes)
         if arrival is Arrival.AGAIN_WRITTEN:
             self._keep_early_grad(gb.group, slot, param)
         return arrival is Arrival.FIRST
 
-    def _write(self, gb, held) -> None:
-        slots, grads = take_grads(held)
+    def _write(self, gb, slots, grads) -> None:
         add_flattened(gb.group.grad_buffer, grads, [s.offset for s in slots])
 
     def end_round(self) -> None:
-        self._hold.end_round()
+        self._write_taken(self._hold.end_round())
         super().end_round()
 
     def send(self, gb) -> torch.Tensor:
-        self._hold.flush(gb)
-        group, bucket = gb.group, gb.bucket
-        grads = bucket.bucket_range.of(group.grad_buffer)  # slots without a gradient hold what they accumulated
-        if gb.staging is None:
-            gb.staging = self.pool.acquire(gb)
-        if not self._staged(group):
-            return grads
-        send = gb.staging.send(self.wire_dtype(group), bucket.numel)
-        cast_scale_into(send, grads, self.prescale(group))
-        return send
+        self._write_taken(self._hold.take(gb))
+        # slots without a gradient hold what they accumulated
+        return self._stage(gb, gb.bucket.bucket_range.of(gb.group.grad_buffer))
 
     def zero_grad(self, set_to_none: bool) -> None:
         zero_hand_grads(self.state, self, set_to_none)
@@ -463,13 +485,13 @@ class StagedGrads(ShardedGradStrategy):
         self._fragments: dict[tuple[int, int], list[tuple]] = {}
 
     def _send_buffer(self, gb) -> torch.Tensor:
-        if gb.staging is None:
-            gb.staging = self.pool.acquire(gb)
-            gb.staging.send(self.wire_dtype(gb.group), gb.bucket.numel).zero_()
-        return gb.staging.send(self.wire_dtype(gb.group), gb.bucket.numel)
+        entry = gb.staging
+        if entry is None:
+            entry = gb.staging = self.pool.acquire(gb, self.wire_dtype(gb.group), gb.bucket.numel)
+            entry.send_view.zero_()
+        return entry.send_view
 
-    def _write(self, gb, held) -> None:
-        slots, grads = take_grads(held)
+    def _write(self, gb, slots, grads) -> None:
         start = gb.bucket.offset
         flatten_into(self._send_buffer(gb), grads, [s.offset - start for s in slots], self.prescale(gb.group))
 
@@ -508,7 +530,7 @@ class StagedGrads(ShardedGradStrategy):
             cast_scale_into(at, gb.bucket.fragment_range(slot).of(flat), self.prescale(group))
 
     def send(self, gb) -> torch.Tensor:
-        self._hold.flush(gb)
+        self._write_taken(self._hold.take(gb))
         for at, values, add in self._fragments.pop(gb.key, ()):
             if add:
                 self._add_fragment(gb, at, values)
@@ -536,8 +558,7 @@ class ShardGrads(ShardedGradStrategy):
             start = self._starts[key] = group.layout.single_rank_shard_range(slot).start
         return start
 
-    def _write(self, gb, held) -> None:
-        slots, grads = take_grads(held)
+    def _write(self, gb, slots, grads) -> None:
         add_flattened(gb.group.state.grad, grads, [self._start(gb.group, s) for s in slots])
 
     def _add_again(self, gb, slot, param, grad) -> None:
@@ -559,7 +580,7 @@ class ShardGrads(ShardedGradStrategy):
                 accumulate_into(group.state.grad[start : start + slot.numel], grad)
 
     def send(self, gb) -> None:
-        self._hold.flush(gb)
+        self._write_taken(self._hold.take(gb))
         return None
 
 

@@ -24,7 +24,7 @@ from .bucket_runtime import BucketRuntime, GradState
 from .grad_placeholders import GradPlaceholders
 from .grads import GradStrategy
 from .runtime import BucketRuntimes
-from .sleep import refuse_if_asleep
+from .sleep import ASLEEP, refuse_if_asleep
 from .weak_hooks import remove_all, remove_with, weak_call
 
 
@@ -96,7 +96,8 @@ class GradSync:
     # ---------------------------------------------------------------- backward
     @torch.compiler.disable
     def _on_grad(self, gb: BucketRuntime, slot, param: torch.Tensor) -> None:
-        refuse_if_asleep(self.state, "a backward reached the gradient hooks")  # (offload_states(): sleep.py)
+        if self.state in ASLEEP:  # offload_states() parked the state (sleep.py)
+            refuse_if_asleep(self.state, "a backward reached the gradient hooks")
         self.epoch += 1
         if self.placeholders.active:  # the gradients change from here: the placeholders go first
             self.placeholders.on_backward()
@@ -112,7 +113,8 @@ class GradSync:
     def _on_split_grad(self, gbs: tuple[BucketRuntime, ...], slot, param: torch.Tensor) -> None:
         """The gradient of a parameter split across ``gbs``: one fragment arrives in each (each bucket counts its
         fragments); the strategy writes a fragment when its bucket launches, so staging stays bucket-sized."""
-        refuse_if_asleep(self.state, "a backward reached the gradient hooks")
+        if self.state in ASLEEP:  # offload_states() parked the state (sleep.py)
+            refuse_if_asleep(self.state, "a backward reached the gradient hooks")
         self.epoch += 1
         if self.placeholders.active:
             self.placeholders.on_backward()
@@ -157,13 +159,9 @@ class GradSync:
         self.placeholders.install()
 
     def start_grad_sync(self, gb: BucketRuntime) -> None:
-        """Launch ``gb``'s reduce-scatter into its grad shard (the strategy says what goes on the wire)."""
-        gb.wait_grad()  # its reduction of an earlier round, if still in flight, lands first
-        send = self.strategy.send(gb)
-        entry = gb.staging
-        pending = gb.start_grad_sync(self.comm, send, self.strategy.reduce_dtype, self.strategy.accumulate)
-        if pending is not None:
-            self.pool.launched(entry, pending)
+        """Launch ``gb``'s reduce-scatter into its grad shard: the bucket does it all (the strategy writes what goes
+        on the wire, the pool lends the staging); the reducer only chose when."""
+        gb.start_grad_sync(self.comm, self.strategy, self.pool)
 
     def finish_grad_sync(self) -> None:
         """Make every reduction of the gradients so far visible in the grad shards (the current stream waits)."""

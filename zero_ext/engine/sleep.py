@@ -41,18 +41,19 @@ from ..state.sharded_state import ShardedState
 GROUPS = ("optim_states", "grads", "params")
 _GRAD_KINDS = ("grad_shard", "landing")  # a placement's kinds that are gradient buffers (the rest: rule state)
 
-# every sleeping optimizer's Sleep, by its sharded state: the engine's hooks and the checkpoint ask here
-_ASLEEP: "weakref.WeakKeyDictionary[ShardedState, Sleep]" = weakref.WeakKeyDictionary()
+# every sleeping optimizer's Sleep, by its sharded state: the engine's hooks and the checkpoint ask here (the
+# gradient hooks test membership themselves: a call per gradient into this module only to find nothing)
+ASLEEP: "weakref.WeakKeyDictionary[ShardedState, Sleep]" = weakref.WeakKeyDictionary()
 
 
 def asleep(state: ShardedState) -> Optional["Sleep"]:
     """The optimizer's :class:`Sleep` while some of its states are parked, else None."""
-    return _ASLEEP.get(state)
+    return ASLEEP.get(state)
 
 
 def refuse_if_asleep(state: ShardedState, what: str) -> None:
     """Raise the offload error for ``what`` while some of ``state``'s groups are parked."""
-    sleep = _ASLEEP.get(state)
+    sleep = ASLEEP.get(state)
     if sleep is not None:
         raise sleep.refusal(what)
 
@@ -188,7 +189,7 @@ class Sleep:
         self.lot.forget_except({storage_key(t) for ts in owned.values() for t in ts})
         freed = self.lot.park([t for g in new for t in owned[g]], pin_memory, non_blocking)
         self.parked += new
-        _ASLEEP[self.state] = self
+        ASLEEP[self.state] = self
         if "params" in new:
             self._point_params(at_host=True)
         if self.lot.cuda and not non_blocking:
@@ -207,7 +208,7 @@ class Sleep:
             self._point_params(at_host=False)
         self._give_grads_back()
         self.parked = []
-        _ASLEEP.pop(self.state, None)
+        ASLEEP.pop(self.state, None)
         return brought
 
     # ---------------------------------------------------------------- refusals

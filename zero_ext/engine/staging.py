@@ -24,21 +24,22 @@ from ..comm import Pending
 class StagingEntry:
     """One byte buffer of the pool: ``send_bytes`` of send buffer, then the workspace."""
 
-    __slots__ = ("buffer", "send_bytes", "holder", "pending")
+    __slots__ = ("buffer", "send_bytes", "workspace", "send_view", "holder", "pending")
 
     def __init__(self, send_bytes: int, workspace_bytes: int, device: torch.device):
         total = send_bytes + workspace_bytes
         self.buffer = torch.zeros(total, dtype=torch.uint8, device=device) if total else None
         self.send_bytes = send_bytes
+        # Views made once (offload_states() resizes the storage in place, which every view follows): the
+        # communicator's workspace, and the send buffer as the holder's bucket travels (set by acquire)
+        self.workspace: Optional[torch.Tensor] = None if self.buffer is None else self.buffer[send_bytes:]
+        self.send_view: Optional[torch.Tensor] = None
         self.holder: Optional[object] = None  # the bucket filling or sending from this entry
         self.pending: Optional[Pending] = None  # the collective reading/writing it
 
     def send(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """The send buffer as ``numel`` elements of ``dtype``."""
         return self.buffer[: numel * dtype.itemsize].view(dtype)
-
-    def workspace(self) -> Optional[torch.Tensor]:
-        return None if self.buffer is None else self.buffer[self.send_bytes :]
 
     @property
     def nbytes(self) -> int:
@@ -75,9 +76,10 @@ class StagingPool:
     def tensors(self) -> list[torch.Tensor]:
         return [e.buffer for e in self.entries if e.buffer is not None]
 
-    def acquire(self, holder: object) -> Optional[StagingEntry]:
+    def acquire(self, holder: object, dtype: Optional[torch.dtype] = None, numel: int = 0) -> Optional[StagingEntry]:
         """An entry for ``holder``: a free one, else the oldest in flight (the current stream waits for its
-        collective), else a new one. None when nothing needs staging."""
+        collective), else a new one. None when nothing needs staging. With ``dtype``, its ``send_view`` is the send
+        buffer as ``numel`` elements of it (the holder's bucket as it travels)."""
         if not self.used:
             return None
         entry = next((e for e in self.entries if e.holder is None and e.pending is None), None)
@@ -89,6 +91,7 @@ class StagingPool:
             entry = StagingEntry(self.send_bytes, self.workspace_bytes, self.device)
             self.entries.append(entry)
         entry.holder = holder
+        entry.send_view = None if dtype is None else entry.send(dtype, numel)
         return entry
 
     def launched(self, entry: Optional[StagingEntry], pending: Pending) -> None:
