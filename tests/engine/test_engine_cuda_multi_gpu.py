@@ -14,14 +14,13 @@ What they would catch, none of which one GPU can show:
   every rank must hold the same parameters.
 The same script also runs here on two gloo ranks (test_the_script_runs_on_cpu_ranks), so that it cannot rot unseen."""
 
-import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 from distributed import skip_unless_gpus
+from torchrun_scripts import HELPERS, torchrun
 
 # name -> (ZeroAdamW options, the stage 2 run it equals bit for bit; None: checked against the reference itself)
 VARIANTS = {
@@ -34,7 +33,6 @@ VARIANTS = {
     "stage3_nvme": (dict(stage=3, offload="nvme"), "nvme"),
 }
 
-HELPERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")  # tests/helpers
 _SCRIPT = textwrap.dedent(
     """
     import os, sys, torch, torch.distributed as dist
@@ -42,17 +40,12 @@ _SCRIPT = textwrap.dedent(
     from engine_reference import check_against_reference, params_digest, rank_grads, reference, set_mean_grads
     from engine_reference import state_shards
     from tiny_transformer import batch, build, loss_fn
+    from torchrun_scripts import init_ranks
     from zero_ext import ZeroAdamW
 
     HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if {backend!r} == "nccl":
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:  # a dry run of this script on CPU ranks
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    device = init_ranks({backend!r})
 
 
     def cpu_copy(model):
@@ -110,11 +103,8 @@ _SCRIPT = textwrap.dedent(
 
 def run_ranks(world: int, root, backend: str = "nccl") -> subprocess.CompletedProcess:
     """torchrun with ``world`` ranks of the script above (``backend="gloo"``: on CPU, to try the script itself)."""
-    script = root / "ranks.py"
-    script.write_text(_SCRIPT.format(helpers=HELPERS, variants=VARIANTS, root=str(root),
-                                     backend=backend))  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", str(script)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    script = _SCRIPT.format(helpers=HELPERS, variants=VARIANTS, root=str(root), backend=backend)
+    return torchrun(script, root / "ranks.py", world)
 
 
 @pytest.mark.cuda

@@ -6,15 +6,13 @@ torch.optim.AdamW on the 1-D mean at fp32 tolerance (NCCL sums in its own order)
 one mesh; the replicated state (replicate_state=True) against the same reference. The script also runs on 4 gloo
 ranks (test_the_script_runs_on_cpu_ranks) so that it cannot rot unseen."""
 
-import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
 from distributed import skip_unless_gpus
+from torchrun_scripts import HELPERS, torchrun
 
-HELPERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
 _SCRIPT = textwrap.dedent(
     """
     import hashlib, os, sys, torch, torch.distributed as dist
@@ -22,17 +20,12 @@ _SCRIPT = textwrap.dedent(
     from engine_reference import rank_grads, set_mean_grads
     from tiny_transformer import batch, build, loss_fn
     from torch.distributed.device_mesh import init_device_mesh
+    from torchrun_scripts import init_ranks
     from zero_ext import ZeroAdamW
 
     HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if {backend!r} == "nccl":
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    device = init_ranks({backend!r})
     mesh = init_device_mesh(device.type, (2, 2), mesh_dim_names=("replicate", "shard"))
 
     def run(stage, **kw):
@@ -76,10 +69,7 @@ _SCRIPT = textwrap.dedent(
 
 
 def run_ranks(root, backend: str = "nccl") -> subprocess.CompletedProcess:
-    script = root / "mesh_ranks.py"
-    script.write_text(_SCRIPT.format(helpers=HELPERS, backend=backend))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", str(script)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    return torchrun(_SCRIPT.format(helpers=HELPERS, backend=backend), root / "mesh_ranks.py", 4)
 
 
 @pytest.mark.cuda

@@ -13,13 +13,12 @@ The same script runs on two gloo ranks here (test_the_script_runs_on_cpu_ranks),
 
 import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
 from distributed import skip_unless_gpus
+from torchrun_scripts import HELPERS, torchrun
 
-HELPERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
 MUON_TESTS = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = {
     "stage1": dict(stage=1),
@@ -35,16 +34,11 @@ _SCRIPT = textwrap.dedent(
     from engine_reference import mean_grads, rank_grads
     from muon_reference import MUON, MuonReference, freeze, zero_muon_groups
     from tiny_transformer import batch, build, loss_fn
+    from torchrun_scripts import init_ranks
     from zero_ext import ZeroMuon
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if {backend!r} == "nccl":
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    device = init_ranks({backend!r})
     exact = world in (1, 2) or {backend!r} == "gloo"
 
     def model_for():
@@ -96,10 +90,8 @@ _SCRIPT = textwrap.dedent(
 
 
 def run_ranks(world: int, root, backend: str = "nccl") -> subprocess.CompletedProcess:
-    script = root / "muon_ranks.py"
-    script.write_text(_SCRIPT.format(helpers=HELPERS, tests=MUON_TESTS, variants=VARIANTS, backend=backend))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", str(script)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    script = _SCRIPT.format(helpers=HELPERS, tests=MUON_TESTS, variants=VARIANTS, backend=backend)
+    return torchrun(script, root / "muon_ranks.py", world)
 
 
 def _check(proc, world):
