@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from optimizer_snapshot import assert_same, snapshot
 
 from zero_ext import ZeroAdamW
 
@@ -54,23 +55,11 @@ def _device_bytes(opt) -> int:
     return sum(seen.values())
 
 
-def _snapshot(model, opt):
-    with opt.gathered_params():
-        params = [p.detach().clone() for p in model.parameters()]
-    sd = opt.state_dict()
-    return params, [v.clone() for s in sd["state"].values() for v in s.values() if torch.is_tensor(v)]
-
-
-def _same(a, b):
-    assert len(a[0]) == len(b[0]) and all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
-    assert len(a[1]) == len(b[1]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
-
-
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_allocated_and_reserved_drop(stage):
     model, opt = _make(stage)
     _train(model, opt, 2)
-    before = _snapshot(model, opt)
+    before = snapshot(model, opt)
     torch.cuda.synchronize()
     owned = _device_bytes(opt)
     allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
@@ -81,7 +70,7 @@ def test_allocated_and_reserved_drop(stage):
     assert reserved - torch.cuda.memory_reserved() >= owned - 8 * MiB  # the cache was emptied: given back
     opt.reload_states()
     assert torch.cuda.memory_allocated() == allocated
-    _same(_snapshot(model, opt), before)
+    assert_same(snapshot(model, opt), before)
 
 
 def _child(conn, nbytes):
@@ -189,4 +178,4 @@ def test_detour_bitwise_on_gpu(stage):
             engine(torch.randn(2, 1024, device="cuda", dtype=torch.bfloat16))
         del engine
         opt.reload_states()
-    _same(_snapshot(model, opt), _snapshot(ref_model, ref))
+    assert_same(snapshot(model, opt), snapshot(ref_model, ref))

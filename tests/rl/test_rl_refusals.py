@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 from distributed import run_on_ranks
+from optimizer_snapshot import assert_same, snapshot
 from tiny_transformer import batch, build, loss_fn
 
 from zero_ext import ZeroAdamW, checkpoint
@@ -27,18 +28,6 @@ def _train(model, opt, steps, first=0, rank=0):
         loss_fn(model, batch(step, rank)).backward()
         opt.step()
         opt.zero_grad()
-
-
-def _snapshot(model, opt):
-    with opt.gathered_params():
-        params = [p.detach().clone() for p in model.parameters()]
-    sd = opt.state_dict()
-    return params, [v.clone() for s in sd["state"].values() for v in s.values() if torch.is_tensor(v)]
-
-
-def _same(a, b):
-    assert all(torch.equal(x, y) for x, y in zip(a[0], b[0])) and len(a[0]) == len(b[0])
-    assert all(torch.equal(x, y) for x, y in zip(a[1], b[1])) and len(a[1]) == len(b[1])
 
 
 def _attempts(model, opt, tmp, rank):
@@ -88,7 +77,7 @@ def _refused(rank, world, stage, tmp):
     model.zero_grad()  # (autograd's own .grad of the refused backward; the optimizer's state is untouched)
     _train(model, opt, 2, first=2, rank=rank)
     _train(ref_model, ref, 2, first=2, rank=rank)
-    _same(_snapshot(model, opt), _snapshot(ref_model, ref))
+    assert_same(snapshot(model, opt), snapshot(ref_model, ref))
     return True
 
 
@@ -124,7 +113,7 @@ def _one_rank_offloaded(rank, world, stage, tmp):
     ref.zero_grad()
     _train(model, opt, 1, first=2, rank=rank)
     _train(ref_model, ref, 1, first=2, rank=rank)
-    _same(_snapshot(model, opt), _snapshot(ref_model, ref))
+    assert_same(snapshot(model, opt), snapshot(ref_model, ref))
     return errors
 
 
@@ -163,7 +152,7 @@ def _no_sync_pending(rank, world, stage):
     for o in (opt, ref):
         o.step()
         o.zero_grad()
-    _same(_snapshot(model, opt), _snapshot(ref_model, ref))
+    assert_same(snapshot(model, opt), snapshot(ref_model, ref))
     return True
 
 

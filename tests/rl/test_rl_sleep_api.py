@@ -9,6 +9,7 @@ import pytest
 import torch
 from distributed import run_on_ranks
 from engine_reference import live_storage_bytes, offload_kwargs
+from optimizer_snapshot import assert_same, snapshot
 from tiny_transformer import batch, build, loss_fn
 
 from zero_ext import ZeroAdamW
@@ -52,18 +53,6 @@ def _nbytes(ts) -> int:
         s = t.untyped_storage()
         seen[s._cdata] = s.nbytes()
     return sum(seen.values())
-
-
-def _snapshot(model, opt):
-    with opt.gathered_params():
-        params = [p.detach().clone() for p in model.parameters()]
-    sd = opt.state_dict()
-    return params, {(i, k): v.clone() for i, s in sd["state"].items() for k, v in s.items() if torch.is_tensor(v)}
-
-
-def _same(a, b):
-    assert len(a[0]) == len(b[0]) and all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
-    assert a[1].keys() == b[1].keys() and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -138,7 +127,7 @@ def test_idempotent_and_buffers_reused():
     opt.reload_states()
     _train(model, opt, 2, first=2)
     _train(ref_model, ref, 2, first=2)
-    _same(_snapshot(model, opt), _snapshot(ref_model, ref))
+    assert_same(snapshot(model, opt), snapshot(ref_model, ref))
 
 
 BAD = [
@@ -168,7 +157,7 @@ def _bad_inputs(rank, world):
         opt.named_full_params(buffers=1)
     _train(model, opt, 2, first=1, rank=rank)  # nothing changed: the run goes on as one that saw no bad call
     _train(ref_model, ref, 2, first=1, rank=rank)
-    _same(_snapshot(model, opt), _snapshot(ref_model, ref))
+    assert_same(snapshot(model, opt), snapshot(ref_model, ref))
     return True
 
 
