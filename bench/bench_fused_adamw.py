@@ -3,6 +3,7 @@
     python bench/bench_fused_adamw.py                            # CPU, 2^26 elements: the headline and its targets
     python bench/bench_fused_adamw.py --device cuda              # on a GPU machine
     python bench/bench_fused_adamw.py --sizes 20,22,24,26 --all  # every torch Adam/AdamW flavour, several sizes
+    python bench/bench_fused_adamw.py --device cuda --precision  # + every precision setting (issue 37's targets)
 
 Contenders, all in one process and interleaved round-robin per size (so machine noise hits them alike):
   copy            dst.copy_(src) on fp32 tensors (bytes = read + write = 8/element)
@@ -15,6 +16,11 @@ Contenders, all in one process and interleaved round-robin per size (so machine 
   torch_foreach   torch.optim.AdamW(foreach=True) on fp32 params and fp32 grads
   with --all:     torch_adamw_forloop, torch_adam_{forloop,foreach,fused} (Adam: weight decay is L2), and
                   DeepSpeed's CPU Adam / FusedAdam when DeepSpeed is importable (never required)
+  with --precision: zero_ext_<setting> for every other precision setting (precision_settings.py: remainders,
+                  bf16 moments with and without remainders, int8 moments with and without remainders), each the
+                  kernel the engine calls, credited with the bytes it must move (26, 20, 18, 16.25, 14.25); their
+                  verdicts: >= 85% of the copy bandwidth on CUDA, >= 80% of the roofline on CPU, and each step's
+                  time over the default's (zero_ext's, ratio of medians) within issue 37's target
 
 Copy bandwidth. A plain dst.copy_(src) of a large fp32 buffer (--copy-mib, default 1 GiB: far beyond any L2 or
 L3), credited with read + write bytes, timed interleaved with the contenders of every size (the same rounds, so
@@ -49,6 +55,7 @@ from typing import Callable
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness  # noqa: E402
+import precision_settings  # noqa: E402
 import torch  # noqa: E402
 
 import zero_ext  # noqa: E402
@@ -64,6 +71,10 @@ EXTRA_BUFFER_BYTES = 16 + 8  # per element and --all flavour (+ temporaries)
 # (what the fraction is of, the fraction, speedup vs pipeline). CUDA: a kernel that reads and writes each byte once
 # can reach a plain copy's rate, so 85% of it; a CPU's copy pays write-allocate, hence the in-place roofline there.
 TARGETS = {"cpu": ("roofline", 0.85, 1.30), "cuda": ("copy_bw", 0.85, 1.35)}
+# --precision rows: the other settings' (issue 37): on CPU each at >= 80% of the roofline (its int8 and bf16 paths
+# compute more per byte than the default), on CUDA at the same 85% of the copy bandwidth as the default
+PRECISION = "zero_ext_"  # row name prefix: zero_ext_<setting>
+PRECISION_FRACTION = {"cpu": 0.80, "cuda": 0.85}
 COPY_BW = "copy_bw"  # the large-buffer copy's name among the timed callables (not a row)
 
 
@@ -107,7 +118,7 @@ def timer(device: torch.device) -> Callable[[Callable], float]:
     return cuda_timed
 
 
-def make_contenders(n: int, device: torch.device, everything: bool) -> tuple[dict, str]:
+def make_contenders(n: int, device: torch.device, everything: bool, precision: bool = False) -> tuple[dict, str]:
     """name -> a callable doing one repetition (each owns its buffers), and a note on DeepSpeed."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     init = torch.randn(n, generator=gen).to(device)
@@ -137,6 +148,10 @@ def make_contenders(n: int, device: torch.device, everything: bool) -> tuple[dic
     out["torch_pipeline"] = pipeline_step
     out["torch_fused"] = _adam(torch.optim.AdamW, init, grad_bf16, fused=True)[1].step
     out["torch_foreach"] = _adam(torch.optim.AdamW, init, grad_bf16, foreach=True)[1].step
+    if precision:
+        others = [s for s in precision_settings.BYTES if s != "default"]
+        for setting, fn in precision_settings.steps(init, grad_bf16, others).items():
+            out[PRECISION + setting] = _numbered(fn)
     if not everything:
         return out, "DeepSpeed not measured (without --all)"
     out["torch_adamw_forloop"] = _adam(torch.optim.AdamW, init, grad_bf16, foreach=False)[1].step
@@ -156,7 +171,20 @@ def make_contenders(n: int, device: torch.device, everything: bool) -> tuple[dic
         return out, f"DeepSpeed not measured ({type(e).__name__}: {why})"
 
 
-def credited_bytes(name: str) -> int:
+def _numbered(fn: Callable[[float], None]) -> Callable[[], None]:
+    """``fn(step)`` with the step number counting up from 1 at each call (bias correction moves as in training)."""
+    step = [0]
+
+    def call():
+        step[0] += 1
+        fn(float(step[0]))
+
+    return call
+
+
+def credited_bytes(name: str) -> float:
+    if name.startswith(PRECISION) and name[len(PRECISION) :] in precision_settings.BYTES:
+        return precision_settings.BYTES[name[len(PRECISION) :]]
     return ROOFLINES.get(name) or CORE.get(name) or USEFUL
 
 
@@ -192,10 +220,45 @@ def summarize(times: dict, n: int, copy_bw: dict, device_type: str) -> tuple[lis
                 pct_of_copy=100 * gbs[name] / gbs["copy"],
                 speedup_vs_pipeline=pipeline / s["median_s"],
                 time_vs_zero_ext=s["median_s"] / ours,
-                target=("PASS" if pct_bw >= 100 * frac else "FAIL") if of == COPY_BW else "",
+                target=_row_target(name, pct_bw, frac) if of == COPY_BW else "",
             )
         )
     return rows, roofline
+
+
+def _row_target(name: str, pct_bw: float, frac: float) -> str:
+    if name.startswith(PRECISION):
+        frac = PRECISION_FRACTION["cuda"]
+    return "PASS" if pct_bw >= 100 * frac else "FAIL"
+
+
+def precision_verdicts(rows: list[dict], device_type: str) -> list[str]:
+    """--precision: each other setting at the largest size, against its bandwidth target (CUDA: the copy bandwidth;
+    CPU: the roofline) and issue 37's time target over the default step (zero_ext's row, ratio of medians)."""
+    largest = max(r["numel"] for r in rows)
+    frac = PRECISION_FRACTION[device_type]
+    lines = []
+    for r in rows:
+        if r["numel"] != largest or not r["contender"].startswith(PRECISION):
+            continue
+        setting = r["contender"][len(PRECISION) :]
+        pct, of = (
+            (r["pct_of_copy_bw"], "the copy bandwidth")
+            if device_type == "cuda"
+            else (r["pct_of_roofline"], "the roofline")
+        )
+        ok = pct >= 100 * frac
+        line = f"{'PASS' if ok else 'FAIL'}: {setting} at {_size(largest)}: {r['gb_per_s']:.1f} GB/s ({r['bytes_per_element']} B/element) = {pct:.0f}% of {of} (target >= {100 * frac:.0f}%)"
+        target = precision_settings.TARGETS.get(setting)
+        ratio = r["time_vs_zero_ext"]
+        if target is not None:
+            line += (
+                f"; {'PASS' if ratio <= target else 'FAIL'}: {ratio:.2f}x the default step's time (target <= {target})"
+            )
+        else:
+            line += f"; {ratio:.2f}x the default step's time"
+        lines.append(line)
+    return lines
 
 
 def verdicts(rows: list[dict], roofline: str, copy_bws: list[dict], device_type: str) -> list[str]:
@@ -223,7 +286,7 @@ def verdicts(rows: list[dict], roofline: str, copy_bws: list[dict], device_type:
         f"{'PASS' if r['speedup_vs_pipeline'] >= speedup else 'FAIL'}: zero_ext {r['speedup_vs_pipeline']:.2f}x "
         f"the torch mixed-precision pipeline (target >= {speedup:.2f}x)"
     )
-    return lines
+    return lines + precision_verdicts(rows, device_type)
 
 
 def _size(n: int) -> str:
@@ -320,6 +383,7 @@ def main(argv=None) -> int:
     p.add_argument("--numel", type=int, default=None, help="one element count instead of --sizes (any number)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--all", action="store_true", help="also every other torch Adam/AdamW flavour (and DeepSpeed)")
+    p.add_argument("--precision", action="store_true", help="also every other precision setting (issue 37's targets)")
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out-dir", default=str(harness.RESULTS), help="default: bench/results")
@@ -348,12 +412,13 @@ def main(argv=None) -> int:
     rows, copy_bws, skipped, note, roofline = [], [], [], "", None
     for n in sizes:
         need = n * (BUFFER_BYTES + (len(EXTRA) + 1) * EXTRA_BUFFER_BYTES * args.all)
+        need += n * sum(v for k, v in precision_settings.HELD_BYTES.items() if k != "default") * args.precision
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else harness.free_memory_bytes()
         if need > 0.7 * free:
             skipped.append(f"{_size(n)}: skipped, needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB available")
             print(skipped[-1], flush=True)
             continue
-        contenders, note = make_contenders(n, device, args.all)
+        contenders, note = make_contenders(n, device, args.all, args.precision)
         contenders[COPY_BW] = lambda: dst.copy_(src)
         timed = {name: (lambda fn=fn: time_one(fn)) for name, fn in contenders.items()}
         times = harness.round_robin(timed, args.warmup, args.reps)

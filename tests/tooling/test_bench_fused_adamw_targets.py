@@ -74,3 +74,45 @@ def test_cpu_keeps_its_roofline_target_and_no_row_target():
     lines = bench.verdicts(rows, roofline, [copy_bw], "cpu")
     assert len(lines) == 2 and lines[0].startswith("PASS: zero_ext at 92% of the roofline (scale_inplace")
     assert "110% of the copy bandwidth" in lines[0]
+
+
+def _precision_times(fraction: dict) -> dict:
+    """The core contenders and every --precision row, each at ``fraction`` of the copy bandwidth (default 0.5)."""
+    names = [*bench.ROOFLINES, *bench.CORE, *(bench.PRECISION + s for s in bench.precision_settings.TARGETS)]
+    return {n: [_seconds(bench.credited_bytes(n), N, fraction.get(n, 0.5) * COPY_GBS)] * 3 for n in names}
+
+
+def test_precision_rows_are_credited_with_what_each_setting_moves():
+    assert bench.credited_bytes("zero_ext_int8_moments") == 16.25
+    assert bench.credited_bytes("zero_ext_remainders") == 26 and bench.credited_bytes("zero_ext_bf16_moments") == 20
+
+
+def test_precision_rows_on_cuda_each_against_the_copy_bandwidth_and_the_default_time():
+    copy_bw = _copy_bw()
+    # int8 at 90% of the copy bandwidth moves 16.25 of the default's 28 bytes: 0.56x its time at the default's 0.9
+    times = _precision_times({"zero_ext": 0.90, "zero_ext_int8_moments": 0.90, "zero_ext_bf16_moments": 0.60})
+    rows, roofline = bench.summarize(times, N, copy_bw, "cuda")
+    by = {r["contender"]: r for r in rows}
+    assert by["zero_ext_int8_moments"]["target"] == "PASS" and by["zero_ext_bf16_moments"]["target"] == "FAIL"
+    lines = {
+        line.split(": ")[1].split(" at ")[0]: line for line in bench.verdicts(rows, roofline, [copy_bw], "cuda")[2:]
+    }
+    assert set(lines) == set(bench.precision_settings.TARGETS)
+    assert (
+        lines["int8_moments"].startswith("PASS: int8_moments at 2^26")
+        and "= 90% of the copy bandwidth" in lines["int8_moments"]
+    )
+    assert "PASS: 0.58x the default step's time (target <= 0.75)" in lines["int8_moments"]
+    # bf16 at 60%: 20/28 of the bytes at 2/3 of the default's rate -> 1.07x its time: both targets fail
+    assert lines["bf16_moments"].startswith("FAIL") and "FAIL: 1.07x the default step's time" in lines["bf16_moments"]
+
+
+def test_precision_rows_on_cpu_against_80_percent_of_the_roofline():
+    copy_bw = _copy_bw()
+    times = _precision_times({"add_inplace": 1.0, "zero_ext_remainders": 0.81, "zero_ext_int8_moments": 0.30})
+    rows, roofline = bench.summarize(times, N, copy_bw, "cpu")
+    lines = bench.verdicts(rows, roofline, [copy_bw], "cpu")
+    remainders = next(line for line in lines if ": remainders at" in line)
+    int8 = next(line for line in lines if ": int8_moments at" in line)
+    assert remainders.startswith("PASS") and "81% of the roofline (target >= 80%)" in remainders
+    assert int8.startswith("FAIL") and "30% of the roofline" in int8

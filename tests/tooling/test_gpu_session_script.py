@@ -153,7 +153,7 @@ def test_call1_builds_for_this_gpu_then_runs_ops_bench_and_one_engine_test(tmp_p
     kernel_files = _files(_var("KERNEL_TESTS"))
     assert sorted(a for a in ops if a.startswith("tests/")) == kernel_files, ops
     assert not [f for f in kernel_files if "engine" in f]
-    assert bench == "python3 bench/bench_fused_adamw.py --device cuda"
+    assert bench == "python3 bench/bench_fused_adamw.py --device cuda --precision"
     assert ["tests/engine/test_engine_cuda.py", "tests/engine/test_engine_cuda_multi_gpu.py"] == [
         a for a in engine_one if a.startswith("tests/")
     ], engine_one
