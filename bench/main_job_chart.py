@@ -69,6 +69,22 @@ def _tick(name: str, label: str) -> str:
     return "\n".join([SHORT.get(name, name), *textwrap.wrap(detail.replace("param_remainders", "remainders"), 16)])
 
 
+# A step-time bar more than this many times the others' tallest is drawn cut at the top (its median written), so the
+# others stay readable: on a CPU without fast bf16 GEMMs ZeroMuon's Newton-Schulz (bf16, as torch runs it) makes its
+# steps ~8x AdamW's (bench/results/main_job_epyc.md), which squashed every other bar to the bottom of the panel.
+OFF_SCALE = 3.0
+
+
+def time_axis_top(tops: list[float]) -> float:
+    """The step-time panel's scale: the tallest bar, unless some are more than ``OFF_SCALE`` times the tallest of
+    the others; then the others' tallest, with room (those are drawn cut at the top)."""
+    ordered = sorted(tops)
+    for k in range(1, len(ordered)):
+        if ordered[k] > OFF_SCALE * ordered[k - 1]:  # a gap: everything from k up is off the scale
+            return 1.5 * ordered[k - 1]
+    return max(tops)
+
+
 def save_chart(runs: dict, checks: dict, entropy: float, meta: dict, path: Path) -> Path:
     import matplotlib
 
@@ -163,15 +179,21 @@ def save_chart(runs: dict, checks: dict, entropy: float, meta: dict, path: Path)
     err = [[m - s["min_s"] * 1e3 for m, s in zip(med, stats)], [s["max_s"] * 1e3 - m for m, s in zip(med, stats)]]
     ax_time.bar(x, med, 0.6, yerr=err, capsize=4, color=[COLORS[n] for n in names], alpha=0.8)
     tops = [m + e for m, e in zip(med, err[1])]
+    top = time_axis_top(tops)
     for i, m in enumerate(med):  # above the whisker: inside a bar, a short bar's label would fall off it
-        ax_time.text(i, tops[i] + 0.01 * max(tops), f"median\n{m:.0f} ms", ha="center", va="bottom", fontsize=8)
-    ax_time.set_ylim(0, max(tops) * 1.15)
+        if tops[i] <= top:
+            ax_time.text(i, tops[i] + 0.01 * top, f"median\n{m:.0f} ms", ha="center", va="bottom", fontsize=8)
+        else:  # off the scale: cut at the top, its median written inside the axes
+            ax_time.text(i, 0.98 * top * 1.15, f"median\n{m:.0f} ms\n(off scale)", ha="center", va="top", fontsize=8,
+                         bbox=dict(facecolor="white", edgecolor="none", alpha=0.85, pad=1))  # fmt: skip
+    ax_time.set_ylim(0, top * 1.15)
     ax_time.set_xticks(x, ticks, fontsize=8)
     warm = runs[names[0]]["config"]["warmup"]
     ax_time.set(title="step time of the slowest rank: median, min-max", ylabel="ms")
-    ax_time.set_xlabel(
-        f"(the first {warm} steps are warm-up, left out)" if len(runs[names[0]]["losses"]) > warm else ""
-    )
+    notes = [f"the first {warm} steps are warm-up, left out"] if len(runs[names[0]]["losses"]) > warm else []
+    if top < max(tops):
+        notes.append("bars marked off scale are cut at the top")
+    ax_time.set_xlabel(f"({'; '.join(notes)})" if notes else "")
 
     psi = runs[names[0]]["num_params"]
     # How autocast's matmuls ran (main_job_compute.py); result files from before the probe do not say.
