@@ -29,49 +29,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import harness  # noqa: E402
+import precision_settings  # noqa: E402
 import torch  # noqa: E402
 
-HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
-# Bytes each setting must move per element: bf16 grad read (2); master read+write (fp32 8, or bf16 param 4 +
-# int16 remainder 4); exp_avg and exp_avg_sq read+write (fp32 8 each, bf16 4 each, int8 codes 2 each + one fp32
-# scale per 64 elements read+write, 0.125 each); bf16 param_out write (2) unless the param is the master's half.
-BYTES = {"default": 28, "remainders": 26, "bf16_moments": 20, "remainders_bf16": 18, "int8_moments": 16.25,
-         "int8_remainders": 14.25}  # fmt: skip
+BYTES, TARGETS = precision_settings.BYTES, precision_settings.TARGETS  # bench/precision_settings.py
 STREAMS = {"copy": 8, "scale_inplace": 8, "add_inplace": 12}  # bytes credited per element (bench_fused_adamw.py)
-# Issue 37: each setting's step time / the default's (median of per-round ratios) at most this.
-TARGETS = {"int8_moments": 0.75, "int8_remainders": 0.8, "bf16_moments": 0.8, "remainders": 1.0}
 ROOFLINE_TARGET = 0.8  # every setting at >= 80% of the roofline on CPU
 
 
 def contenders(n: int) -> dict:
-    from zero_ext import ops
-    from zero_ext.ops import int8 as ops_int8
-    from zero_ext.update import blockwise_int8
-
+    """Every setting's step (precision_settings.steps: the kernel the engine calls for it) and the in-place streams
+    that make the roofline, each timed by the host clock."""
     g = torch.Generator().manual_seed(0)
     grad = (torch.randn(n, generator=g) * 1e-2).to(torch.bfloat16)
     master = torch.randn(n, generator=g) * 0.02
-    param = master.to(torch.bfloat16)
-    blocks = blockwise_int8.num_blocks(n)
     step = [0]
-
-    def zeros(dtype):
-        return torch.zeros(n, dtype=dtype), torch.zeros(n, dtype=dtype)
-
-    m32, v32 = zeros(torch.float32)
-    m16, v16 = zeros(torch.bfloat16)
-    m_r, v_r = zeros(torch.float32)
-    rem = torch.zeros(n, dtype=torch.int16)
-    m_rb, v_rb = zeros(torch.bfloat16)
-    rem_b = torch.zeros(n, dtype=torch.int16)
-    m8, v8 = zeros(torch.int8)
-    s_m, s_v = torch.zeros(blocks), torch.zeros(blocks)
-    m8r, v8r = zeros(torch.int8)
-    s_mr, s_vr = torch.zeros(blocks), torch.zeros(blocks)
-    rem8 = torch.zeros(n, dtype=torch.int16)
-    masters = {k: master.clone() for k in ("default", "bf16")}
-    params = {k: param.clone() for k in ("default", "bf16", "remainders", "remainders_bf16", "int8", "int8_remainders")}
-    master8 = master.clone()
     src, dst = torch.rand(n), torch.empty(n)
     a, b, c = torch.ones(n), torch.full((n,), 1e-6), torch.ones(n)
 
@@ -84,23 +56,11 @@ def contenders(n: int) -> dict:
 
         return run
 
-    return {
-        "default": timed(lambda s: ops.fused_adamw_(masters["default"], grad, m32, v32, step=s, param_out=params["default"], **HYPER)),
-        "remainders": timed(lambda s: ops.fused_adamw_(params["remainders"], grad, m_r, v_r, step=s, remainder=rem, **HYPER)),
-        "bf16_moments": timed(lambda s: ops.fused_adamw_(masters["bf16"], grad, m16, v16, step=s, param_out=params["bf16"],
-                                                         rounding_seed=7, element_offset=0, **HYPER)),
-        "remainders_bf16": timed(lambda s: ops.fused_adamw_(params["remainders_bf16"], grad, m_rb, v_rb, step=s,
-                                                            remainder=rem_b, rounding_seed=7, element_offset=0,
-                                                            **HYPER)),
-        "int8_moments": timed(lambda s: ops_int8.fused_adamw_int8_(master8, grad, m8, s_m, v8, s_v, step=s,
-                                                                   param_out=params["int8"], **HYPER)),
-        "int8_remainders": timed(lambda s: ops_int8.fused_adamw_int8_(params["int8_remainders"], grad, m8r, s_mr, v8r,
-                                                                      s_vr, step=s, remainder=rem8, **HYPER)),
-        # 0.999 ** (a few hundred reps) stays far from denormals; the in-place add drifts by 1e-6 per rep.
-        "copy": timed(lambda s: dst.copy_(src)),
-        "scale_inplace": timed(lambda s: a.mul_(0.999)),
-        "add_inplace": timed(lambda s: c.add_(b)),
-    }  # fmt: skip
+    out = {name: timed(fn) for name, fn in precision_settings.steps(master, grad).items()}
+    # 0.999 ** (a few hundred reps) stays far from denormals; the in-place add drifts by 1e-6 per rep.
+    out.update(copy=timed(lambda s: dst.copy_(src)), scale_inplace=timed(lambda s: a.mul_(0.999)),
+               add_inplace=timed(lambda s: c.add_(b)))  # fmt: skip
+    return out
 
 
 def measure(sizes: list[int], warmup: int, reps: int) -> dict:
