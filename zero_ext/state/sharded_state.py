@@ -164,17 +164,22 @@ class ShardedState:
                 yield group, bucket
 
     def launch_order(self) -> list[tuple[FlatGroup, Bucket]]:
-        """Every (group, bucket) in the order their gradients are expected: the bucket whose parameters were
-        registered last first (in the model, with ``module=``; else in the order given to the optimizer). Every rank
-        launches collectives in this one order, so they always pair up. (The model's order matters for a group added
-        later, ``add_param_group``: typically early layers, unfrozen, whose gradients arrive last; by their indices,
-        the largest, their buckets would launch first and hold back every reduction until the end of backward.)"""
+        """Every (group, bucket) in the order their buckets are expected to complete in backward: a bucket is
+        complete when its earliest-registered parameter's gradient arrives (backward runs the model in reverse), so
+        the bucket whose earliest parameter was registered last comes first (registered in the model, with
+        ``module=``; else in the order given to the optimizer). Every rank launches collectives in this one order, so
+        they always pair up. A bucket launched too early in this order holds back every reduction after it (each
+        keeping its staging entry) until it completes: keyed by its latest parameter instead, the one bucket of a
+        no-decay group (every layer's norms and biases) launched first and completed last, which held every
+        reduction to the end of backward and grew the staging pool to one entry per bucket. (The model's order also
+        places a group added later, ``add_param_group``: typically early layers, unfrozen, whose gradients arrive
+        last; by their indices, the largest, their buckets would launch first.)"""
         registered = {id(t): i for i, t in enumerate(self.model.tensor_of.values())} if self.model is not None else {}
 
         def position(g: FlatGroup, i: int) -> int:
             return registered.get(id(g.params[i]), g.param_indices[i])
 
-        keyed = [(max(position(g, i) for i in b.slots), g, b) for g, b in self.buckets()]
+        keyed = [(min(position(g, i) for i in b.slots), g, b) for g, b in self.buckets()]
         keyed.sort(key=lambda k: -k[0])
         return [(g, b) for _, g, b in keyed]
 
