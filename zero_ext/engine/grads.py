@@ -496,11 +496,7 @@ class StagedGrads(ShardedGradStrategy):
         flatten_into(self._send_buffer(gb), grads, [s.offset - start for s in slots], self.prescale(gb.group))
 
     def _add_again(self, gb, slot, param, grad) -> None:
-        # in the wire dtype, as the first was written
-        view = gb.bucket.slot_range(slot).of(self._send_buffer(gb))
-        scaled = torch.empty_like(view)
-        cast_scale_into(scaled, grad, self.prescale(gb.group))
-        view.add_(scaled)
+        self._add_fragment(gb, gb.bucket.slot_range(slot), grad)  # (the whole parameter: its bucket's only fragment)
         param.grad = None
 
     def _split_arrived(self, gbs, slot, grad, first) -> None:
@@ -513,6 +509,7 @@ class StagedGrads(ShardedGradStrategy):
                 self._add_fragment(gb, at, values)
 
     def _add_fragment(self, gb, at, values) -> None:
+        """Add ``values`` at ``at`` in the bucket's send buffer, in the wire dtype, as the first was written."""
         view = at.of(self._send_buffer(gb))
         scaled = torch.empty_like(view)
         cast_scale_into(scaled, values, self.prescale(gb.group))
