@@ -25,6 +25,7 @@ import json
 import os
 import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -33,6 +34,51 @@ from gpt_model import GPT, GPTConfig, MarkovData  # noqa: E402
 
 from zero_ext import ops  # noqa: E402
 from zero_ext.update import blockwise_int8 as q8  # noqa: E402
+
+
+def dynamic_map(
+    signed: bool, total_bits: int = 8, exponent_bits: Optional[int] = None, zero: bool = True
+) -> torch.Tensor:
+    """The sorted dynamic quantization map (bitsandbytes' ``create_dynamic_map``) with ``2**total_bits`` values.
+
+    Decade ``i`` (``i = 0 .. exponent_bits-1``) covers ``[10**(i+1-exponent_bits) * 0.1, 10**(i+1-exponent_bits)]``
+    with the midpoints of a linear grid of ``2**(i + total_bits - 1 - exponent_bits)`` (signed, each sign) or twice
+    that (unsigned) intervals; then 0 and 1. ``exponent_bits`` defaults to ``total_bits - 1``. ``zero=False``
+    leaves 0 out (the "zero point" fix of Li et al. 2023 for the second moment: a small nonzero exp_avg_sq coded 0
+    would make its update m/eps), which makes room for one more decade: ``dynamic_map(False, 7, 7, zero=False)``
+    has the 8-bit unsigned map's 7 decades in 128 values."""
+    non_sign_bits = total_bits - 1
+    exponent_bits = non_sign_bits if exponent_bits is None else exponent_bits
+    data: list[float] = []
+    for i in range(exponent_bits):
+        items = (
+            2 ** (i + non_sign_bits - exponent_bits) + 1 if signed else 2 ** (i + non_sign_bits - exponent_bits + 1) + 1
+        )
+        bounds = torch.linspace(0.1, 1.0, items, dtype=torch.float64)
+        means = (bounds[:-1] + bounds[1:]) / 2.0
+        decade = 10.0 ** (i + 1 - exponent_bits) * means
+        data += decade.tolist() + ((-decade).tolist() if signed else [])
+    extra = 2 ** (non_sign_bits - exponent_bits) - 1
+    if extra > 0:  # bitsandbytes' "additional items": a finer grid of the top decade
+        bounds = torch.linspace(0.1, 1.0, extra + 1, dtype=torch.float64)
+        means = (bounds[:-1] + bounds[1:]) / 2.0
+        data += means.tolist() + ((-means).tolist() if signed else [])
+    data += [0.0, 1.0] if zero else [1.0]
+    if len(data) != 2**total_bits:
+        raise ValueError(f"dynamic_map: {len(data)} values for {total_bits} bits")
+    return torch.tensor(sorted(data), dtype=torch.float64).to(torch.float32)
+
+
+def with_minus_one(qmap: torch.Tensor) -> torch.Tensor:
+    """A signed map whose smallest positive value gives way to -1. bitsandbytes' signed map has +1 but not -1, so
+    a block whose largest-magnitude element is negative decodes it as -0.993 x absmax, and quantizing the decoded
+    block again finds a smaller absmax and moves every code of the block: a checkpoint (which holds the moments
+    dequantized) would not load back into the same codes. With -1 a block's absmax element decodes to +-scale
+    exactly, so ``quantize(dequantize(codes, scales))`` gives back ``codes, scales`` and a checkpoint resumes
+    bitwise (tests/precision/test_moment_dtype.py). zero_ext's exp_avg map until 2026-11. The value given up, 5.5e-7, is the smallest positive one:
+    positive values below 1.9e-6 x absmax round to 0 or 3.25e-6 instead."""
+    smallest = qmap[qmap > 0].min()
+    return torch.cat([qmap[qmap != smallest], torch.tensor([-1.0])]).sort().values
 
 
 def linear_map(signed: bool, total_bits: int = 8) -> torch.Tensor:
@@ -47,15 +93,39 @@ def linear_map(signed: bool, total_bits: int = 8) -> torch.Tensor:
     return grid.to(torch.float32)
 
 
+def minifloat_grid(mantissa_bits: int, count: int) -> torch.Tensor:
+    """The ``count`` largest positive fp32 values with ``mantissa_bits`` mantissa bits up to 1.0, ascending."""
+    shift = 23 - mantissa_bits
+    top = 0x3F800000 >> shift
+    return (torch.arange(top - count + 1, top + 1, dtype=torch.int64) << shift).to(torch.int32).view(torch.float32)
+
+
+def signed_minifloat(mantissa_bits: int) -> torch.Tensor:
+    """256 values: -g[128] .. -g[1], 0, g[1] .. g[127], g the minifloat grid with g[127] = 1 (g[128] > 1 is never
+    the nearest value to a y in [-1, 1])."""
+    above_one = torch.tensor([0x3F800000 + (1 << (23 - mantissa_bits))], dtype=torch.int32).view(torch.float32)
+    mags = torch.cat([minifloat_grid(mantissa_bits, 127), above_one])  # magnitudes 1 .. 128
+    return torch.cat([-mags.flip(0), torch.zeros(1), mags[:-1]])
+
+
 # v maps: bitsandbytes' 8-bit unsigned dynamic map, the 7-bit nonnegative one (bit 7 free for the tie bit), linear.
 V_MAPS = {
-    "dyn8u": q8.dynamic_map(False, 8),
-    "dyn7": q8.dynamic_map(False, 7, 6),
-    "dyn7nz": q8.dynamic_map(False, 7, 7, zero=False),
-    "dyn8unz": q8.dynamic_map(False, 8, 8, zero=False),
+    "dyn8u": dynamic_map(False, 8),
+    "dyn7": dynamic_map(False, 7, 6),
+    "dyn7nz": dynamic_map(False, 7, 7, zero=False),
+    "dyn8unz": dynamic_map(False, 8, 8, zero=False),
     "linear8u": linear_map(False, 8),
+    "e5m2nz": minifloat_grid(2, 128),
+    "e4m3nz": minifloat_grid(3, 128),
+    "e3m4nz": minifloat_grid(4, 128),
 }
-M_MAPS = {"dyn8s": q8.dynamic_map(True, 8), "linear8s": linear_map(True, 8)}
+M_MAPS = {
+    "dyn8s": dynamic_map(True, 8),
+    "linear8s": linear_map(True, 8),
+    "e4m3s": signed_minifloat(3),
+    "e3m4s": signed_minifloat(4),
+    "e2m5s": signed_minifloat(5),
+}
 BLOCKS = (64, 128, 256, 2048)
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
@@ -137,10 +207,25 @@ def teacher_forced(args) -> dict:
             ("dyn8s", "dyn7nz"),
             ("dyn8s", "dyn8unz"),
             ("linear8s", "linear8u"),
+            ("e4m3s", "e5m2nz"),
+            ("e4m3s", "e4m3nz"),
+            ("e3m4s", "e5m2nz"),
+            ("dyn8s", "e5m2nz"),
+            ("e4m3s", "dyn7nz"),
+            ("e3m4s", "e4m3nz"),
+            ("e3m4s", "e3m4nz"),
+            ("e2m5s", "e4m3nz"),
+            ("e2m5s", "e5m2nz"),
+            ("e4m3s", "e3m4nz"),
+            ("e3m4s", "dyn7nz"),
+            ("e2m5s", "dyn7nz"),
+            ("dyn8s", "e4m3nz"),
+            ("dyn8s", "e3m4nz"),
         )
     ]
     err = {c: [] for c in configs}
     zeroed = {c: [] for c in configs}
+    stalled = {c: [] for c in configs}
     for s in range(1, args.steps + 1):
         t.train_step()
         if s % args.probe_every and s != 1:
@@ -148,7 +233,13 @@ def teacher_forced(args) -> dict:
         ref = direction(t.m, t.v, s)
         for mn, vn, b in configs:
             m_dq, v_dq = qdq(t.m, b, M_MAPS[mn]), qdq(t.v, b, V_MAPS[vn])
-            err[(mn, vn, b)].append(float((direction(m_dq, v_dq, s) - ref).norm() / ref.norm()))
+            got = direction(m_dq, v_dq, s)
+            err[(mn, vn, b)].append(float((got - ref).norm() / ref.norm()))
+            # elements that move (a tenth of a full Adam step or more) but would move less than a tenth as far
+            moving = ref.abs() >= 0.1
+            stalled[(mn, vn, b)].append(
+                float((moving & (got.abs() < 0.1 * ref.abs())).sum()) / max(1, int(moving.sum()))
+            )
             zeroed[(mn, vn, b)].append(float(((v_dq == 0) & (t.v > 0)).sum()) / max(1, int((t.v > 0).sum())))
         print(f"probe step {s}", flush=True)
     return {
@@ -160,6 +251,7 @@ def teacher_forced(args) -> dict:
             "update_rel_err_max": max(err[(mn, vn, b)]),
             "update_rel_err_last": err[(mn, vn, b)][-1],
             "v_zeroed_frac_max": max(zeroed[(mn, vn, b)]),
+            "stalled_frac_max": max(stalled[(mn, vn, b)]),
         }  # fmt: skip
         for (mn, vn, b) in configs
     }
@@ -218,15 +310,18 @@ def markdown(res: dict, args, command: str) -> str:
         "## Update direction error on the fp32 trajectory (teacher forced)",
         "",
         f"Probed at step 1 and every {args.probe_every} steps. Relative L2 error of m_hat/(sqrt(v_hat)+eps) after "
-        "quantize-dequantize of both moments; `v zeroed` = largest fraction of nonzero exp_avg_sq elements coded 0.",
+        "quantize-dequantize of both moments; `v zeroed` = largest fraction of nonzero exp_avg_sq elements coded 0; "
+        "`stalled` = largest fraction of the elements that move (|direction| >= 0.1) whose quantized direction is "
+        "under a tenth of theirs (an exp_avg coded 0, or an exp_avg_sq raised to its map's smallest value).",
         "",
-        "| m map | v map | block | rel err median | rel err max | rel err last | v zeroed (max) |",
-        "|---|---|---|---|---|---|---|",
+        "| m map | v map | block | rel err median | rel err max | rel err last | v zeroed (max) | stalled (max) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in res["teacher_forced"].values():
         lines.append(
             f"| {r['m_map']} | {r['v_map']} | {r['block']} | {r['update_rel_err_median']:.4f} | "
-            f"{r['update_rel_err_max']:.4f} | {r['update_rel_err_last']:.4f} | {r['v_zeroed_frac_max']:.2e} |"
+            f"{r['update_rel_err_max']:.4f} | {r['update_rel_err_last']:.4f} | {r['v_zeroed_frac_max']:.2e} | "
+            f"{r.get('stalled_frac_max', float('nan')):.2e} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -1,5 +1,5 @@
 // cpu::fused_adamw_int8 (fused_adamw_int8.h): the scalar path, which is the reference of the SIMD
-// paths (fused_adamw_int8_avx2.cpp, fused_adamw_int8_avx512.cpp: the same IEEE operations in the
+// path (fused_adamw_int8_avx2.cpp, which AVX-512 machines run too: the same IEEE operations in the
 // same order, FMA exactly where adamw_math.h calls fmaf), and the OpenMP driver.
 #pragma GCC optimize("fp-contract=off")
 
@@ -42,10 +42,9 @@ void scalar_block(const Int8AdamWBuffers& b, int64_t blk, const AdamWCoefficient
   float vmax_amax = 0.0f;
   for (int64_t j = 0; j < len; ++j) {
     const int64_t i = begin + j;
-    float m = int8_exp_avg_times(kInt8Quantizer, m_codes[j], m_scale);
-    float v = int8_exp_avg_sq_times(kInt8Quantizer, v_codes[j], v_scale);
-    float v_max =
-        kAmsgrad ? int8_exp_avg_sq_times(kInt8Quantizer, vmax_codes[j], vmax_scale) : 0.0f;
+    float m = int8_exp_avg_times(m_codes[j], m_scale);
+    float v = int8_exp_avg_sq_times(v_codes[j], v_scale);
+    float v_max = kAmsgrad ? int8_exp_avg_sq_times(vmax_codes[j], vmax_scale) : 0.0f;
     float p = kOut == 3 ? bits_float(join_master_bits(param[i], b.remainder[i], v_codes[j] >> 7))
                         : b.master[i];
     adamw_update<kAmsgrad>(p, load_as_float(b.grad, kGrad, i), m, v, v_max, c);
@@ -71,24 +70,22 @@ void scalar_block(const Int8AdamWBuffers& b, int64_t blk, const AdamWCoefficient
   }
   m_amax = finish_absmax(m_amax);
   v_amax = finish_absmax(v_amax);
-  const float m_div = encode_divisor(m_amax);
-  const float v_div = encode_divisor(v_amax);
+  const float m_rcp = encode_reciprocal(m_amax);
+  const float v_rcp = encode_reciprocal(v_amax);
   uint8_t* const m_out = reinterpret_cast<uint8_t*>(b.exp_avg_codes) + begin;
   uint8_t* const v_out = reinterpret_cast<uint8_t*>(b.exp_avg_sq_codes) + begin;
   for (int64_t j = 0; j < len; ++j) {
-    m_out[j] = static_cast<uint8_t>(int8_encode_exp_avg(kInt8Quantizer, m_new[j] / m_div));
-    v_out[j] =
-        static_cast<uint8_t>(int8_encode_exp_avg_sq(kInt8Quantizer, v_new[j] / v_div) | tie[j]);
+    m_out[j] = static_cast<uint8_t>(int8_encode_exp_avg(m_new[j] * m_rcp));
+    v_out[j] = static_cast<uint8_t>(int8_encode_exp_avg_sq(v_new[j] * v_rcp) | tie[j]);
   }
   b.exp_avg_scales[blk] = m_amax;
   b.exp_avg_sq_scales[blk] = v_amax;
   if constexpr (kAmsgrad) {
     vmax_amax = finish_absmax(vmax_amax);
-    const float vmax_div = encode_divisor(vmax_amax);
+    const float vmax_rcp = encode_reciprocal(vmax_amax);
     uint8_t* const vmax_out = reinterpret_cast<uint8_t*>(b.max_exp_avg_sq_codes) + begin;
     for (int64_t j = 0; j < len; ++j) {
-      vmax_out[j] =
-          static_cast<uint8_t>(int8_encode_exp_avg_sq(kInt8Quantizer, vmax_new[j] / vmax_div));
+      vmax_out[j] = static_cast<uint8_t>(int8_encode_exp_avg_sq(vmax_new[j] * vmax_rcp));
     }
     b.max_exp_avg_sq_scales[blk] = vmax_amax;
   }
@@ -122,11 +119,10 @@ void scalar_blocks(const Int8AdamWBuffers& b, int64_t first, int64_t last,
 
 void run_blocks(const Int8AdamWBuffers& b, int64_t first, int64_t last, const AdamWCoefficients& c,
                 Isa isa) {
-  if (isa == Isa::kAvx512) {
-    first = fused_adamw_int8_avx512(b, first, last, c);
-  } else if (isa == Isa::kAvx2) {
-    first = fused_adamw_int8_avx2(b, first, last, c);
-  }
+  // AVX-512 machines run the AVX2 body too: with the minifloat codes it is memory-bound on 8
+  // lanes (bench/results/precision_kernel_cost_avx2.md), so 16 lanes would buy nothing but a path
+  // this repository's AVX2-only machine could not test.
+  if (isa == Isa::kAvx512 || isa == Isa::kAvx2) first = fused_adamw_int8_avx2(b, first, last, c);
   fused_adamw_int8_scalar(b, first, last, c);
 }
 
@@ -148,12 +144,11 @@ int64_t fused_adamw_int8_scalar(const Int8AdamWBuffers& b, int64_t block_begin, 
   return block_end;
 }
 
-int64_t int8_encode_scalar(bool exp_avg_sq, const float* x, float divisor, int8_t* codes,
+int64_t int8_encode_scalar(bool exp_avg_sq, const float* x, float reciprocal, int8_t* codes,
                            int64_t n) {
   for (int64_t j = 0; j < n; ++j) {
-    const float y = x[j] / divisor;
-    const uint32_t code = exp_avg_sq ? int8_encode_exp_avg_sq(kInt8Quantizer, y)
-                                     : int8_encode_exp_avg(kInt8Quantizer, y);
+    const float y = x[j] * reciprocal;
+    const uint32_t code = exp_avg_sq ? int8_encode_exp_avg_sq(y) : int8_encode_exp_avg(y);
     codes[j] = static_cast<int8_t>(static_cast<uint8_t>(code));
   }
   return n;
@@ -163,8 +158,7 @@ int64_t int8_decode_scalar(bool exp_avg_sq, const int8_t* codes, float scale, fl
                            int64_t n) {
   const uint8_t* const u = reinterpret_cast<const uint8_t*>(codes);
   for (int64_t j = 0; j < n; ++j) {
-    out[j] = exp_avg_sq ? int8_exp_avg_sq_times(kInt8Quantizer, u[j], scale)
-                        : int8_exp_avg_times(kInt8Quantizer, u[j], scale);
+    out[j] = exp_avg_sq ? int8_exp_avg_sq_times(u[j], scale) : int8_exp_avg_times(u[j], scale);
   }
   return n;
 }

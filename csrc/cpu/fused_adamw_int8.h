@@ -28,23 +28,18 @@ int64_t fused_adamw_int8_scalar(const Int8AdamWBuffers& b, int64_t block_begin, 
                                 const AdamWCoefficients& c);
 int64_t fused_adamw_int8_avx2(const Int8AdamWBuffers& b, int64_t block_begin, int64_t block_end,
                               const AdamWCoefficients& c);
-int64_t fused_adamw_int8_avx512(const Int8AdamWBuffers& b, int64_t block_begin, int64_t block_end,
-                                const AdamWCoefficients& c);
 
 // The quantizer of each path, as its kernel runs it (csrc/cpu/tests/test_int8_quantizer.cpp runs
 // them over every code and every fp32 pattern of |x| <= 1). exp_avg_sq picks the map.
-//  - encode: codes[j] = the code of x[j] / divisor;
+//  - encode: codes[j] = the code of x[j] * reciprocal;
 //  - decode: out[j] = map[codes[j]] * scale (exp_avg_sq's: bit 7 ignored).
 // Each does what its vectors cover and returns how many it did (the scalar ones all n).
-int64_t int8_encode_scalar(bool exp_avg_sq, const float* x, float divisor, int8_t* codes,
+int64_t int8_encode_scalar(bool exp_avg_sq, const float* x, float reciprocal, int8_t* codes,
                            int64_t n);
-int64_t int8_encode_avx2(bool exp_avg_sq, const float* x, float divisor, int8_t* codes, int64_t n);
-int64_t int8_encode_avx512(bool exp_avg_sq, const float* x, float divisor, int8_t* codes,
-                           int64_t n);
+int64_t int8_encode_avx2(bool exp_avg_sq, const float* x, float reciprocal, int8_t* codes,
+                         int64_t n);
 int64_t int8_decode_scalar(bool exp_avg_sq, const int8_t* codes, float scale, float* out,
                            int64_t n);
 int64_t int8_decode_avx2(bool exp_avg_sq, const int8_t* codes, float scale, float* out, int64_t n);
-int64_t int8_decode_avx512(bool exp_avg_sq, const int8_t* codes, float scale, float* out,
-                           int64_t n);
 
 }  // namespace zero_ext::cpu

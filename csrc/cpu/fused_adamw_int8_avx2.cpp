@@ -2,16 +2,18 @@
 // caller's scalar path takes a short last block). Compiled for AVX2 by the target pragma alone,
 // like fused_adamw_avx2.cpp; isa.cpp only selects it when cpuid reports AVX2, F16C and FMA.
 //
-// Bitwise the scalar path (fused_adamw_int8.cpp), for the reasons fused_adamw_int8_avx512.cpp
-// gives: the same IEEE operations in the same order, and the same quantizer (Int8Quantizer,
-// fused_adamw_int8_math.h) lane by lane, its 8-entry tables read by VPERMPS/VPERMD from registers.
-// Per block: decode the old codes (one loop), update 8 lanes at a time keeping the new moments and
-// their absmax, then encode each moment 16 lanes at a time (one 16-byte store).
-// NOTE: no gathers. On the AVX2 machine (AMD EPYC Zen 3 under KVM) one 8-lane VGATHERDPS costs
-// 5.1 ns (~15 cycles, microbenchmark); the old binary search (12 gathers per 8 elements) ran
-// 11.9 ns/element against the fp32-moment step's 0.71 on one thread with the data in cache (16K
-// elements, bf16 grad and param_out; C++ timing loop, load average ~7), this 3.6 (scalar table
-// loads instead of the arithmetic: 4.4; one fused decode+update loop instead of two: 3.9).
+// Bitwise the scalar path (fused_adamw_int8.cpp): the same IEEE operations in the same order (FMA
+// exactly where adamw_math.h calls fmaf; contraction off), and the minifloat codes
+// (fused_adamw_int8_math.h) lane by lane, integer operations on the registers, no table. AVX-512
+// machines run this body too. Per block: decode the old codes (one loop), update 8 lanes at a time
+// keeping the new moments and their absmax, then encode each moment 16 lanes at a time.
+// NOTE (AMD EPYC Zen 3 under KVM, one thread, Python timing loop, best of 15): at 256K elements
+// the minifloat codes with x * (1 / scale) ran 1.89 ns/element against the fp32-moment step's
+// 0.87, and with the integer absmax 1.70 against 0.85. Tried at 64K elements and slower: decode
+// fused into the update loop (2.35 against 2.28), and the encode of block k - 1 interleaved into
+// block k's update loop to hide it under the divider (3.2 against 2.2: with the update's
+// constants the loop needs more than AVX2's 16 vector registers). The step's compute, not its
+// bytes, still bounds it here: bench/results/precision_kernel_cost_avx2.md.
 #pragma GCC target("avx2,f16c,fma")
 #pragma GCC optimize("fp-contract=off")
 #include <immintrin.h>
@@ -52,133 +54,74 @@ inline __m128i narrow16(__m256i r) {
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
-// nan_propagating_max(|x|, amax) lane by lane (absmax_step).
-inline __m256 absmax_step(__m256 amax, __m256 x) {
-  const __m256 a = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
-  const __m256 take =
-      _mm256_or_ps(_mm256_cmp_ps(a, amax, _CMP_GT_OQ), _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
-  return _mm256_blendv_ps(amax, a, take);
+// absmax_step lane by lane, on the bits: |x|'s bits order as its value does, and every NaN's lie
+// above inf's, so an integer max keeps a NaN once seen (finish_absmax makes it the canonical NaN).
+// 2 operations instead of the float compare-and-blend's 5.
+inline __m256i absmax_step(__m256i amax, __m256 x) {
+  return _mm256_max_epi32(amax,
+                          _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7FFFFFFF)));
 }
 
-// The block absmax from the lanes' running ones: absmax_step folds the halves, then pairs, then
-// neighbours (the max of non-NaN values does not depend on the order; a NaN stays a NaN).
-inline float reduce_absmax(__m256 amax) {
-  __m256 r = absmax_step(amax, _mm256_permute2f128_ps(amax, amax, 1));
-  r = absmax_step(r, _mm256_permute_ps(r, 0x4E));
-  r = absmax_step(r, _mm256_permute_ps(r, 0xB1));
-  return finish_absmax(_mm256_cvtss_f32(r));
+// The block absmax from the lanes' running ones (the max of the lanes' bits).
+inline float reduce_absmax(__m256i amax) {
+  __m128i r = _mm_max_epi32(_mm256_castsi256_si128(amax), _mm256_extracti128_si256(amax, 1));
+  r = _mm_max_epi32(r, _mm_shuffle_epi32(r, 0x4E));
+  r = _mm_max_epi32(r, _mm_shuffle_epi32(r, 0xB1));
+  return finish_absmax(bits_float_hd(static_cast<uint32_t>(_mm_cvtsi128_si32(r))));
 }
 
-// ---- the quantizer (Int8Quantizer) lane by lane: each function is its scalar namesake in
-// fused_adamw_int8_math.h with the same operations.
-inline __m256i i32(int32_t x) { return _mm256_set1_epi32(x); }
-inline __m256 f32(uint32_t bits) {
-  return _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int32_t>(bits)));
-}
-
-// The quantizer's 8-entry tables, held in registers by the loops. NOTE: VPERMPS/VPERMD with the
-// table as a memory operand cost 2.1 cycles against 1.04 from a register on Zen 3
-// (microbenchmark), and GCC folds a constant table's load into the permute unless the loaded
-// value is opaque to it (the empty asm).
-inline __m256i table(const uint32_t* t) {
-  __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t));
-  asm("" : "+x"(x));
-  return x;
-}
-inline __m256 lookup(__m256i t, __m256i index) {  // t[index & 7]
-  return _mm256_permutevar8x32_ps(_mm256_castsi256_ps(t), index);
-}
-
-struct ValueTables {
-  __m256i slope, offset, deltas;
-};
-inline ValueTables value_tables() {
-  const Int8Quantizer& q = kInt8Quantizer;
-  return {table(q.ladder_slope), table(q.ladder_offset), table(q.ladder_deltas)};
-}
-
-struct CountTables {
-  __m256i bound, scale, shift, step, deltas;
-};
-inline CountTables count_tables() {
-  const Int8Quantizer& q = kInt8Quantizer;
-  return {table(q.decade_bound), table(q.decade_scale), table(q.decade_shift), table(q.decade_step),
-          table(q.threshold_deltas)};
-}
-
-// int8_delta
-inline __m256i delta(__m256i words, __m256i i) {
-  const __m256i word = _mm256_permutevar8x32_epi32(words, _mm256_srli_epi32(i, 4));
-  const __m256i shift = _mm256_slli_epi32(_mm256_and_si256(i, i32(15)), 1);
-  return _mm256_and_si256(_mm256_srlv_epi32(word, shift), i32(3));
-}
-
-// int8_ladder_bits
-inline __m256 ladder_value(const ValueTables& t, __m256i j) {
-  const __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(j, i32(1)));
-  const __m256i slot = _mm256_srli_epi32(_mm256_castps_si256(f), 23);
-  const __m256 approx = _mm256_fmadd_ps(f, lookup(t.slope, slot), lookup(t.offset, slot));
-  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(approx), delta(t.deltas, j)));
-}
+// ---- the codes lane by lane: each function is its scalar namesake in fused_adamw_int8_math.h
+// with the same operations.
+inline __m256i i32(uint32_t x) { return _mm256_set1_epi32(static_cast<int32_t>(x)); }
 
 inline __m256i load_codes(const int8_t* codes) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
 }
 
 // int8_exp_avg_sq_times
-inline __m256 exp_avg_sq_times(const ValueTables& t, __m256i codes, __m256 scale) {
-  return _mm256_mul_ps(ladder_value(t, _mm256_and_si256(codes, i32(0x7F))), scale);
+inline __m256 exp_avg_sq_times(__m256i codes, __m256 scale) {
+  const __m256i j = _mm256_and_si256(codes, i32(0x7F));
+  const __m256i bits =
+      _mm256_slli_epi32(_mm256_add_epi32(j, i32(kInt8ExpAvgSqBias)), kInt8ExpAvgSqShift);
+  return _mm256_mul_ps(_mm256_castsi256_ps(bits), scale);
 }
 
 // int8_exp_avg_times
-inline __m256 exp_avg_times(const ValueTables& t, __m256i codes, __m256 scale) {
+inline __m256 exp_avg_times(__m256i codes, __m256 scale) {
   const __m256i x = _mm256_sub_epi32(codes, i32(128));
-  const __m256i j = _mm256_xor_si256(x, _mm256_srai_epi32(x, 31));
-  const __m256 sign = _mm256_cvtepi32_ps(_mm256_sign_epi32(i32(1), x));
-  return _mm256_mul_ps(ladder_value(t, j), _mm256_mul_ps(sign, scale));
+  const __m256i j = _mm256_abs_epi32(x);
+  const __m256i shifted =
+      _mm256_slli_epi32(_mm256_add_epi32(j, i32(kInt8ExpAvgBias)), kInt8ExpAvgShift);
+  const __m256i magnitude =
+      _mm256_andnot_si256(_mm256_cmpeq_epi32(j, _mm256_setzero_si256()), shifted);
+  const __m256i bits = _mm256_or_si256(magnitude, _mm256_and_si256(x, i32(0x80000000u)));
+  return _mm256_mul_ps(_mm256_castsi256_ps(bits), scale);
 }
 
-// int8_ladder_count, except for a NaN: its count is INT32_MIN, which the unsigned saturation of
-// store_codes makes code 0 (exp_avg's 128 +- INT32_MIN is negative too).
-inline __m256i ladder_count(const CountTables& t, __m256 a) {
-  const Int8Quantizer& q = kInt8Quantizer;
-  const __m256 log10 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_castps_si256(a)),
-                                       f32(q.decade_log[0]), f32(q.decade_log[1]));
-  const __m256i estimate = _mm256_cvttps_epi32(_mm256_max_ps(log10, _mm256_setzero_ps()));
-  const __m256 above = _mm256_cmp_ps(lookup(t.bound, estimate), a, _CMP_LT_OQ);
-  const __m256i d = _mm256_sub_epi32(estimate, _mm256_castps_si256(above));
-  const __m256 shift = lookup(t.shift, d);
-  const __m256i j = _mm256_cvtps_epi32(_mm256_fmadd_ps(a, lookup(t.scale, d), shift));
-  const __m256 approx =
-      _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(j), shift), lookup(t.step, d));
-  const __m256 threshold =
-      _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(approx), delta(t.deltas, j)));
-  const __m256i raw =
-      _mm256_add_epi32(j, _mm256_castps_si256(_mm256_cmp_ps(a, threshold, _CMP_LE_OQ)));
-  const __m256i hi = _mm256_sub_epi32(_mm256_sllv_epi32(i32(2), d), i32(2));
-  return _mm256_min_epi32(raw, hi);
-}
-
-// int8_encode_exp_avg_sq
-inline __m256i encode_exp_avg_sq(const CountTables& t, __m256 y) { return ladder_count(t, y); }
-
-// int8_encode_exp_avg
-inline __m256i encode_exp_avg(const CountTables& t, __m256 y) {
-  const Int8Quantizer& q = kInt8Quantizer;
+// int8_encode_exp_avg, before the saturation: store_codes saturates to [0, 255]. A NaN's code is 0.
+inline __m256i encode_exp_avg(__m256 y) {
   const __m256i bits = _mm256_castps_si256(y);
-  const __m256i negative = _mm256_srai_epi32(bits, 31);
-  // |y|'s bits + 1 for y < 0; the min keeps the NaN 0xFFFFFFFF a NaN (not 0x80000000, -0)
-  const __m256 a = _mm256_castsi256_ps(_mm256_min_epu32(
-      _mm256_sub_epi32(_mm256_and_si256(bits, i32(0x7FFFFFFF)), negative), i32(0x7FFFFFFF)));
-  const __m256 neg = _mm256_castsi256_ps(negative);
-  const __m256 lo = _mm256_blendv_ps(f32(q.exp_avg_near_zero[0]), f32(q.exp_avg_near_zero[1]), neg);
-  const __m256 hi = _mm256_blendv_ps(f32(q.decade_bound[0]), _mm256_set1_ps(2.0f), neg);
-  // count + (lo < a) - (hi < a); the comparisons are -1 where true
-  __m256i x =
-      _mm256_sub_epi32(ladder_count(t, a), _mm256_castps_si256(_mm256_cmp_ps(lo, a, _CMP_LT_OQ)));
-  x = _mm256_add_epi32(x, _mm256_castps_si256(_mm256_cmp_ps(hi, a, _CMP_LT_OQ)));
-  // 128 + x, or 128 - x for y < 0
-  return _mm256_add_epi32(_mm256_sub_epi32(_mm256_xor_si256(x, negative), negative), i32(128));
+  const __m256i negative = _mm256_srai_epi32(bits, 31);  // -1 or 0
+  const __m256i a = _mm256_sub_epi32(_mm256_and_si256(bits, i32(0x7FFFFFFF)), negative);
+  // int8_exp_avg_count(a)
+  const __m256i rounded = _mm256_sub_epi32(
+      _mm256_srli_epi32(_mm256_add_epi32(a, i32(kInt8ExpAvgHalfDown)), kInt8ExpAvgShift),
+      i32(kInt8ExpAvgBias));
+  const __m256i first = _mm256_srli_epi32(_mm256_cmpgt_epi32(a, i32(kInt8ExpAvgZeroThreshold)), 31);
+  const __m256i count = _mm256_max_epi32(rounded, first);
+  // 128 + count, or 128 - count for y < 0
+  const __m256i code =
+      _mm256_add_epi32(_mm256_sub_epi32(_mm256_xor_si256(count, negative), negative), i32(128));
+  return _mm256_and_si256(code, _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_ORD_Q)));
+}
+
+// int8_encode_exp_avg_sq (a NaN's code is 0)
+inline __m256i encode_exp_avg_sq(__m256 y) {
+  const __m256i rounded = _mm256_add_epi32(_mm256_castps_si256(y), i32(kInt8ExpAvgSqHalfDown));
+  __m256i code =
+      _mm256_sub_epi32(_mm256_srai_epi32(rounded, kInt8ExpAvgSqShift), i32(kInt8ExpAvgSqBias));
+  code = _mm256_min_epi32(_mm256_max_epi32(code, _mm256_setzero_si256()), i32(127));
+  return _mm256_and_si256(code, _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_ORD_Q)));
 }
 
 // 16 codes (two vectors of lanes <= 255; negative lanes saturate to 0) as 16 bytes.
@@ -191,16 +134,17 @@ inline void store_codes(int8_t* dst, __m256i a, __m256i b) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(order));
 }
 
-// codes[j] = encode(x[j] / divisor) | extra[j] (the tie bits, or null), j < n (a multiple of 16).
+// codes[j] = encode(x[j] * reciprocal) | extra[j] (the tie bits, or null), j < n (a multiple of
+// 16).
 template <bool kExpAvgSq>
-inline void encode(const float* x, float divisor, const uint32_t* extra, int8_t* codes, int64_t n) {
-  const CountTables t = count_tables();
-  const __m256 div = _mm256_set1_ps(divisor);
+inline void encode(const float* x, float reciprocal, const uint32_t* extra, int8_t* codes,
+                   int64_t n) {
+  const __m256 r = _mm256_set1_ps(reciprocal);
   for (int64_t j = 0; j < n; j += 2 * kWidth) {
-    const __m256 lo = _mm256_div_ps(_mm256_loadu_ps(x + j), div);
-    const __m256 hi = _mm256_div_ps(_mm256_loadu_ps(x + j + kWidth), div);
-    __m256i a = kExpAvgSq ? encode_exp_avg_sq(t, lo) : encode_exp_avg(t, lo);
-    __m256i b = kExpAvgSq ? encode_exp_avg_sq(t, hi) : encode_exp_avg(t, hi);
+    const __m256 lo = _mm256_mul_ps(_mm256_loadu_ps(x + j), r);
+    const __m256 hi = _mm256_mul_ps(_mm256_loadu_ps(x + j + kWidth), r);
+    __m256i a = kExpAvgSq ? encode_exp_avg_sq(lo) : encode_exp_avg(lo);
+    __m256i b = kExpAvgSq ? encode_exp_avg_sq(hi) : encode_exp_avg(hi);
     if (extra != nullptr) {
       a = _mm256_or_si256(a, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(extra + j)));
       b = _mm256_or_si256(b,
@@ -217,7 +161,6 @@ void block(const Int8AdamWBuffers& b, int64_t blk, const AdamWCoefficients& c) {
   alignas(32) float vmax_new[kAmsgrad ? kInt8MaxBlock : kWidth];
   alignas(32) uint32_t tie[kOut == 3 ? kInt8MaxBlock : kWidth];
   const int64_t begin = blk * b.block;
-  const ValueTables values = value_tables();
   const __m256 grad_scale = _mm256_set1_ps(c.grad_scale);
   const __m256 decay = _mm256_set1_ps(c.decay);
   const __m256 weight = _mm256_set1_ps(c.lerp_weight);
@@ -231,19 +174,18 @@ void block(const Int8AdamWBuffers& b, int64_t blk, const AdamWCoefficients& c) {
   const __m256 v_scale = _mm256_set1_ps(b.exp_avg_sq_scales[blk]);
   const __m256 vmax_scale = _mm256_set1_ps(kAmsgrad ? b.max_exp_avg_sq_scales[blk] : 0.0f);
   uint16_t* const param = static_cast<uint16_t*>(b.param_out);
-  __m256 m_amax = _mm256_setzero_ps();
-  __m256 v_amax = _mm256_setzero_ps();
-  __m256 vmax_amax = _mm256_setzero_ps();
+  __m256i m_amax = _mm256_setzero_si256();
+  __m256i v_amax = _mm256_setzero_si256();
+  __m256i vmax_amax = _mm256_setzero_si256();
   // Decode (into the new moments' buffers), then update: two short loops overlap more of their
   // iterations out of order than one long one.
   for (int64_t j = 0; j < b.block; j += kWidth) {
     const int64_t i = begin + j;
-    _mm256_store_ps(m_new + j, exp_avg_times(values, load_codes(b.exp_avg_codes + i), m_scale));
-    _mm256_store_ps(v_new + j,
-                    exp_avg_sq_times(values, load_codes(b.exp_avg_sq_codes + i), v_scale));
+    _mm256_store_ps(m_new + j, exp_avg_times(load_codes(b.exp_avg_codes + i), m_scale));
+    _mm256_store_ps(v_new + j, exp_avg_sq_times(load_codes(b.exp_avg_sq_codes + i), v_scale));
     if constexpr (kAmsgrad) {
       _mm256_store_ps(vmax_new + j,
-                      exp_avg_sq_times(values, load_codes(b.max_exp_avg_sq_codes + i), vmax_scale));
+                      exp_avg_sq_times(load_codes(b.max_exp_avg_sq_codes + i), vmax_scale));
     }
   }
   for (int64_t j = 0; j < b.block; j += kWidth) {
@@ -309,14 +251,14 @@ void block(const Int8AdamWBuffers& b, int64_t blk, const AdamWCoefficients& c) {
   }
   const float m_max = reduce_absmax(m_amax);
   const float v_max = reduce_absmax(v_amax);
-  encode<false>(m_new, encode_divisor(m_max), nullptr, b.exp_avg_codes + begin, b.block);
-  encode<true>(v_new, encode_divisor(v_max), kOut == 3 ? tie : nullptr, b.exp_avg_sq_codes + begin,
-               b.block);
+  encode<false>(m_new, encode_reciprocal(m_max), nullptr, b.exp_avg_codes + begin, b.block);
+  encode<true>(v_new, encode_reciprocal(v_max), kOut == 3 ? tie : nullptr,
+               b.exp_avg_sq_codes + begin, b.block);
   b.exp_avg_scales[blk] = m_max;
   b.exp_avg_sq_scales[blk] = v_max;
   if constexpr (kAmsgrad) {
     const float vmax_absmax = reduce_absmax(vmax_amax);
-    encode<true>(vmax_new, encode_divisor(vmax_absmax), nullptr, b.max_exp_avg_sq_codes + begin,
+    encode<true>(vmax_new, encode_reciprocal(vmax_absmax), nullptr, b.max_exp_avg_sq_codes + begin,
                  b.block);
     b.max_exp_avg_sq_scales[blk] = vmax_absmax;
   }
@@ -372,23 +314,23 @@ int64_t fused_adamw_int8_avx2(const Int8AdamWBuffers& b, int64_t block_begin, in
   }
 }
 
-int64_t int8_encode_avx2(bool exp_avg_sq, const float* x, float divisor, int8_t* codes, int64_t n) {
+int64_t int8_encode_avx2(bool exp_avg_sq, const float* x, float reciprocal, int8_t* codes,
+                         int64_t n) {
   const int64_t done = n - n % (2 * kWidth);
   if (exp_avg_sq) {
-    encode<true>(x, divisor, nullptr, codes, done);
+    encode<true>(x, reciprocal, nullptr, codes, done);
   } else {
-    encode<false>(x, divisor, nullptr, codes, done);
+    encode<false>(x, reciprocal, nullptr, codes, done);
   }
   return done;
 }
 
 int64_t int8_decode_avx2(bool exp_avg_sq, const int8_t* codes, float scale, float* out, int64_t n) {
   const int64_t done = n - n % kWidth;
-  const ValueTables t = value_tables();
   const __m256 s = _mm256_set1_ps(scale);
   for (int64_t j = 0; j < done; j += kWidth) {
     const __m256i c = load_codes(codes + j);
-    _mm256_storeu_ps(out + j, exp_avg_sq ? exp_avg_sq_times(t, c, s) : exp_avg_times(t, c, s));
+    _mm256_storeu_ps(out + j, exp_avg_sq ? exp_avg_sq_times(c, s) : exp_avg_times(c, s));
   }
   return done;
 }

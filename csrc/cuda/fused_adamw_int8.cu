@@ -6,12 +6,11 @@
 // j = threadIdx.x, + blockDim.x, ...: dequantize, adamw_update, write the master/param, keep the
 // new moments in shared memory and a running |x| max; the block absmax by warp shuffles + shared
 // memory (NaN-propagating, so order does not matter; a NaN becomes the canonical NaN); then encode
-// and thread 0 writes the new scales. Dequantize and encode are the CPU's branch-free quantizer
-// (Int8Quantizer, fused_adamw_int8_math.h) in registers, its 68 words of constants in shared
-// memory (lanes of a warp read different decades' entries: __constant__ memory would serialise
-// them). Expected bitwise equal to the CPU (same IEEE operations; explicit fmaf only, __fmul_rn
-// where a product meets an add; sqrtf and '/' are correctly rounded under nvcc's defaults
-// -prec-sqrt=true -prec-div=true); cuda_test_launchers checks the quantizer on every pattern.
+// and thread 0 writes the new scales. Dequantize and encode are the CPU's minifloat codes
+// (fused_adamw_int8_math.h): integer operations on a register, no table. Expected bitwise equal to
+// the CPU (same IEEE operations; explicit fmaf only, __fmul_rn where a product meets an add; sqrtf
+// and '/' are correctly rounded under nvcc's defaults -prec-sqrt=true -prec-div=true);
+// cuda_test_launchers checks the quantizer on every pattern.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -20,18 +19,6 @@
 
 namespace zero_ext::cuda {
 namespace {
-
-__constant__ Int8Quantizer kQuantizer = ZERO_EXT_INT8_QUANTIZER;
-constexpr int kQuantizerWords = sizeof(Int8Quantizer) / sizeof(uint32_t);
-static_assert(sizeof(Int8Quantizer) == kQuantizerWords * sizeof(uint32_t), "words only");
-
-// The quantizer's constants in shared memory, copied by the block's threads (a barrier follows
-// before any use).
-__device__ __forceinline__ void load_quantizer(Int8Quantizer* q) {
-  const uint32_t* src = reinterpret_cast<const uint32_t*>(&kQuantizer);
-  uint32_t* dst = reinterpret_cast<uint32_t*>(q);
-  for (int k = threadIdx.x; k < kQuantizerWords; k += blockDim.x) dst[k] = src[k];
-}
 
 constexpr int kMaxThreads = 256;
 constexpr int kWarps = kMaxThreads / 32;
@@ -85,7 +72,6 @@ __global__ void __launch_bounds__(kMaxThreads)
       adamw_coefficients(read_scalar(args.lr), read_scalar(args.beta1), read_scalar(args.beta2),
                          read_scalar(args.eps), read_scalar(args.weight_decay),
                          read_scalar(args.step), read_scalar(args.grad_scale), args.maximize);
-  __shared__ Int8Quantizer q;
   __shared__ float scratch[kAmsgrad ? 3 : 2][kWarps + 1];
   // m_new[block], v_new[block], (amsgrad) vmax_new[block], tie[block] (bytes): launch()'s smem.
   extern __shared__ float dynamic[];
@@ -93,8 +79,6 @@ __global__ void __launch_bounds__(kMaxThreads)
   float* const v_new = dynamic + b.block;
   float* const vmax_new = dynamic + 2 * b.block;  // unused without amsgrad
   uint8_t* const tie = reinterpret_cast<uint8_t*>(dynamic + (kAmsgrad ? 3 : 2) * b.block);
-  load_quantizer(&q);
-  __syncthreads();
   uint16_t* const param = static_cast<uint16_t*>(b.param_out);
   const uint8_t* const m_codes_in = reinterpret_cast<const uint8_t*>(b.exp_avg_codes);
   const uint8_t* const v_codes_in = reinterpret_cast<const uint8_t*>(b.exp_avg_sq_codes);
@@ -114,9 +98,9 @@ __global__ void __launch_bounds__(kMaxThreads)
       const uint32_t vc = v_codes_in[i];
       // map[code] * scale, its products __fmul_rn (mul_rn): never contracted with adamw_update's
       // first add (g - m), so the dequantized moments round like the CPU's.
-      float m = int8_exp_avg_times(q, m_codes_in[i], m_scale);
-      float v = int8_exp_avg_sq_times(q, vc, v_scale);
-      float v_max = kAmsgrad ? int8_exp_avg_sq_times(q, vmax_codes_in[i], vmax_scale) : 0.0f;
+      float m = int8_exp_avg_times(m_codes_in[i], m_scale);
+      float v = int8_exp_avg_sq_times(vc, v_scale);
+      float v_max = kAmsgrad ? int8_exp_avg_sq_times(vmax_codes_in[i], vmax_scale) : 0.0f;
       float p = kOut == 3 ? __uint_as_float(join_master_bits(param[i], b.remainder[i], vc >> 7))
                           : b.master[i];
       adamw_update<kAmsgrad>(p, load_grad(b.grad, b.grad_dtype, i), m, v, v_max, c);
@@ -148,18 +132,18 @@ __global__ void __launch_bounds__(kMaxThreads)
     m_amax = block_absmax(m_amax, scratch[0]);
     v_amax = block_absmax(v_amax, scratch[1]);
     if constexpr (kAmsgrad) vmax_amax = block_absmax(vmax_amax, scratch[2]);
-    const float m_div = encode_divisor(m_amax);
-    const float v_div = encode_divisor(v_amax);
-    const float vmax_div = encode_divisor(vmax_amax);
+    const float m_rcp = encode_reciprocal(m_amax);
+    const float v_rcp = encode_reciprocal(v_amax);
+    const float vmax_rcp = encode_reciprocal(vmax_amax);
     for (int64_t j = threadIdx.x; j < len; j += blockDim.x) {
       const int64_t i = begin + j;
       b.exp_avg_codes[i] =
-          static_cast<int8_t>(static_cast<uint8_t>(int8_encode_exp_avg(q, m_new[j] / m_div)));
+          static_cast<int8_t>(static_cast<uint8_t>(int8_encode_exp_avg(mul_rn(m_new[j], m_rcp))));
       b.exp_avg_sq_codes[i] = static_cast<int8_t>(
-          static_cast<uint8_t>(int8_encode_exp_avg_sq(q, v_new[j] / v_div) | tie[j]));
+          static_cast<uint8_t>(int8_encode_exp_avg_sq(mul_rn(v_new[j], v_rcp)) | tie[j]));
       if constexpr (kAmsgrad) {
         b.max_exp_avg_sq_codes[i] = static_cast<int8_t>(
-            static_cast<uint8_t>(int8_encode_exp_avg_sq(q, vmax_new[j] / vmax_div)));
+            static_cast<uint8_t>(int8_encode_exp_avg_sq(mul_rn(vmax_new[j], vmax_rcp))));
       }
     }
     if (threadIdx.x == 0) {
@@ -205,41 +189,35 @@ cudaError_t launch_out(const Int8AdamWBuffers& b, const AdamWArgs& args, cudaStr
 }
 
 // The quantizer alone, as the step runs it (cuda_test_launchers checks every pattern with it):
-// codes[i] = the code of x[i] / divisor, or out[i] = map[codes[i]] * scale.
-__global__ void int8_encode_kernel(const float* x, float divisor, bool exp_avg_sq, uint8_t* codes,
-                                   int64_t n) {
-  __shared__ Int8Quantizer q;
-  load_quantizer(&q);
-  __syncthreads();
+// codes[i] = the code of x[i] * reciprocal, or out[i] = map[codes[i]] * scale.
+__global__ void int8_encode_kernel(const float* x, float reciprocal, bool exp_avg_sq,
+                                   uint8_t* codes, int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float y = x[i] / divisor;
+    const float y = mul_rn(x[i], reciprocal);
     codes[i] =
-        static_cast<uint8_t>(exp_avg_sq ? int8_encode_exp_avg_sq(q, y) : int8_encode_exp_avg(q, y));
+        static_cast<uint8_t>(exp_avg_sq ? int8_encode_exp_avg_sq(y) : int8_encode_exp_avg(y));
   }
 }
 
 __global__ void int8_decode_kernel(const uint8_t* codes, float scale, bool exp_avg_sq, float* out,
                                    int64_t n) {
-  __shared__ Int8Quantizer q;
-  load_quantizer(&q);
-  __syncthreads();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    out[i] = exp_avg_sq ? int8_exp_avg_sq_times(q, codes[i], scale)
-                        : int8_exp_avg_times(q, codes[i], scale);
+    out[i] =
+        exp_avg_sq ? int8_exp_avg_sq_times(codes[i], scale) : int8_exp_avg_times(codes[i], scale);
   }
 }
 
 }  // namespace
 
-cudaError_t launch_int8_encode(const float* x, float divisor, bool exp_avg_sq, uint8_t* codes,
+cudaError_t launch_int8_encode(const float* x, float reciprocal, bool exp_avg_sq, uint8_t* codes,
                                int64_t n, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   cudaError_t err = cudaSuccess;
   const unsigned grid = grid_for(n, &err);
   if (err != cudaSuccess) return err;
-  int8_encode_kernel<<<grid, kThreads, 0, stream>>>(x, divisor, exp_avg_sq, codes, n);
+  int8_encode_kernel<<<grid, kThreads, 0, stream>>>(x, reciprocal, exp_avg_sq, codes, n);
   return cudaGetLastError();
 }
 

@@ -15,10 +15,10 @@ namespace zero_ext::cuda {
 cudaError_t launch_fused_adamw_int8(const Int8AdamWBuffers& b, const AdamWArgs& args,
                                     cudaStream_t stream);
 
-// The step's quantizer alone (Int8Quantizer, as the kernel above runs it), for the exhaustive check
-// in csrc/cuda/tests/test_launchers.cpp: codes[i] = the code of x[i] / divisor (exp_avg's map, or
-// exp_avg_sq's), and out[i] = map[codes[i]] * scale.
-cudaError_t launch_int8_encode(const float* x, float divisor, bool exp_avg_sq, uint8_t* codes,
+// The step's quantizer alone (the minifloat codes, as the kernel above runs them), for the
+// exhaustive check in csrc/cuda/tests/test_launchers.cpp: codes[i] = the code of x[i] * reciprocal
+// (exp_avg's map, or exp_avg_sq's), and out[i] = map[codes[i]] * scale.
+cudaError_t launch_int8_encode(const float* x, float reciprocal, bool exp_avg_sq, uint8_t* codes,
                                int64_t n, cudaStream_t stream);
 cudaError_t launch_int8_decode(const uint8_t* codes, float scale, bool exp_avg_sq, float* out,
                                int64_t n, cudaStream_t stream);

@@ -27,39 +27,48 @@ def _values(qmap, n, seed=0):
     return x.abs() if qmap.min() >= 0 else x
 
 
-def test_maps_are_the_literatures():
-    """bitsandbytes' signed dynamic map for exp_avg (127 negatives, 0, 127 midpoints and 1 on the positive side,
-    7 decades down to 5.5e-7) with -1 in place of its smallest positive value; for exp_avg_sq 128 positive values
-    (no 0), 7 decades down to 5.5e-7, so codes fit in bits 0-6."""
+def _mantissa_bits_used(values: torch.Tensor) -> int:
+    """The most mantissa bits any of the fp32 ``values`` uses (trailing zero bits not counted)."""
+    low = values.abs().contiguous().view(torch.int32) & 0x7FFFFF
+    return max(23 - int((m & -m).bit_length() - 1) if m else 0 for m in low.tolist())
+
+
+def test_maps_are_minifloats_ending_at_one():
+    """exp_avg: 0 at code 128, +-G[j] at 128 +- j, G[1..127] consecutive fp32 numbers of 3 mantissa bits with G[127]
+    = 1, and -G[128] (> 1 in magnitude) at code 0; exp_avg_sq: 128 consecutive positive fp32 numbers of 2 mantissa
+    bits up to 1 (no 0), so its codes fit in bits 0-6."""
     m, v = q8.EXP_AVG_MAP, q8.EXP_AVG_SQ_MAP
-    bnb = q8.dynamic_map(True, 8)
-    assert (int((bnb < 0).sum()), int((bnb == 0).sum()), int((bnb > 0).sum())) == (127, 1, 128)
-    assert float(bnb[bnb > 0].min()) == pytest.approx(0.55e-6, rel=1e-6) and float(bnb[0]) > -1.0
     assert m.numel() == 256 and v.numel() == 128
     assert bool((m[1:] > m[:-1]).all()) and bool((v[1:] > v[:-1]).all())
-    assert (int((m < 0).sum()), int((m == 0).sum()), int((m > 0).sum())) == (128, 1, 127)
-    assert torch.equal(m[1:129], bnb[:128]) and torch.equal(m[130:], bnb[130:])  # bnb's, less +5.5e-7
-    assert float(m[0]) == -1.0 and float(m[-1]) == 1.0 and float(v[-1]) == 1.0 and float(v.min()) > 0.0
-    assert float(v[0]) == pytest.approx(0.55e-6, rel=1e-6)
-    assert torch.equal(v[-64:], m[-64:])  # the top decade: the same 64 midpoints, then 1
-    # the 8-bit unsigned map measured against it: 256 values, 7 decades, 0 and 1
-    u = q8.dynamic_map(False, 8)
-    assert u.numel() == 256 and float(u[0]) == 0.0 and float(u[1]) == pytest.approx(0.325e-6, rel=1e-6)
+    assert float(m[128]) == 0.0 and float(m[255]) == 1.0 and float(m[1]) == -1.0 and float(m[0]) < -1.0
+    assert torch.equal(m[129:], -m[1:128].flip(0))  # sign-magnitude: code 128 + j and 128 - j
+    g = m[129:].contiguous().view(torch.int32)
+    assert bool((g[1:] - g[:-1] == 1 << (23 - q8.EXP_AVG_MANTISSA_BITS)).all())  # consecutive minifloats
+    h = v.contiguous().view(torch.int32)
+    assert bool((h[1:] - h[:-1] == 1 << (23 - q8.EXP_AVG_SQ_MANTISSA_BITS)).all())
+    assert float(v[-1]) == 1.0 and float(v[0]) > 0.0
+    assert _mantissa_bits_used(m) <= q8.EXP_AVG_MANTISSA_BITS
+    assert _mantissa_bits_used(v) <= q8.EXP_AVG_SQ_MANTISSA_BITS
+    # thresholds are exact midpoints (a midpoint needs one mantissa bit more)
+    for qmap in (m, v):
+        q = qmap.double()
+        assert torch.equal(q8.thresholds(qmap).double(), (q[:-1] + q[1:]) / 2)
 
 
 @pytest.mark.parametrize("qmap", MAPS)
 @pytest.mark.parametrize("n", [64, 1000, 4096 + 17])
 def test_dequantize_then_quantize_is_the_identity(qmap, n):
     """What a checkpoint round trip does (it holds the moments dequantized): the same codes and scales back, for
-    blocks whose largest-magnitude element is negative too (bitsandbytes' map, without -1, moves them)."""
+    blocks whose largest-magnitude element is negative too (-1 is a value, so their absmax decodes exactly)."""
     codes, scales = q8.quantize(_values(qmap, n, seed=n), 64, qmap)
     codes2, scales2 = q8.quantize(q8.dequantize(codes, scales, 64, qmap), 64, qmap)
     assert torch.equal(codes, codes2) and torch.equal(scales, scales2)
-    if qmap.min() < 0:  # the case -1 is there for: a block led by a negative element, moved by bnb's map
-        bnb = q8.dynamic_map(True, 8)
-        c, s = q8.quantize(_values(qmap, n, seed=n), 64, bnb)
-        c2, s2 = q8.quantize(q8.dequantize(c, s, 64, bnb), 64, bnb)
-        assert not torch.equal(s, s2)
+    if qmap.min() < 0:  # blocks led by a negative element: -1 is a value, so their absmax decodes exactly
+        x = _values(qmap, n, seed=n)
+        x[::64] = -2.0 * x.abs().max()
+        codes, scales = q8.quantize(x, 64, qmap)
+        codes2, scales2 = q8.quantize(q8.dequantize(codes, scales, 64, qmap), 64, qmap)
+        assert torch.equal(codes, codes2) and torch.equal(scales, scales2)
 
 
 def test_header_matches_the_maps():

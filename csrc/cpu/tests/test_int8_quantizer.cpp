@@ -1,8 +1,8 @@
-// The int8 moments' branch-free quantizer (fused_adamw_int8_math.h Int8Quantizer) on every path
-// this CPU has, exhaustively, against the definitions it replaces:
+// The int8 moments' minifloat codes (fused_adamw_int8_math.h) on every path
+// this CPU has, exhaustively, against the maps and the threshold search that define them:
 //  - decode: every code's value times a few scales (finite, 0, inf, NaN) is map[code] * scale,
 //    bitwise (exp_avg_sq: bit 7 ignored);
-//  - encode: every fp32 pattern of a block's normalised range, x / absmax with |x / absmax| <= 1
+//  - encode: every fp32 pattern of a block's normalised range, x * (1 / absmax) with |y| <= 1
 //    (both signs, +-0, subnormals), and every NaN gets encode_code's count of thresholds below it
 //    (NaN: 0), for exp_avg's and exp_avg_sq's maps.
 #include <cmath>
@@ -35,8 +35,7 @@ struct Path {
 
 std::vector<Path> paths() {
   std::vector<Path> all = {{Isa::kScalar, int8_encode_scalar, int8_decode_scalar},
-                           {Isa::kAvx2, int8_encode_avx2, int8_decode_avx2},
-                           {Isa::kAvx512, int8_encode_avx512, int8_decode_avx512}};
+                           {Isa::kAvx2, int8_encode_avx2, int8_decode_avx2}};
   std::vector<Path> here;
   for (const Path& p : all) {
     if (static_cast<int>(p.isa) <= static_cast<int>(best_isa())) here.push_back(p);
