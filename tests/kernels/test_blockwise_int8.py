@@ -35,7 +35,7 @@ def _mantissa_bits_used(values: torch.Tensor) -> int:
 
 def test_maps_are_minifloats_ending_at_one():
     """exp_avg: 0 at code 128, +-G[j] at 128 +- j, G[1..127] consecutive fp32 numbers of 3 mantissa bits with G[127]
-    = 1, and -G[128] (> 1 in magnitude) at code 0; exp_avg_sq: 128 consecutive positive fp32 numbers of 2 mantissa
+    = 1, and -G[128] (> 1 in magnitude) at code 0; exp_avg_sq: 128 consecutive positive fp32 numbers of 3 mantissa
     bits up to 1 (no 0), so its codes fit in bits 0-6."""
     m, v = q8.EXP_AVG_MAP, q8.EXP_AVG_SQ_MAP
     assert m.numel() == 256 and v.numel() == 128

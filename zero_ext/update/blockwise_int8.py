@@ -6,19 +6,21 @@ scripts/gen_int8_maps_header.py).
 A block of ``block`` consecutive elements keeps one fp32 scale, its absmax; an element is stored as the index of the
 map value nearest to ``x / absmax``. The maps are minifloats ending at 1, so that the kernels compute a code by
 rounding the float's own bits and a value by shifting the code's bits into place (a few integer operations each way,
-no table and no search: the fused step stays memory-bound, bench/results/precision_kernel_cost_avx2.md):
+no table and no search: the AVX2 step went from 2.4-2.8x the fp32-moment step's time to 1.2-1.4x,
+bench/results/precision_kernel_cost_avx2.md):
 
 - ``exp_avg``: :data:`EXP_AVG_MAP`, 256 values: 0 and +-G[1..127], G the fp32 numbers with 3 mantissa bits from
   G[1] = 1.25 * 2^-16 (1.9e-5) to G[127] = 1 (8 values per octave, 6.25-12.5 % apart), and -G[128] = -1.125 for
   code 0 (no ``|y| <= 1`` is coded 0; with it every code has a value and ``x = code - 128`` is sign-magnitude). -1
   and 1 are both values, so a block's absmax element decodes to +-scale exactly and ``quantize(dequantize(codes,
   scales))`` gives back ``codes, scales``: a checkpoint (which holds the moments dequantized) resumes bitwise.
-- ``exp_avg_sq``: :data:`EXP_AVG_SQ_MAP`, 128 values H[0..127], the fp32 numbers with 2 mantissa bits from H[0] =
-  1.25 * 2^-32 to H[127] = 1, no 0: codes 0..127, so bit 7 of every code is free for ``param_remainders``' tie bit
-  (SPEC A). One more exponent bit than exp_avg's because the update divides by its square root: sqrt(H) has
-  exp_avg's relative spacing and range (2^-16). Without a 0 a small exp_avg_sq is never decoded as 0 (its update
-  would be m/eps: the "zero point" problem of Li et al. 2023); an exact 0 decodes to 2.9e-10 * absmax, harmless
-  (its exp_avg is 0 too), and an all-zero block to 0.
+- ``exp_avg_sq``: :data:`EXP_AVG_SQ_MAP`, 128 values H[0..127], the fp32 numbers with 3 mantissa bits from H[0] =
+  1.125 * 2^-16 (1.7e-5) to H[127] = 1, no 0: codes 0..127, so bit 7 of every code is free for
+  ``param_remainders``' tie bit (SPEC A). Without a 0 a small exp_avg_sq is never decoded as 0 (its update would be
+  m/eps: the "zero point" problem of Li et al. 2023); an exact 0 decodes to 1.7e-5 * absmax, harmless (its exp_avg
+  is 0 too), and an all-zero block to 0. (2 mantissa bits would give it exp_avg's range under the square root, but
+  its coarser steps let exp_avg_sq stall (a slow EMA's per-step change rounds away): the benchmark GPT's loss ran up
+  to 1 % below fp32's, against 0.26 % with 3 bits; bench/investigations/int8_exp_avg_sq_e5m2_quality.md.)
 - :data:`BLOCK` = 64 elements: a rank's shard slices are multiples of 64 elements, so 64-element blocks aligned to
   the shard never straddle a bucket (or any 64-aligned call) boundary.
 
@@ -51,7 +53,7 @@ from ..ops.int8 import BLOCK, num_blocks  # noqa: F401  (part of this module's A
 # The maps' mantissa widths; G[j] has the fp32 bits (j + bias) << (23 - mantissa bits), the bias putting index 127
 # at 1.0 (0x3F800000). The kernels read them from csrc/fused_adamw_int8_maps.h (scripts/gen_int8_maps_header.py).
 EXP_AVG_MANTISSA_BITS = 3
-EXP_AVG_SQ_MANTISSA_BITS = 2
+EXP_AVG_SQ_MANTISSA_BITS = 3
 
 
 def minifloat_values(mantissa_bits: int, first: int, count: int) -> torch.Tensor:
