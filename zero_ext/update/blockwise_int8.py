@@ -65,19 +65,19 @@ def minifloat_values(mantissa_bits: int, first: int, count: int) -> torch.Tensor
     return bits.to(torch.int32).view(torch.float32)
 
 
-def exp_avg_map(mantissa_bits: int = EXP_AVG_MANTISSA_BITS) -> torch.Tensor:
+def signed_minifloat_map(mantissa_bits: int = EXP_AVG_MANTISSA_BITS) -> torch.Tensor:
     """exp_avg's 256 values: index ``128 + x`` holds ``sign(x) * G[|x|]``, G[0] = 0 (see the module docstring)."""
     g = minifloat_values(mantissa_bits, 1, 128)  # G[1 .. 128]
     return torch.cat([-g.flip(0), torch.zeros(1), g[:-1]])
 
 
-def exp_avg_sq_map(mantissa_bits: int = EXP_AVG_SQ_MANTISSA_BITS) -> torch.Tensor:
+def unsigned_minifloat_map(mantissa_bits: int = EXP_AVG_SQ_MANTISSA_BITS) -> torch.Tensor:
     """exp_avg_sq's 128 values H[0 .. 127], no 0."""
     return minifloat_values(mantissa_bits, 0, 128)
 
 
-EXP_AVG_MAP = exp_avg_map()
-EXP_AVG_SQ_MAP = exp_avg_sq_map()
+EXP_AVG_MAP = signed_minifloat_map()
+EXP_AVG_SQ_MAP = unsigned_minifloat_map()
 
 
 def thresholds(qmap: torch.Tensor) -> torch.Tensor:
