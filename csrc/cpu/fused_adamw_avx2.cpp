@@ -23,9 +23,11 @@ constexpr int64_t kWidth = 8;
 // shuffle puts elements 0-3 (low half) and 4-7 (high half) in place with zeros below. Same bits as
 // VPMOVZXWD + VPSLLD 16, one shift fewer on the shift/shuffle pipes the divider shares.
 inline __m256i widen_bf16_bits(const uint16_t* p) {
-  const __m256i x = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i to_high = _mm256_setr_epi8(-1, -1, 0, 1, -1, -1, 2, 3, -1, -1, 4, 5, -1, -1, 6, 7,
-                                           -1, -1, 8, 9, -1, -1, 10, 11, -1, -1, 12, 13, -1, -1, 14, 15);
+  const __m256i x =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i to_high =
+      _mm256_setr_epi8(-1, -1, 0, 1, -1, -1, 2, 3, -1, -1, 4, 5, -1, -1, 6, 7, -1, -1, 8, 9, -1, -1,
+                       10, 11, -1, -1, 12, 13, -1, -1, 14, 15);
   return _mm256_shuffle_epi8(x, to_high);
 }
 
@@ -75,8 +77,7 @@ inline __m128i narrow_high(__m256i a) {
 
 // Two 8 x uint16 stores: lo16 = a's halves picked by `a_mask` into bytes 0-7 of each 128-bit
 // half, b's by `b_mask` into bytes 8-15, then one lane permute: [a0-7 | b0-7].
-inline void store_pair(uint16_t* p, uint16_t* q, int64_t i, __m256i a, __m256i b,
-                       __m256i b_mask) {
+inline void store_pair(uint16_t* p, uint16_t* q, int64_t i, __m256i a, __m256i b, __m256i b_mask) {
   const __m256i ab = _mm256_or_si256(_mm256_shuffle_epi8(a, high_to_low8()),
                                      _mm256_shuffle_epi8(b, b_mask));  // [a0-3 b0-3 | a4-7 b4-7]
   const __m256i x = _mm256_permute4x64_epi64(ab, 0xD8);
@@ -88,7 +89,8 @@ inline void store_pair(uint16_t* p, uint16_t* q, int64_t i, __m256i a, __m256i b
 // picked by a_mask / b_mask into bytes 0-7 / 8-15 of each 128-bit half give
 // [a0-3 b0-3 | a4-7 b4-7], and one lane permute puts them in order.
 inline __m256i join16(__m256i a, __m256i b, __m256i a_mask, __m256i b_mask) {
-  const __m256i ab = _mm256_or_si256(_mm256_shuffle_epi8(a, a_mask), _mm256_shuffle_epi8(b, b_mask));
+  const __m256i ab =
+      _mm256_or_si256(_mm256_shuffle_epi8(a, a_mask), _mm256_shuffle_epi8(b, b_mask));
   return _mm256_permute4x64_epi64(ab, 0xD8);
 }
 inline __m256i low_to_low8() {
@@ -400,7 +402,8 @@ int64_t body_store(const AdamWBuffers& b, int64_t begin, int64_t end, const Adam
   const auto addr = reinterpret_cast<uintptr_t>(static_cast<uint16_t*>(b.param_out) + begin);
   if (b.stream_out && addr % 16 == 0) {
     if (addr % 32 != 0) {  // one vector unstreamed, so the 256-bit streaming stores are aligned
-      const int64_t next = body_lerp<kGrad, kOut, kAmsgrad, kBf16, false>(b, begin, std::min(end, begin + kWidth), c);
+      const int64_t next = body_lerp<kGrad, kOut, kAmsgrad, kBf16, false>(
+          b, begin, std::min(end, begin + kWidth), c);
       if (next != begin + kWidth) return next;
       begin = next;
     }
