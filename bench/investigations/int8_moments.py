@@ -93,21 +93,6 @@ def linear_map(signed: bool, total_bits: int = 8) -> torch.Tensor:
     return grid.to(torch.float32)
 
 
-def minifloat_grid(mantissa_bits: int, count: int) -> torch.Tensor:
-    """The ``count`` largest positive fp32 values with ``mantissa_bits`` mantissa bits up to 1.0, ascending."""
-    shift = 23 - mantissa_bits
-    top = 0x3F800000 >> shift
-    return (torch.arange(top - count + 1, top + 1, dtype=torch.int64) << shift).to(torch.int32).view(torch.float32)
-
-
-def signed_minifloat(mantissa_bits: int) -> torch.Tensor:
-    """256 values: -g[128] .. -g[1], 0, g[1] .. g[127], g the minifloat grid with g[127] = 1 (g[128] > 1 is never
-    the nearest value to a y in [-1, 1])."""
-    above_one = torch.tensor([0x3F800000 + (1 << (23 - mantissa_bits))], dtype=torch.int32).view(torch.float32)
-    mags = torch.cat([minifloat_grid(mantissa_bits, 127), above_one])  # magnitudes 1 .. 128
-    return torch.cat([-mags.flip(0), torch.zeros(1), mags[:-1]])
-
-
 # v maps: bitsandbytes' 8-bit unsigned dynamic map, the 7-bit nonnegative one (bit 7 free for the tie bit), linear.
 V_MAPS = {
     "dyn8u": dynamic_map(False, 8),
@@ -115,16 +100,16 @@ V_MAPS = {
     "dyn7nz": dynamic_map(False, 7, 7, zero=False),
     "dyn8unz": dynamic_map(False, 8, 8, zero=False),
     "linear8u": linear_map(False, 8),
-    "e5m2nz": minifloat_grid(2, 128),
-    "e4m3nz": minifloat_grid(3, 128),
-    "e3m4nz": minifloat_grid(4, 128),
+    "e5m2nz": q8.unsigned_minifloat_map(2),
+    "e4m3nz": q8.unsigned_minifloat_map(3),
+    "e3m4nz": q8.unsigned_minifloat_map(4),
 }
 M_MAPS = {
     "dyn8s": dynamic_map(True, 8),
     "linear8s": linear_map(True, 8),
-    "e4m3s": signed_minifloat(3),
-    "e3m4s": signed_minifloat(4),
-    "e2m5s": signed_minifloat(5),
+    "e4m3s": q8.signed_minifloat_map(3),
+    "e3m4s": q8.signed_minifloat_map(4),
+    "e2m5s": q8.signed_minifloat_map(5),
 }
 BLOCKS = (64, 128, 256, 2048)
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)

@@ -119,9 +119,9 @@ void scalar_blocks(const Int8AdamWBuffers& b, int64_t first, int64_t last,
 
 void run_blocks(const Int8AdamWBuffers& b, int64_t first, int64_t last, const AdamWCoefficients& c,
                 Isa isa) {
-  // AVX-512 machines run the AVX2 body too: with the minifloat codes it is memory-bound on 8
-  // lanes (bench/results/precision_kernel_cost_avx2.md), so 16 lanes would buy nothing but a path
-  // this repository's AVX2-only machine could not test.
+  // AVX-512 machines run the AVX2 body too: a 16-lane body would be a path this repository's
+  // AVX2-only machine cannot test (whether it would be faster is unmeasured: the AVX2 body is
+  // compute-bound on the EPYC, bench/results/precision_kernel_cost_avx2.md).
   if (isa == Isa::kAvx512 || isa == Isa::kAvx2) first = fused_adamw_int8_avx2(b, first, last, c);
   fused_adamw_int8_scalar(b, first, last, c);
 }
