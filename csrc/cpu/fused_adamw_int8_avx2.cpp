@@ -18,6 +18,8 @@
 #pragma GCC optimize("fp-contract=off")
 #include <immintrin.h>
 
+#include <algorithm>
+
 #include "../fused_adamw_int8_math.h"
 #include "fused_adamw_int8.h"
 
@@ -154,13 +156,35 @@ inline void encode(const float* x, float reciprocal, const uint32_t* extra, int8
   }
 }
 
+// Blocks are run in groups of about kGroupElements elements: each phase (decode, update, encode)
+// runs over the whole group, so the update's divisions and square roots, whose latency tail would
+// otherwise end every 64-element block, overlap the next ones, and the per-phase setup is paid once
+// per group.
+constexpr int64_t kGroupElements = 1024;
+
 template <DType kGrad, int kOut, bool kSmallWeight, bool kAmsgrad>
-void block(const Int8AdamWBuffers& b, int64_t blk, const AdamWCoefficients& c) {
+void group(const Int8AdamWBuffers& b, int64_t first, int64_t count, const AdamWCoefficients& c) {
   alignas(32) float m_new[kInt8MaxBlock];
   alignas(32) float v_new[kInt8MaxBlock];
   alignas(32) float vmax_new[kAmsgrad ? kInt8MaxBlock : kWidth];
   alignas(32) uint32_t tie[kOut == 3 ? kInt8MaxBlock : kWidth];
-  const int64_t begin = blk * b.block;
+  float m_max[kGroupElements / 16];
+  float v_max[kGroupElements / 16];
+  float vmax_max[kAmsgrad ? kGroupElements / 16 : 1];
+  const int64_t block = b.block;
+  const int64_t begin = first * block;
+  // The buffers in locals: a store through a code (a char type) could alias `b`, and the compiler
+  // would reload every pointer from it each iteration.
+  int8_t* const m_codes = b.exp_avg_codes + begin;
+  int8_t* const v_codes = b.exp_avg_sq_codes + begin;
+  int8_t* const vmax_codes = kAmsgrad ? b.max_exp_avg_sq_codes + begin : nullptr;
+  float* const m_scales = b.exp_avg_scales + first;
+  float* const v_scales = b.exp_avg_sq_scales + first;
+  float* const vmax_scales = kAmsgrad ? b.max_exp_avg_sq_scales + first : nullptr;
+  const void* const grad = b.grad;
+  float* const master = b.master;
+  uint16_t* const param = static_cast<uint16_t*>(b.param_out);
+  int16_t* const remainder = b.remainder;
   const __m256 grad_scale = _mm256_set1_ps(c.grad_scale);
   const __m256 decay = _mm256_set1_ps(c.decay);
   const __m256 weight = _mm256_set1_ps(c.lerp_weight);
@@ -170,106 +194,113 @@ void block(const Int8AdamWBuffers& b, int64_t blk, const AdamWCoefficients& c) {
   const __m256 bc2_sqrt = _mm256_set1_ps(c.bc2_sqrt);
   const __m256 eps = _mm256_set1_ps(c.eps);
   const __m256 neg_step_size = _mm256_set1_ps(c.neg_step_size);
-  const __m256 m_scale = _mm256_set1_ps(b.exp_avg_scales[blk]);
-  const __m256 v_scale = _mm256_set1_ps(b.exp_avg_sq_scales[blk]);
-  const __m256 vmax_scale = _mm256_set1_ps(kAmsgrad ? b.max_exp_avg_sq_scales[blk] : 0.0f);
-  uint16_t* const param = static_cast<uint16_t*>(b.param_out);
-  __m256i m_amax = _mm256_setzero_si256();
-  __m256i v_amax = _mm256_setzero_si256();
-  __m256i vmax_amax = _mm256_setzero_si256();
   // Decode (into the new moments' buffers), then update: two short loops overlap more of their
   // iterations out of order than one long one.
-  for (int64_t j = 0; j < b.block; j += kWidth) {
-    const int64_t i = begin + j;
-    _mm256_store_ps(m_new + j, exp_avg_times(load_codes(b.exp_avg_codes + i), m_scale));
-    _mm256_store_ps(v_new + j, exp_avg_sq_times(load_codes(b.exp_avg_sq_codes + i), v_scale));
-    if constexpr (kAmsgrad) {
-      _mm256_store_ps(vmax_new + j,
-                      exp_avg_sq_times(load_codes(b.max_exp_avg_sq_codes + i), vmax_scale));
+  for (int64_t k = 0; k < count; ++k) {
+    const __m256 m_scale = _mm256_set1_ps(m_scales[k]);
+    const __m256 v_scale = _mm256_set1_ps(v_scales[k]);
+    const __m256 vmax_scale = _mm256_set1_ps(kAmsgrad ? vmax_scales[k] : 0.0f);
+    for (int64_t j = k * block; j < (k + 1) * block; j += kWidth) {
+      _mm256_store_ps(m_new + j, exp_avg_times(load_codes(m_codes + j), m_scale));
+      _mm256_store_ps(v_new + j, exp_avg_sq_times(load_codes(v_codes + j), v_scale));
+      if constexpr (kAmsgrad) {
+        _mm256_store_ps(vmax_new + j, exp_avg_sq_times(load_codes(vmax_codes + j), vmax_scale));
+      }
     }
   }
-  for (int64_t j = 0; j < b.block; j += kWidth) {
-    const int64_t i = begin + j;
-    __m256 m = _mm256_load_ps(m_new + j);
-    __m256 v = _mm256_load_ps(v_new + j);
-    __m256 master;
-    if constexpr (kOut == 3) {  // join_master_bits (master_split.h); the tie is bit 7 of the code
-      const __m256i tie_in =
-          _mm256_slli_epi32(_mm256_srli_epi32(load_codes(b.exp_avg_sq_codes + i), 7), 16);
-      const __m256i hi = _mm256_slli_epi32(
-          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(param + i))), 16);
-      const __m256i rem =
-          _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.remainder + i)));
-      master = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_add_epi32(hi, rem), tie_in));
-    } else {
-      master = _mm256_loadu_ps(b.master + i);
+  for (int64_t k = 0; k < count; ++k) {
+    __m256i m_amax = _mm256_setzero_si256();
+    __m256i v_amax = _mm256_setzero_si256();
+    __m256i vmax_amax = _mm256_setzero_si256();
+    for (int64_t j = k * block; j < (k + 1) * block; j += kWidth) {
+      const int64_t i = begin + j;
+      __m256 m = _mm256_load_ps(m_new + j);
+      __m256 v = _mm256_load_ps(v_new + j);
+      __m256 p_old;
+      if constexpr (kOut == 3) {  // join_master_bits (master_split.h); the tie is bit 7 of the code
+        const __m256i tie_in = _mm256_slli_epi32(_mm256_srli_epi32(load_codes(v_codes + j), 7), 16);
+        const __m256i hi = _mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(param + i))),
+            16);
+        const __m256i rem =
+            _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(remainder + i)));
+        p_old = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_add_epi32(hi, rem), tie_in));
+      } else {
+        p_old = _mm256_loadu_ps(master + i);
+      }
+      // adamw_update (adamw_math.h), as in fused_adamw_avx2.cpp.
+      const __m256 g = _mm256_mul_ps(load_grad<kGrad>(grad, i), grad_scale);
+      const __m256 p = _mm256_mul_ps(p_old, decay);
+      const __m256 diff = _mm256_sub_ps(g, m);
+      m = kSmallWeight ? _mm256_fmadd_ps(weight, diff, m)
+                       : _mm256_fnmadd_ps(diff, one_minus_weight, g);
+      v = _mm256_fmadd_ps(_mm256_mul_ps(one_minus_beta2, g), g, _mm256_mul_ps(v, beta2));
+      __m256 v_hat = v;  // the denominator's moment: v, or with amsgrad max_exp_avg_sq's new value
+      if constexpr (kAmsgrad) {
+        const __m256 old = _mm256_load_ps(vmax_new + j);
+        // nan_propagating_max(old, v) (adamw_math.h): old where old > v or old is NaN.
+        const __m256 keep =
+            _mm256_or_ps(_mm256_cmp_ps(old, v, _CMP_GT_OQ), _mm256_cmp_ps(old, old, _CMP_UNORD_Q));
+        v_hat = _mm256_blendv_ps(v, old, keep);
+      }
+      const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v_hat), bc2_sqrt), eps);
+      const __m256 p_new = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(neg_step_size, m), denom));
+      if constexpr (kOut == 3) {  // master_split.h: param, remainder, tie of the master
+        const __m256i u = _mm256_castps_si256(p_new);
+        const __m256i hi = bf16_bits(p_new);
+        const __m256i d = _mm256_sub_epi32(u, _mm256_slli_epi32(hi, 16));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(param + i), narrow16(hi));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(remainder + i), narrow16(d));
+        const __m256i is_tie = _mm256_cmpeq_epi32(d, _mm256_set1_epi32(0x8000));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(tie + j),
+                           _mm256_and_si256(is_tie, _mm256_set1_epi32(0x80)));
+      } else {
+        _mm256_storeu_ps(master + i, p_new);
+      }
+      if constexpr (kOut == 1) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(param + i), narrow16(bf16_bits(p_new)));
+      }
+      if constexpr (kOut == 2) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(param + i),
+                         _mm256_cvtps_ph(p_new, _MM_FROUND_TO_NEAREST_INT));
+      }
+      _mm256_store_ps(m_new + j, m);
+      _mm256_store_ps(v_new + j, v);
+      m_amax = absmax_step(m_amax, m);
+      v_amax = absmax_step(v_amax, v);
+      if constexpr (kAmsgrad) {
+        _mm256_store_ps(vmax_new + j, v_hat);
+        vmax_amax = absmax_step(vmax_amax, v_hat);
+      }
     }
-    // adamw_update (adamw_math.h), as in fused_adamw_avx2.cpp.
-    const __m256 g = _mm256_mul_ps(load_grad<kGrad>(b.grad, i), grad_scale);
-    const __m256 p = _mm256_mul_ps(master, decay);
-    const __m256 diff = _mm256_sub_ps(g, m);
-    m = kSmallWeight ? _mm256_fmadd_ps(weight, diff, m)
-                     : _mm256_fnmadd_ps(diff, one_minus_weight, g);
-    v = _mm256_fmadd_ps(_mm256_mul_ps(one_minus_beta2, g), g, _mm256_mul_ps(v, beta2));
-    __m256 v_hat = v;  // the denominator's moment: v, or with amsgrad max_exp_avg_sq's new value
-    if constexpr (kAmsgrad) {
-      const __m256 old = _mm256_load_ps(vmax_new + j);
-      // nan_propagating_max(old, v) (adamw_math.h): old where old > v or old is NaN.
-      const __m256 keep =
-          _mm256_or_ps(_mm256_cmp_ps(old, v, _CMP_GT_OQ), _mm256_cmp_ps(old, old, _CMP_UNORD_Q));
-      v_hat = _mm256_blendv_ps(v, old, keep);
-    }
-    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v_hat), bc2_sqrt), eps);
-    const __m256 p_new = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(neg_step_size, m), denom));
-    if constexpr (kOut == 3) {  // master_split.h: param, remainder, tie of the master
-      const __m256i u = _mm256_castps_si256(p_new);
-      const __m256i hi = bf16_bits(p_new);
-      const __m256i d = _mm256_sub_epi32(u, _mm256_slli_epi32(hi, 16));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(param + i), narrow16(hi));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(b.remainder + i), narrow16(d));
-      const __m256i is_tie = _mm256_cmpeq_epi32(d, _mm256_set1_epi32(0x8000));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(tie + j),
-                         _mm256_and_si256(is_tie, _mm256_set1_epi32(0x80)));
-    } else {
-      _mm256_storeu_ps(b.master + i, p_new);
-    }
-    if constexpr (kOut == 1) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(param + i), narrow16(bf16_bits(p_new)));
-    }
-    if constexpr (kOut == 2) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(param + i),
-                       _mm256_cvtps_ph(p_new, _MM_FROUND_TO_NEAREST_INT));
-    }
-    _mm256_store_ps(m_new + j, m);
-    _mm256_store_ps(v_new + j, v);
-    m_amax = absmax_step(m_amax, m);
-    v_amax = absmax_step(v_amax, v);
-    if constexpr (kAmsgrad) {
-      _mm256_store_ps(vmax_new + j, v_hat);
-      vmax_amax = absmax_step(vmax_amax, v_hat);
-    }
+    m_max[k] = reduce_absmax(m_amax);
+    v_max[k] = reduce_absmax(v_amax);
+    if constexpr (kAmsgrad) vmax_max[k] = reduce_absmax(vmax_amax);
   }
-  const float m_max = reduce_absmax(m_amax);
-  const float v_max = reduce_absmax(v_amax);
-  encode<false>(m_new, encode_reciprocal(m_max), nullptr, b.exp_avg_codes + begin, b.block);
-  encode<true>(v_new, encode_reciprocal(v_max), kOut == 3 ? tie : nullptr,
-               b.exp_avg_sq_codes + begin, b.block);
-  b.exp_avg_scales[blk] = m_max;
-  b.exp_avg_sq_scales[blk] = v_max;
-  if constexpr (kAmsgrad) {
-    const float vmax_absmax = reduce_absmax(vmax_amax);
-    encode<true>(vmax_new, encode_reciprocal(vmax_absmax), nullptr, b.max_exp_avg_sq_codes + begin,
-                 b.block);
-    b.max_exp_avg_sq_scales[blk] = vmax_absmax;
+  for (int64_t k = 0; k < count; ++k) {
+    const int64_t j = k * block;
+    encode<false>(m_new + j, encode_reciprocal(m_max[k]), nullptr, m_codes + j, block);
+    encode<true>(v_new + j, encode_reciprocal(v_max[k]), kOut == 3 ? tie + j : nullptr, v_codes + j,
+                 block);
+    m_scales[k] = m_max[k];
+    v_scales[k] = v_max[k];
+    if constexpr (kAmsgrad) {
+      encode<true>(vmax_new + j, encode_reciprocal(vmax_max[k]), nullptr, vmax_codes + j, block);
+      vmax_scales[k] = vmax_max[k];
+    }
   }
 }
 
 template <DType kGrad, int kOut, bool kSmallWeight, bool kAmsgrad>
 int64_t blocks(const Int8AdamWBuffers& b, int64_t first, int64_t last, const AdamWCoefficients& c) {
+  // The full blocks in [first, last), in groups of kGroupElements / block (at least 1).
+  const int64_t end = std::min(last, b.n / b.block);
+  const int64_t per_group = std::max<int64_t>(1, kGroupElements / b.block);
   int64_t blk = first;
-  for (; blk < last && (blk + 1) * b.block <= b.n; ++blk)
-    block<kGrad, kOut, kSmallWeight, kAmsgrad>(b, blk, c);
-  return blk;
+  for (; blk < end; blk += per_group) {
+    group<kGrad, kOut, kSmallWeight, kAmsgrad>(b, blk, std::min(per_group, end - blk), c);
+  }
+  return std::max(first, end);
 }
 
 template <DType kGrad, int kOut, bool kAmsgrad>

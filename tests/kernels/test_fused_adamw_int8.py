@@ -74,7 +74,8 @@ def _grad(n, dtype, step):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("n,block", [(1, 64), (15, 16), (16, 16), (63, 64), (64, 64), (97, 64), (1025, 64),
-                                     (1000, 256), (4096 + 7, 2048), (3 * 65536 + 40, 64)])  # fmt: skip
+                                     (1000, 256), (4096 + 7, 2048), (3 * 65536 + 40, 64), (16 * 131 + 5, 16),
+                                     (128 * 21, 128)])  # fmt: skip
 @pytest.mark.parametrize("out", ["none", "bf16", "fp16", "remainder"])
 def test_bitwise_the_reference(isa, n, block, out):
     """Three steps on every path, odd sizes and block tails (n not a multiple of block), several OpenMP chunks at
