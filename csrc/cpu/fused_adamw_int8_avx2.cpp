@@ -21,40 +21,13 @@
 #include <algorithm>
 
 #include "../fused_adamw_int8_math.h"
+#include "avx2_lanes.h"  // after the target pragma: its functions are AVX2 code
 #include "fused_adamw_int8.h"
 
 namespace zero_ext::cpu {
 namespace {
 
-constexpr int64_t kWidth = 8;
-
-template <DType kGrad>
-inline __m256 load_grad(const void* grad, int64_t i) {
-  if constexpr (kGrad == DType::kFloat32) {
-    return _mm256_loadu_ps(static_cast<const float*>(grad) + i);
-  } else {
-    const __m128i h =
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(grad) + i));
-    if constexpr (kGrad == DType::kFloat16) return _mm256_cvtph_ps(h);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
-}
-
-// Round to nearest even with integer math (NaN -> 0xFFFF), in the low 16 bits of each lane.
-inline __m256i bf16_bits(__m256 x) {
-  const __m256i u = _mm256_castps_si256(x);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb);
-  r = _mm256_srli_epi32(r, 16);
-  const __m256 ordered = _mm256_cmp_ps(x, x, _CMP_ORD_Q);
-  return _mm256_blendv_epi8(_mm256_set1_epi32(0xFFFF), r, _mm256_castps_si256(ordered));
-}
-
-// The low 16 bits of each lane (truncating, like VPMOVDW).
-inline __m128i narrow16(__m256i r) {
-  r = _mm256_and_si256(r, _mm256_set1_epi32(0xFFFF));
-  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
+using namespace avx2;
 
 // absmax_step lane by lane, on the bits: |x|'s bits order as its value does, and every NaN's lie
 // above inf's, so an integer max keeps a NaN once seen (finish_absmax makes it the canonical NaN).
@@ -94,36 +67,41 @@ inline __m256 exp_avg_times(__m256i codes, __m256 scale) {
   const __m256i j = _mm256_abs_epi32(x);
   const __m256i shifted =
       _mm256_slli_epi32(_mm256_add_epi32(j, i32(kInt8ExpAvgBias)), kInt8ExpAvgShift);
-  const __m256i magnitude =
-      _mm256_andnot_si256(_mm256_cmpeq_epi32(j, _mm256_setzero_si256()), shifted);
+  const __m256i magnitude = _mm256_sign_epi32(shifted, j);  // 0 where j is 0 (G[0] = 0)
   const __m256i bits = _mm256_or_si256(magnitude, _mm256_and_si256(x, i32(0x80000000u)));
   return _mm256_mul_ps(_mm256_castsi256_ps(bits), scale);
 }
 
-// int8_encode_exp_avg, before the saturation: store_codes saturates to [0, 255]. A NaN's code is 0.
+// The encodes below take finite y only (a NaN's code is the scalar path's business: see encode),
+// and return the code before the saturation store_codes does: its two signed-saturating packs map
+// every lane below 0 to 0 and above 255 to 255, the scalar codes' clamp to [0, 255]. So the
+// clamps and the NaN test cost nothing here. (A block's y are |x| / absmax <= 1 + 2^-23.)
+
+// (bits + half_down) >> shift - bias as one arithmetic shift: bits + kInt8ExpAvgHalfDown -
+// (kInt8ExpAvgBias << shift) does not overflow for 0 <= bits <= inf's, and floor((u - B * 2^s) /
+// 2^s) is floor(u / 2^s) - B.
+constexpr int32_t kExpAvgRoundBias = static_cast<int32_t>(kInt8ExpAvgHalfDown) -
+                                     static_cast<int32_t>(kInt8ExpAvgBias << kInt8ExpAvgShift);
+
+// int8_encode_exp_avg of a finite y, before the saturation.
 inline __m256i encode_exp_avg(__m256 y) {
   const __m256i bits = _mm256_castps_si256(y);
   const __m256i negative = _mm256_srai_epi32(bits, 31);  // -1 or 0
   const __m256i a = _mm256_sub_epi32(_mm256_and_si256(bits, i32(0x7FFFFFFF)), negative);
   // int8_exp_avg_count(a)
-  const __m256i rounded = _mm256_sub_epi32(
-      _mm256_srli_epi32(_mm256_add_epi32(a, i32(kInt8ExpAvgHalfDown)), kInt8ExpAvgShift),
-      i32(kInt8ExpAvgBias));
+  const __m256i rounded =
+      _mm256_srai_epi32(_mm256_add_epi32(a, _mm256_set1_epi32(kExpAvgRoundBias)), kInt8ExpAvgShift);
   const __m256i first = _mm256_srli_epi32(_mm256_cmpgt_epi32(a, i32(kInt8ExpAvgZeroThreshold)), 31);
   const __m256i count = _mm256_max_epi32(rounded, first);
-  // 128 + count, or 128 - count for y < 0
-  const __m256i code =
-      _mm256_add_epi32(_mm256_sub_epi32(_mm256_xor_si256(count, negative), negative), i32(128));
-  return _mm256_and_si256(code, _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_ORD_Q)));
+  // 128 + count, or 128 - count for y < 0 (psignd: -count where bits < 0; count is 0 for +-0)
+  return _mm256_add_epi32(_mm256_sign_epi32(count, bits), i32(128));
 }
 
-// int8_encode_exp_avg_sq (a NaN's code is 0)
+// int8_encode_exp_avg_sq of a finite y, before the saturation (y <= -0 has bits negative as an
+// integer: its code is below 0, saturated to 0).
 inline __m256i encode_exp_avg_sq(__m256 y) {
   const __m256i rounded = _mm256_add_epi32(_mm256_castps_si256(y), i32(kInt8ExpAvgSqHalfDown));
-  __m256i code =
-      _mm256_sub_epi32(_mm256_srai_epi32(rounded, kInt8ExpAvgSqShift), i32(kInt8ExpAvgSqBias));
-  code = _mm256_min_epi32(_mm256_max_epi32(code, _mm256_setzero_si256()), i32(127));
-  return _mm256_and_si256(code, _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_ORD_Q)));
+  return _mm256_sub_epi32(_mm256_srai_epi32(rounded, kInt8ExpAvgSqShift), i32(kInt8ExpAvgSqBias));
 }
 
 // 16 codes (two vectors of lanes <= 255; negative lanes saturate to 0) as 16 bytes.
@@ -137,10 +115,10 @@ inline void store_codes(int8_t* dst, __m256i a, __m256i b) {
 }
 
 // codes[j] = encode(x[j] * reciprocal) | extra[j] (the tie bits, or null), j < n (a multiple of
-// 16).
+// 16), every y = x[j] * reciprocal finite.
 template <bool kExpAvgSq>
-inline void encode(const float* x, float reciprocal, const uint32_t* extra, int8_t* codes,
-                   int64_t n) {
+inline void encode_finite(const float* x, float reciprocal, const uint32_t* extra, int8_t* codes,
+                          int64_t n) {
   const __m256 r = _mm256_set1_ps(reciprocal);
   for (int64_t j = 0; j < n; j += 2 * kWidth) {
     const __m256 lo = _mm256_mul_ps(_mm256_loadu_ps(x + j), r);
@@ -154,6 +132,49 @@ inline void encode(const float* x, float reciprocal, const uint32_t* extra, int8
     }
     store_codes(codes + j, a, b);
   }
+}
+
+// The scalar codes of y = x[j] * reciprocal (fused_adamw_int8_math.h), | extra[j].
+template <bool kExpAvgSq>
+void encode_scalar(const float* x, float reciprocal, const uint32_t* extra, int8_t* codes,
+                   int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float y = x[j] * reciprocal;
+    const uint32_t code = kExpAvgSq ? int8_encode_exp_avg_sq(y) : int8_encode_exp_avg(y);
+    codes[j] = static_cast<int8_t>(static_cast<uint8_t>(code | (extra ? extra[j] : 0u)));
+  }
+}
+
+inline bool finite(float x) { return (float_bits_hd(x) & 0x7F800000u) != 0x7F800000u; }
+
+// A block's codes with its absmax `scale`: with scale and 1 / scale finite every y is finite and
+// |y| <= 1 + 2^-23 (the vector codes); otherwise (a NaN or inf in the block, or a scale so small
+// that its reciprocal overflows: some y are NaN) the scalar codes, with their NaN test and clamps.
+template <bool kExpAvgSq>
+inline void encode(const float* x, float scale, const uint32_t* extra, int8_t* codes, int64_t n) {
+  const float reciprocal = encode_reciprocal(scale);
+  if (finite(scale) && finite(reciprocal)) {
+    encode_finite<kExpAvgSq>(x, reciprocal, extra, codes, n);
+  } else {
+    encode_scalar<kExpAvgSq>(x, reciprocal, extra, codes, n);
+  }
+}
+
+// Both moments' codes of 8 elements (finite y) from one pack: words m0-3 v0-3 | m4-7 v4-7, bytes
+// (dwords) m0-3 v0-3 . . | m4-7 v4-7 . ., dwords 0, 4, 1, 5: m0-7 v0-7.
+template <bool kTie>
+inline void encode_pair(const float* m, const float* v, const uint32_t* tie, __m256 m_rcp,
+                        __m256 v_rcp, int8_t* m_codes, int8_t* v_codes) {
+  const __m256i a = encode_exp_avg(_mm256_mul_ps(_mm256_load_ps(m), m_rcp));
+  __m256i b = encode_exp_avg_sq(_mm256_mul_ps(_mm256_load_ps(v), v_rcp));
+  if constexpr (kTie)
+    b = _mm256_or_si256(b, _mm256_load_si256(reinterpret_cast<const __m256i*>(tie)));
+  const __m256i words = _mm256_packus_epi32(a, b);
+  const __m256i bytes = _mm256_packus_epi16(words, words);
+  const __m128i both = _mm256_castsi256_si128(
+      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 0, 0, 0, 0)));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(m_codes), both);
+  _mm_storeh_pi(reinterpret_cast<__m64*>(v_codes), _mm_castsi128_ps(both));
 }
 
 // Blocks are run in groups of about kGroupElements elements: each phase (decode, update, encode)
@@ -208,84 +229,127 @@ void group(const Int8AdamWBuffers& b, int64_t first, int64_t count, const AdamWC
       }
     }
   }
+  // The update, 16 elements a step (blocks are multiples of 16): the 16-bit outputs of two vectors
+  // leave in one store each, as in fused_adamw_avx2.cpp.
+  struct Out8 {
+    __m256i param, delta;  // high-half form (avx2_lanes.h); delta: remainders only
+    __m128i fp16;
+  };
+  const auto update8 = [&](int64_t j, __m256i& m_amax, __m256i& v_amax, __m256i& vmax_amax,
+                           Out8& o) {
+    const int64_t i = begin + j;
+    __m256 m = _mm256_load_ps(m_new + j);
+    __m256 v = _mm256_load_ps(v_new + j);
+    __m256 p_old;
+    if constexpr (kOut == 3) {  // join_master_bits (master_split.h); the tie is bit 7 of the code
+      // sign-extended, a code with bit 7 set has bit 16 set: the tie bit's place in the master
+      const __m256i tie_in = _mm256_and_si256(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v_codes + j))),
+          _mm256_set1_epi32(0x10000));
+      const __m256i rem =
+          _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(remainder + i)));
+      p_old = _mm256_castsi256_ps(
+          _mm256_add_epi32(_mm256_add_epi32(widen_bf16_bits(param + i), tie_in), rem));
+    } else {
+      p_old = _mm256_loadu_ps(master + i);
+    }
+    // adamw_update (adamw_math.h), as in fused_adamw_avx2.cpp.
+    const __m256 g = _mm256_mul_ps(load_grad<kGrad>(grad, i), grad_scale);
+    const __m256 p = _mm256_mul_ps(p_old, decay);
+    const __m256 diff = _mm256_sub_ps(g, m);
+    m = kSmallWeight ? _mm256_fmadd_ps(weight, diff, m)
+                     : _mm256_fnmadd_ps(diff, one_minus_weight, g);
+    v = _mm256_fmadd_ps(_mm256_mul_ps(one_minus_beta2, g), g, _mm256_mul_ps(v, beta2));
+    __m256 v_hat = v;  // the denominator's moment: v, or with amsgrad max_exp_avg_sq's new value
+    if constexpr (kAmsgrad) {
+      const __m256 old = _mm256_load_ps(vmax_new + j);
+      // nan_propagating_max(old, v) (adamw_math.h): old where old > v or old is NaN.
+      const __m256 keep =
+          _mm256_or_ps(_mm256_cmp_ps(old, v, _CMP_GT_OQ), _mm256_cmp_ps(old, old, _CMP_UNORD_Q));
+      v_hat = _mm256_blendv_ps(v, old, keep);
+    }
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v_hat), bc2_sqrt), eps);
+    const __m256 p_new = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(neg_step_size, m), denom));
+    if constexpr (kOut == 3) {
+      // master_split.h's split: param = RNE, delta = bits - (param << 16) (the high-half form
+      // with its low half cleared), remainder = delta's low 16 bits, tie = (delta == 0x8000).
+      o.param = rne_bf16_high(p_new);
+      o.delta = _mm256_sub_epi32(
+          _mm256_castps_si256(p_new),
+          _mm256_and_si256(o.param, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+      const __m256i is_tie = _mm256_cmpeq_epi32(o.delta, _mm256_set1_epi32(0x8000));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(tie + j),
+                         _mm256_and_si256(is_tie, _mm256_set1_epi32(0x80)));
+    } else {
+      _mm256_storeu_ps(master + i, p_new);
+      if constexpr (kOut == 1) o.param = rne_bf16_high(p_new);
+      if constexpr (kOut == 2) o.fp16 = _mm256_cvtps_ph(p_new, _MM_FROUND_TO_NEAREST_INT);
+    }
+    _mm256_store_ps(m_new + j, m);
+    _mm256_store_ps(v_new + j, v);
+    m_amax = absmax_step(m_amax, m);
+    v_amax = absmax_step(v_amax, v);
+    if constexpr (kAmsgrad) {
+      _mm256_store_ps(vmax_new + j, v_hat);
+      vmax_amax = absmax_step(vmax_amax, v_hat);
+    }
+  };
   for (int64_t k = 0; k < count; ++k) {
     __m256i m_amax = _mm256_setzero_si256();
     __m256i v_amax = _mm256_setzero_si256();
     __m256i vmax_amax = _mm256_setzero_si256();
-    for (int64_t j = k * block; j < (k + 1) * block; j += kWidth) {
+    for (int64_t j = k * block; j < (k + 1) * block; j += 2 * kWidth) {
+      Out8 a, z;
+      update8(j, m_amax, v_amax, vmax_amax, a);
+      update8(j + kWidth, m_amax, v_amax, vmax_amax, z);
       const int64_t i = begin + j;
-      __m256 m = _mm256_load_ps(m_new + j);
-      __m256 v = _mm256_load_ps(v_new + j);
-      __m256 p_old;
-      if constexpr (kOut == 3) {  // join_master_bits (master_split.h); the tie is bit 7 of the code
-        const __m256i tie_in = _mm256_slli_epi32(_mm256_srli_epi32(load_codes(v_codes + j), 7), 16);
-        const __m256i hi = _mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(param + i))),
-            16);
-        const __m256i rem =
-            _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(remainder + i)));
-        p_old = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_add_epi32(hi, rem), tie_in));
-      } else {
-        p_old = _mm256_loadu_ps(master + i);
+      if constexpr (kOut == 1 || kOut == 3) {
+        store16(param, i, join16(a.param, z.param, high_to_low8(), high_to_high8()));
       }
-      // adamw_update (adamw_math.h), as in fused_adamw_avx2.cpp.
-      const __m256 g = _mm256_mul_ps(load_grad<kGrad>(grad, i), grad_scale);
-      const __m256 p = _mm256_mul_ps(p_old, decay);
-      const __m256 diff = _mm256_sub_ps(g, m);
-      m = kSmallWeight ? _mm256_fmadd_ps(weight, diff, m)
-                       : _mm256_fnmadd_ps(diff, one_minus_weight, g);
-      v = _mm256_fmadd_ps(_mm256_mul_ps(one_minus_beta2, g), g, _mm256_mul_ps(v, beta2));
-      __m256 v_hat = v;  // the denominator's moment: v, or with amsgrad max_exp_avg_sq's new value
-      if constexpr (kAmsgrad) {
-        const __m256 old = _mm256_load_ps(vmax_new + j);
-        // nan_propagating_max(old, v) (adamw_math.h): old where old > v or old is NaN.
-        const __m256 keep =
-            _mm256_or_ps(_mm256_cmp_ps(old, v, _CMP_GT_OQ), _mm256_cmp_ps(old, old, _CMP_UNORD_Q));
-        v_hat = _mm256_blendv_ps(v, old, keep);
-      }
-      const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v_hat), bc2_sqrt), eps);
-      const __m256 p_new = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(neg_step_size, m), denom));
-      if constexpr (kOut == 3) {  // master_split.h: param, remainder, tie of the master
-        const __m256i u = _mm256_castps_si256(p_new);
-        const __m256i hi = bf16_bits(p_new);
-        const __m256i d = _mm256_sub_epi32(u, _mm256_slli_epi32(hi, 16));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(param + i), narrow16(hi));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(remainder + i), narrow16(d));
-        const __m256i is_tie = _mm256_cmpeq_epi32(d, _mm256_set1_epi32(0x8000));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(tie + j),
-                           _mm256_and_si256(is_tie, _mm256_set1_epi32(0x80)));
-      } else {
-        _mm256_storeu_ps(master + i, p_new);
-      }
-      if constexpr (kOut == 1) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(param + i), narrow16(bf16_bits(p_new)));
+      if constexpr (kOut == 3) {
+        store16(remainder, i, join16(a.delta, z.delta, low_to_low8(), low_to_high8()));
       }
       if constexpr (kOut == 2) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(param + i),
-                         _mm256_cvtps_ph(p_new, _MM_FROUND_TO_NEAREST_INT));
-      }
-      _mm256_store_ps(m_new + j, m);
-      _mm256_store_ps(v_new + j, v);
-      m_amax = absmax_step(m_amax, m);
-      v_amax = absmax_step(v_amax, v);
-      if constexpr (kAmsgrad) {
-        _mm256_store_ps(vmax_new + j, v_hat);
-        vmax_amax = absmax_step(vmax_amax, v_hat);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(param + i), a.fp16);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(param + i + kWidth), z.fp16);
       }
     }
     m_max[k] = reduce_absmax(m_amax);
     v_max[k] = reduce_absmax(v_amax);
     if constexpr (kAmsgrad) vmax_max[k] = reduce_absmax(vmax_amax);
   }
+  // The reciprocals first (divisions the compiler vectorizes, off the encode loop's path), then
+  // both moments' codes in one pass when every block's scale and reciprocal are finite.
+  alignas(32) float m_rcp[kGroupElements / 16];
+  alignas(32) float v_rcp[kGroupElements / 16];
+  uint32_t special = 0;  // some block's scale or reciprocal is inf or NaN
   for (int64_t k = 0; k < count; ++k) {
-    const int64_t j = k * block;
-    encode<false>(m_new + j, encode_reciprocal(m_max[k]), nullptr, m_codes + j, block);
-    encode<true>(v_new + j, encode_reciprocal(v_max[k]), kOut == 3 ? tie + j : nullptr, v_codes + j,
-                 block);
+    m_rcp[k] = encode_reciprocal(m_max[k]);
+    v_rcp[k] = encode_reciprocal(v_max[k]);
+    special |= !finite(m_max[k]) | !finite(m_rcp[k]) | !finite(v_max[k]) | !finite(v_rcp[k]);
     m_scales[k] = m_max[k];
     v_scales[k] = v_max[k];
-    if constexpr (kAmsgrad) {
-      encode<true>(vmax_new + j, encode_reciprocal(vmax_max[k]), nullptr, vmax_codes + j, block);
+  }
+  if (special == 0) {
+    for (int64_t k = 0; k < count; ++k) {
+      const __m256 mr = _mm256_set1_ps(m_rcp[k]);
+      const __m256 vr = _mm256_set1_ps(v_rcp[k]);
+      for (int64_t j = k * block; j < (k + 1) * block; j += kWidth) {
+        encode_pair<kOut == 3>(m_new + j, v_new + j, kOut == 3 ? tie + j : nullptr, mr, vr,
+                               m_codes + j, v_codes + j);
+      }
+    }
+  } else {
+    for (int64_t k = 0; k < count; ++k) {
+      const int64_t j = k * block;
+      encode<false>(m_new + j, m_max[k], nullptr, m_codes + j, block);
+      encode<true>(v_new + j, v_max[k], kOut == 3 ? tie + j : nullptr, v_codes + j, block);
+    }
+  }
+  if constexpr (kAmsgrad) {
+    for (int64_t k = 0; k < count; ++k) {
+      const int64_t j = k * block;
+      encode<true>(vmax_new + j, vmax_max[k], nullptr, vmax_codes + j, block);
       vmax_scales[k] = vmax_max[k];
     }
   }
@@ -347,11 +411,25 @@ int64_t fused_adamw_int8_avx2(const Int8AdamWBuffers& b, int64_t block_begin, in
 
 int64_t int8_encode_avx2(bool exp_avg_sq, const float* x, float reciprocal, int8_t* codes,
                          int64_t n) {
+  // 16 lanes at a time through the kernel's vector codes where every y is finite with |y| <= 1 (in
+  // the kernel: blocks with a finite scale and reciprocal), the scalar codes elsewhere.
   const int64_t done = n - n % (2 * kWidth);
-  if (exp_avg_sq) {
-    encode<true>(x, reciprocal, nullptr, codes, done);
-  } else {
-    encode<false>(x, reciprocal, nullptr, codes, done);
+  const __m256 r = _mm256_set1_ps(reciprocal);
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 magnitude = _mm256_castsi256_ps(i32(0x7FFFFFFF));
+  for (int64_t j = 0; j < done; j += 2 * kWidth) {
+    const __m256 lo = _mm256_and_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j), r), magnitude);
+    const __m256 hi = _mm256_and_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j + kWidth), r), magnitude);
+    const __m256 in =
+        _mm256_and_ps(_mm256_cmp_ps(lo, one, _CMP_LE_OQ), _mm256_cmp_ps(hi, one, _CMP_LE_OQ));
+    const bool vector = _mm256_movemask_ps(in) == 0xFF;
+    if (exp_avg_sq) {
+      (vector ? encode_finite<true> : encode_scalar<true>)(x + j, reciprocal, nullptr, codes + j,
+                                                           2 * kWidth);
+    } else {
+      (vector ? encode_finite<false> : encode_scalar<false>)(x + j, reciprocal, nullptr, codes + j,
+                                                             2 * kWidth);
+    }
   }
   return done;
 }
