@@ -5,15 +5,20 @@
 // Bitwise the scalar path (fused_adamw_int8.cpp): the same IEEE operations in the same order (FMA
 // exactly where adamw_math.h calls fmaf; contraction off), and the minifloat codes
 // (fused_adamw_int8_math.h) lane by lane, integer operations on the registers, no table. AVX-512
-// machines run this body too. Per block: decode the old codes (one loop), update 8 lanes at a time
-// keeping the new moments and their absmax, then encode each moment 16 lanes at a time.
-// NOTE (AMD EPYC Zen 3 under KVM, one thread, Python timing loop, best of 15): at 256K elements
-// the minifloat codes with x * (1 / scale) ran 1.89 ns/element against the fp32-moment step's
-// 0.87, and with the integer absmax 1.70 against 0.85. Tried at 64K elements and slower: decode
-// fused into the update loop (2.35 against 2.28), and the encode of block k - 1 interleaved into
-// block k's update loop to hide it under the divider (3.2 against 2.2: with the update's
-// constants the loop needs more than AVX2's 16 vector registers). The step's compute, not its
-// bytes, still bounds it here: bench/results/precision_kernel_cost_avx2.md.
+// machines run this body too. Blocks run in groups of ~1024 elements: decode the group's old codes
+// (one loop), update it 16 elements a step keeping the new moments and each block's absmax, then
+// encode both moments of the group in one pass.
+// NOTE: the step is bound by how many vector instructions it issues, not by the divider or memory
+// (the in-cache time tracks the instruction count: ~85 per 8 elements against the default step's
+// ~40, 1.86x its time). AMD EPYC Zen 3 under KVM, one thread, 16K elements in cache, C++ timing
+// loop, min of 5 interleaved processes, ns/element: one block at a time 1.52 (the default 0.66);
+// in groups 1.38; the encode of finite y without clamps or NaN tests, both moments from one pack,
+// and the update 16 elements a step with avx2_lanes.h's widen/round/join 1.24. Tried and not
+// kept: the group's decode fused into its update loop (no faster), one loop updating group g while
+// encoding g - 1 and decoding g + 1 (1.94: the loop spills), non-temporal param stores (16M
+// elements, 2 threads: 0.97x the default against 0.85x without), software prefetch 2K-8K elements
+// ahead (no change beyond the noise). Memory-bound sizes:
+// bench/results/precision_kernel_cost_avx2.md.
 #pragma GCC target("avx2,f16c,fma")
 #pragma GCC optimize("fp-contract=off")
 #include <immintrin.h>
@@ -180,7 +185,7 @@ inline void encode_pair(const float* m, const float* v, const uint32_t* tie, __m
 // Blocks are run in groups of about kGroupElements elements: each phase (decode, update, encode)
 // runs over the whole group, so the update's divisions and square roots, whose latency tail would
 // otherwise end every 64-element block, overlap the next ones, and the per-phase setup is paid once
-// per group.
+// per group (256 to 2048 elements timed the same; 1024 keeps the group's moments in L1).
 constexpr int64_t kGroupElements = 1024;
 
 template <DType kGrad, int kOut, bool kSmallWeight, bool kAmsgrad>

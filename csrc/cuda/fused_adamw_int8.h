@@ -8,8 +8,9 @@
 
 namespace zero_ext::cuda {
 
-// One CUDA thread block per quantization block (grid-stride over the blocks): dequantize, update
-// (adamw_update), block absmax by warp shuffles, encode, write the new scales. found_inf is read by
+// Dequantize, update (adamw_update), block absmax, encode, write the new scales: for 64-element
+// blocks one half-warp per quantization block in registers, for other sizes one thread block per
+// quantization block (fused_adamw_int8.cu). found_inf is read by
 // the kernel (nonzero: no byte written). b.block a multiple of 16 in [16, 4096]. amsgrad when
 // b.max_exp_avg_sq_codes is set (then b.max_exp_avg_sq_scales too).
 cudaError_t launch_fused_adamw_int8(const Int8AdamWBuffers& b, const AdamWArgs& args,

@@ -275,8 +275,9 @@ def _to(state: State, device: str) -> State:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("n,block", [(97, 16), (1025, 64), (4096 + 7, 2048), (3 * 65536 + 40, 64)])
-@pytest.mark.parametrize("out", ["none", "bf16", "remainder"])
+@pytest.mark.parametrize("n,block", [(97, 16), (1025, 64), (4096 + 7, 2048), (3 * 65536 + 40, 64), (64 * 37 + 13, 64),
+                                     (3, 64)])  # fmt: skip
+@pytest.mark.parametrize("out", ["none", "bf16", "fp16", "remainder"])
 def test_cuda_matches_the_cpu_kernel(n, block, out):
     """The CUDA kernel against the CPU kernel, three steps, with block tails. Written without a GPU and never run:
     expected bitwise (same IEEE operations; explicit fmaf only). If it fails by an ulp, check whether ptxas
@@ -292,6 +293,30 @@ def test_cuda_matches_the_cpu_kernel(n, block, out):
     before = _to(gpu, "cpu")
     gpu.step(fused_adamw_int8_, _grad(n, torch.bfloat16, 4).cuda(), 4, found_inf=torch.ones((), device="cuda"))
     assert_same_state(_to(gpu, "cpu"), before)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("out", ["none", "bf16", "remainder"])
+def test_cuda_misaligned_views_match_the_cpu_kernel(out):
+    """64-element blocks run the register kernel (one half-warp per block, 4 elements a lane, vector loads) when every
+    stream's base allows its vector accesses, and its element-by-element path when one does not: each buffer here is a
+    view one element into a larger one (no base 16-byte aligned), two steps against the CPU kernel. Never run yet."""
+    n, block = 64 * 21 + 9, 64
+    cpu = State(n, block, out)
+    gpu = State.__new__(State)
+    gpu.__dict__ = dict(cpu.__dict__)
+    for k, v in cpu.__dict__.items():
+        if isinstance(v, torch.Tensor):
+            wide = torch.zeros(v.numel() + 1, dtype=v.dtype, device="cuda")
+            wide[1:] = v.cuda()
+            gpu.__dict__[k] = wide[1:]
+    for step in (1, 2):
+        grad = _grad(n, torch.bfloat16, step)
+        wide_grad = torch.zeros(n + 1, dtype=grad.dtype, device="cuda")
+        wide_grad[1:] = grad.cuda()
+        cpu.step(fused_adamw_int8_, grad, step)
+        gpu.step(fused_adamw_int8_, wide_grad[1:], step)
+        assert_same_state(_to(gpu, "cpu"), cpu)
 
 
 @pytest.mark.cuda
