@@ -120,6 +120,27 @@ def test_nan_and_inf_gradients_poison_their_blocks_like_the_reference(isa):
     assert bool(kernel.m_scales[2:].isfinite().all())
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("out", ["bf16", "remainder"])
+def test_subnormal_blocks_like_the_reference(isa, out):
+    """Blocks whose absmax is subnormal, on both sides of its reciprocal's overflow: 3e-39's is finite (the SIMD codes
+    run on subnormal x), 2e-39's and 1e-40's are inf (y = x * inf: +-inf, and a NaN at x = 0; the SIMD path hands
+    such a block to the scalar codes). beta1 = 0 makes the new exp_avg the gradient itself; every byte equals the
+    reference's."""
+    ops.cpu_isa(isa)
+    n, block = 64 * 6, 64
+    grad = _grad(n, torch.float32, 1)
+    for k, tiny in enumerate((3e-39, 2e-39, 1e-40)):
+        grad[64 * (k + 1) : 64 * (k + 2)] = tiny * torch.linspace(-1, 1, 64)
+        grad[64 * (k + 1) + 5] = 0.0  # 0 * inf: a NaN y, whose code is 0
+    kernel, ref = State(n, block, out), State(n, block, out)
+    kernel.step(fused_adamw_int8_, grad, 1, beta1=0.0)
+    ref.step(fused_adamw_int8_reference, grad, 1, beta1=0.0)
+    assert_same_state(kernel, ref)
+    rcp = 1.0 / kernel.m_scales[1:4]
+    assert bool(rcp[0].isfinite()) and not bool(rcp[1:].isfinite().any())  # both sides of the overflow
+
+
 def _grad_on_the_thresholds(block: int) -> torch.Tensor:
     """Each block: +-1.0 first (so the block absmax is 1 and x / absmax is x), then exp_avg's thresholds, the
     floats next to them on both sides and its map values, +-0 and subnormals, zero-padded to whole blocks."""
