@@ -33,6 +33,13 @@ __device__ __forceinline__ double read_scalar(const DeviceScalar& s) {
   return s.ptr != nullptr ? static_cast<double>(*s.ptr) : s.value;
 }
 
+// The step's coefficients from its arguments (device scalars or values), in fp64 as on the CPU.
+__device__ __forceinline__ AdamWCoefficients step_coefficients(const AdamWArgs& args) {
+  return adamw_coefficients(read_scalar(args.lr), read_scalar(args.beta1), read_scalar(args.beta2),
+                            read_scalar(args.eps), read_scalar(args.weight_decay),
+                            read_scalar(args.step), read_scalar(args.grad_scale), args.maximize);
+}
+
 __device__ __forceinline__ float load_grad(const void* grad, DType dtype, int64_t i) {
   switch (dtype) {
     case DType::kBFloat16:
@@ -74,10 +81,7 @@ template <int kOut, bool kAmsgrad>
 __global__ void __launch_bounds__(kMaxThreads)
     fused_adamw_int8_kernel(Int8AdamWBuffers b, AdamWArgs args) {
   if (args.found_inf != nullptr && *args.found_inf != 0.0f) return;
-  const AdamWCoefficients c =
-      adamw_coefficients(read_scalar(args.lr), read_scalar(args.beta1), read_scalar(args.beta2),
-                         read_scalar(args.eps), read_scalar(args.weight_decay),
-                         read_scalar(args.step), read_scalar(args.grad_scale), args.maximize);
+  const AdamWCoefficients c = step_coefficients(args);
   __shared__ float scratch[kAmsgrad ? 3 : 2][kWarps + 1];
   // m_new[block], v_new[block], (amsgrad) vmax_new[block], tie[block] (bytes): launch()'s smem.
   extern __shared__ float dynamic[];
@@ -179,10 +183,6 @@ __device__ __forceinline__ float half_warp_absmax(float x) {
   return x;
 }
 
-__device__ __forceinline__ float load_grad4(const void* grad, DType dtype, int64_t i, int k) {
-  return load_grad(grad, dtype, i + k);
-}
-
 // One lane's 4 elements from i (all < n when kFull, with every stream aligned for its vector
 // access; otherwise each element guarded by i + k < n, one at a time).
 template <int kOut, bool kAmsgrad, bool kFull>
@@ -238,7 +238,7 @@ __device__ __forceinline__ void lane_step(const Int8AdamWBuffers& b, const AdamW
       p[k] = kOut == 3
                  ? __uint_as_float(join_master_bits(param[i + k], b.remainder[i + k], vc[k] >> 7))
                  : b.master[i + k];
-      g[k] = load_grad4(b.grad, b.grad_dtype, i, k);
+      g[k] = load_grad(b.grad, b.grad_dtype, i + k);
     }
   }
   // Every lane reads its block's old scales before the absmax shuffles; the lane that writes the
@@ -314,15 +314,12 @@ __device__ __forceinline__ void lane_step(const Int8AdamWBuffers& b, const AdamW
   }
 }
 
-// kAligned: every stream's base allows the lanes' vector accesses (launch_lanes checks).
+// kAligned: every stream's base allows the lanes' vector accesses (launch checks lanes_aligned).
 template <int kOut, bool kAmsgrad, bool kAligned>
 __global__ void __launch_bounds__(kThreads)
     fused_adamw_int8_lanes_kernel(Int8AdamWBuffers b, AdamWArgs args) {
   if (args.found_inf != nullptr && *args.found_inf != 0.0f) return;
-  const AdamWCoefficients c =
-      adamw_coefficients(read_scalar(args.lr), read_scalar(args.beta1), read_scalar(args.beta2),
-                         read_scalar(args.eps), read_scalar(args.weight_decay),
-                         read_scalar(args.step), read_scalar(args.grad_scale), args.maximize);
+  const AdamWCoefficients c = step_coefficients(args);
   const int64_t blocks = (b.n + kLaneBlock - 1) / kLaneBlock;
   const int64_t full_blocks = b.n / kLaneBlock;
   constexpr int64_t kBlocksPerCta = kThreads / kLanesPerBlock;
