@@ -1,7 +1,7 @@
 // AVX2 lane helpers shared by the AVX2 kernels (fused_adamw_avx2.cpp, fused_adamw_int8_avx2.cpp):
-// bf16/fp16 loads widened to fp32 lanes, float_to_bf16's rounding, and the 16-bit stores. Include
-// it after the file's `#pragma GCC target("avx2,f16c,fma")`: these are AVX2 functions, and every
-// file that includes it compiles them for the same target.
+// bf16/fp16 loads widened to fp32 lanes, float_to_bf16's rounding (rne_bf16_high), and the 16-bit
+// stores. Include it after the file's `#pragma GCC target("avx2,f16c,fma")`: these are AVX2
+// functions, and every file that includes it compiles them for the same target.
 #pragma once
 #include <immintrin.h>
 
@@ -106,7 +106,5 @@ inline __m256i rne_bf16_high(__m256 x) {
   const __m256i r = _mm256_sub_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd);
   return _mm256_or_si256(r, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
 }
-
-inline __m128i float_to_bf16(__m256 x) { return narrow_high(rne_bf16_high(x)); }
 
 }  // namespace zero_ext::cpu::avx2
