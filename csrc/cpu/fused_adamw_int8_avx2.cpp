@@ -141,17 +141,6 @@ inline void encode_finite(const float* x, float reciprocal, const uint32_t* extr
   }
 }
 
-// The scalar codes of y = x[j] * reciprocal (fused_adamw_int8_math.h), | extra[j].
-template <bool kExpAvgSq>
-void encode_scalar(const float* x, float reciprocal, const uint32_t* extra, int8_t* codes,
-                   int64_t n) {
-  for (int64_t j = 0; j < n; ++j) {
-    const float y = x[j] * reciprocal;
-    const uint32_t code = kExpAvgSq ? int8_encode_exp_avg_sq(y) : int8_encode_exp_avg(y);
-    codes[j] = static_cast<int8_t>(static_cast<uint8_t>(code | (extra ? extra[j] : 0u)));
-  }
-}
-
 inline bool finite(float x) { return (float_bits_hd(x) & 0x7F800000u) != 0x7F800000u; }
 
 // A block's codes with its absmax `scale`: with scale and 1 / scale finite every y is finite and
@@ -162,9 +151,11 @@ inline void encode(const float* x, float scale, const uint32_t* extra, int8_t* c
   const float reciprocal = encode_reciprocal(scale);
   if (finite(scale) && finite(reciprocal)) {
     encode_finite<kExpAvgSq>(x, reciprocal, extra, codes, n);
-  } else {
-    encode_scalar<kExpAvgSq>(x, reciprocal, extra, codes, n);
+    return;
   }
+  int8_encode_scalar(kExpAvgSq, x, reciprocal, codes, n);  // the scalar path's codes
+  if (extra == nullptr) return;
+  for (int64_t j = 0; j < n; ++j) codes[j] = static_cast<int8_t>(codes[j] | extra[j]);
 }
 
 // Both moments' codes of 8 elements (finite y) from one pack: words m0-3 v0-3 | m4-7 v4-7, bytes
@@ -429,13 +420,12 @@ int64_t int8_encode_avx2(bool exp_avg_sq, const float* x, float reciprocal, int8
     const __m256 hi = _mm256_and_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j + kWidth), r), magnitude);
     const __m256 in =
         _mm256_and_ps(_mm256_cmp_ps(lo, one, _CMP_LE_OQ), _mm256_cmp_ps(hi, one, _CMP_LE_OQ));
-    const bool vector = _mm256_movemask_ps(in) == 0xFF;
-    if (exp_avg_sq) {
-      (vector ? encode_finite<true> : encode_scalar<true>)(x + j, reciprocal, nullptr, codes + j,
-                                                           2 * kWidth);
+    if (_mm256_movemask_ps(in) != 0xFF) {
+      int8_encode_scalar(exp_avg_sq, x + j, reciprocal, codes + j, 2 * kWidth);
+    } else if (exp_avg_sq) {
+      encode_finite<true>(x + j, reciprocal, nullptr, codes + j, 2 * kWidth);
     } else {
-      (vector ? encode_finite<false> : encode_scalar<false>)(x + j, reciprocal, nullptr, codes + j,
-                                                             2 * kWidth);
+      encode_finite<false>(x + j, reciprocal, nullptr, codes + j, 2 * kWidth);
     }
   }
   return done;
