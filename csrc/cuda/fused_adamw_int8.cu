@@ -51,8 +51,11 @@ __device__ __forceinline__ float load_grad(const void* grad, DType dtype, int64_
   }
 }
 
-__device__ __forceinline__ float warp_absmax(float x) {
-  for (int offset = 16; offset >= 1; offset /= 2) {
+// The NaN-propagating max over aligned groups of kLanes lanes (a power of two up to 32: xor offsets
+// below kLanes stay inside the group). Every lane of the warp calls it (a full mask).
+template <int kLanes>
+__device__ __forceinline__ float lanes_absmax(float x) {
+  for (int offset = kLanes / 2; offset >= 1; offset /= 2) {
     x = nan_propagating_max(__shfl_xor_sync(0xFFFFFFFFu, x, offset), x);
   }
   return x;
@@ -62,12 +65,12 @@ __device__ __forceinline__ float warp_absmax(float x) {
 __device__ __forceinline__ float block_absmax(float x, float* scratch) {
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
-  x = warp_absmax(x);
+  x = lanes_absmax<32>(x);
   if (lane == 0) scratch[warp] = x;
   __syncthreads();
   if (warp == 0) {
     x = lane < static_cast<int>(blockDim.x / 32) ? scratch[lane] : 0.0f;
-    x = warp_absmax(x);
+    x = lanes_absmax<32>(x);
     if (lane == 0) scratch[kWarps] = x;
   }
   __syncthreads();
@@ -174,15 +177,6 @@ __global__ void __launch_bounds__(kMaxThreads)
 constexpr int kLanesPerBlock = 16;  // 16 lanes x 4 elements = one 64-element block
 constexpr int kLaneBlock = kLanesPerBlock * kVec;
 
-// The NaN-propagating max over the 16 lanes of a half-warp (xor offsets below 16 stay inside it).
-// Every lane of the warp calls it (a full mask).
-__device__ __forceinline__ float half_warp_absmax(float x) {
-  for (int offset = kLanesPerBlock / 2; offset >= 1; offset /= 2) {
-    x = nan_propagating_max(__shfl_xor_sync(0xFFFFFFFFu, x, offset), x);
-  }
-  return x;
-}
-
 // One lane's 4 elements from i (all < n when kFull, with every stream aligned for its vector
 // access; otherwise each element guarded by i + k < n, one at a time).
 template <int kOut, bool kAmsgrad, bool kFull>
@@ -260,9 +254,9 @@ __device__ __forceinline__ void lane_step(const Int8AdamWBuffers& b, const AdamW
     v_amax = absmax_step(v_amax, v[k]);
     if constexpr (kAmsgrad) vmax_amax = absmax_step(vmax_amax, vm[k]);
   }
-  m_amax = finish_absmax(half_warp_absmax(m_amax));
-  v_amax = finish_absmax(half_warp_absmax(v_amax));
-  if constexpr (kAmsgrad) vmax_amax = finish_absmax(half_warp_absmax(vmax_amax));
+  m_amax = finish_absmax(lanes_absmax<kLanesPerBlock>(m_amax));
+  v_amax = finish_absmax(lanes_absmax<kLanesPerBlock>(v_amax));
+  if constexpr (kAmsgrad) vmax_amax = finish_absmax(lanes_absmax<kLanesPerBlock>(vmax_amax));
   if (!active) return;
   const float m_rcp = encode_reciprocal(m_amax);
   const float v_rcp = encode_reciprocal(v_amax);
