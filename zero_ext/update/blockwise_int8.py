@@ -6,7 +6,7 @@ scripts/gen_int8_maps_header.py).
 A block of ``block`` consecutive elements keeps one fp32 scale, its absmax; an element is stored as the index of the
 map value nearest to ``x / absmax``. The maps are minifloats ending at 1, so that the kernels compute a code by
 rounding the float's own bits and a value by shifting the code's bits into place (a few integer operations each way,
-no table and no search: the AVX2 step went from 2.4-2.8x the fp32-moment step's time to 1.2-1.4x,
+no table and no search: the AVX2 step went from 2.4-2.8x the fp32-moment step's time to 1.1-1.3x,
 bench/results/precision_kernel_cost_avx2.md):
 
 - ``exp_avg``: :data:`EXP_AVG_MAP`, 256 values: 0 and +-G[1..127], G the fp32 numbers with 3 mantissa bits from
