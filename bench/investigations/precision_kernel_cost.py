@@ -8,7 +8,10 @@ scale_inplace and add_inplace at the same size).
     python bench/investigations/precision_kernel_cost.py --before /path/to/baseline/checkout --pairs 3
 
 Per setting and size: the median step time, bytes per element (what the setting must move), GB/s, % of the roofline,
-and the median of each round's ratio to the default step (the figure issue 37's targets are written for). With
+and the median of each round's ratio to the default step (the figure issue 37's targets are written for); then each
+setting's compute floor (its step in L2 on one core, the call's own cost taken out) and the best ratio to the default
+that overlapping that compute perfectly with the setting's bytes at the roofline would give, so a missed target says
+whether the instructions or the overlap stand in the way. With
 ``--before``, each pair launches one child per tree (its own ``zero_ext`` on PYTHONPATH, this script's code),
 before then after, and the report puts the two trees' per-round ratios side by side (a ratio to the same child's
 default step, so a load swing between children cancels).
@@ -35,6 +38,13 @@ import torch  # noqa: E402
 BYTES, TARGETS = precision_settings.BYTES, precision_settings.TARGETS  # bench/precision_settings.py
 STREAMS = {"copy": 8, "scale_inplace": 8, "add_inplace": 12}  # bytes credited per element (bench_fused_adamw.py)
 ROOFLINE_TARGET = 0.8  # every setting at >= 80% of the roofline on CPU
+# The compute floor: each step over COMPUTE_NUMEL elements, in L2 on one core (below one 64K-element chunk of the
+# kernels: one thread), less the same call over OVERHEAD_NUMEL (the Python and dispatcher cost of a call, ~25 us
+# here, more than the 16K elements' kernel); CALLS_PER_TIMING calls a timing after one that brings the setting's
+# buffers back into L2, the garbage collector off, the minimum of COMPUTE_ROUNDS rounds (noise only adds: the
+# minimum matches a C++ loop over the same kernel, 0.66 / 1.05 / 1.39 ns/element for default / bf16 / int8 moments on
+# the 2-core EPYC, where the round-robin median was up to 35 % above it).
+COMPUTE_NUMEL, OVERHEAD_NUMEL, CALLS_PER_TIMING, COMPUTE_ROUNDS = 2**14, 64, 32, 30
 
 
 def contenders(n: int) -> dict:
@@ -63,6 +73,40 @@ def contenders(n: int) -> dict:
     return out
 
 
+def compute_floor() -> dict:
+    """Every setting's step at COMPUTE_NUMEL and at OVERHEAD_NUMEL elements, round robin: each round's seconds a call
+    at either size (compute_rows takes the difference of their minimums per element: what the step's instructions
+    cost with the memory and the call out of the way)."""
+    import gc
+
+    step = [0]
+
+    def timed(fn):
+        def run():
+            step[0] += 1
+            fn(float(step[0]))
+            t0 = time.perf_counter()
+            for _ in range(CALLS_PER_TIMING):
+                step[0] += 1
+                fn(float(step[0]))
+            return (time.perf_counter() - t0) / CALLS_PER_TIMING
+
+        return run
+
+    calls = {}
+    for n in (COMPUTE_NUMEL, OVERHEAD_NUMEL):
+        g = torch.Generator().manual_seed(0)
+        grad = (torch.randn(n, generator=g) * 1e-2).to(torch.bfloat16)
+        master = torch.randn(n, generator=g) * 0.02
+        calls.update({(name, n): timed(fn) for name, fn in precision_settings.steps(master, grad).items()})
+    gc.disable()
+    try:
+        raw = harness.round_robin(calls, 1, COMPUTE_ROUNDS)
+    finally:
+        gc.enable()
+    return {name: {"call_s": raw[(name, COMPUTE_NUMEL)], "overhead_s": raw[(name, OVERHEAD_NUMEL)]} for name in BYTES}
+
+
 def measure(sizes: list[int], warmup: int, reps: int) -> dict:
     """Per size: every contender's times, round robin, and each setting's per-round ratio to the default."""
     from zero_ext import ops
@@ -74,6 +118,7 @@ def measure(sizes: list[int], warmup: int, reps: int) -> dict:
         base = raw["default"]
         ratios = {name: [t / b for t, b in zip(times, base)] for name, times in raw.items() if name in BYTES}
         out["sizes"][str(n)] = {"times_s": raw, "ratios": ratios}
+    out["compute_floor"] = compute_floor()
     return out
 
 
@@ -113,6 +158,33 @@ def setting_rows(n: int, runs: list[dict]) -> tuple[list[list], dict]:
         rows.append([size_label(n), name, f"{s['median_s'] * 1e3:.1f}", f"{s['median_s'] * 1e9 / n:.2f}",
                      BYTES[name], f"{gbs[name]:.1f}", f"{pct:.0f}%", f"{ratio:.2f}",
                      f"<= {target} {verdict}" if target is not None else "-"])  # fmt: skip
+    return rows, payload
+
+
+def compute_rows(runs: list[dict], per_size: dict) -> tuple[list[list], dict]:
+    """The compute floor of each setting over the runs (one tree) and, per size, the best ratio to the default that
+    perfect overlap of that compute with the setting's bytes at the roofline would give."""
+    threads = runs[0]["threads"]
+
+    def fastest(name, key):
+        return min(min(r["compute_floor"][name][key]) for r in runs)
+
+    floor = {name: (fastest(name, "call_s") - fastest(name, "overhead_s")) / (COMPUTE_NUMEL - OVERHEAD_NUMEL)
+             for name in BYTES}  # fmt: skip
+    rows, payload = [], {}
+    for name in BYTES:
+        c = floor[name] * 1e9
+        bounds = {}
+        for n, p in per_size.items():
+            memory = BYTES[name] / p["roofline_gb_per_s"]  # ns per element at the roofline
+            default = p["settings"]["default"]["median_s"] * 1e9 / int(n)
+            bounds[n] = max(c / threads, memory) / default
+        payload[name] = {"ns_per_element_one_thread": c, "ratio_to_default": c / (floor["default"] * 1e9),
+                         "best_ratio_with_perfect_overlap": bounds}  # fmt: skip
+        rows.append([name, f"{c:.2f}", f"{c / (floor['default'] * 1e9):.2f}", f"{c / threads:.2f}"]
+                    + [f"{bounds[str(n)]:.2f}" for n in sorted(map(int, per_size))]
+                    + [" / ".join(f"{p['settings'][name]['ratio_to_default_per_round']:.2f}"
+                                  for _, p in sorted((int(k), v) for k, v in per_size.items()))])  # fmt: skip
     return rows, payload
 
 
@@ -158,10 +230,20 @@ def main() -> None:
             rows += r
             per_size[str(n)] = p
         payload["trees"][tag] = {"path": str(tree), "commit": commits[tag], "sizes": per_size}
+        crow, cpay = compute_rows(runs[tag], per_size)
+        payload["trees"][tag]["compute_floor"] = cpay
+        labels = [size_label(n) for n in sorted(sizes)]
         rooflines = ", ".join(f"{size_label(n)}: {p['roofline']} {p['roofline_gb_per_s']:.1f} GB/s"
                               for n, p in ((int(k), v) for k, v in per_size.items()))  # fmt: skip
         body += (f"\n## {tag}: `{commits[tag]}` ({tree})\n\n" + harness.markdown_table(HEADERS, rows)
-                 + f"\n\nRoofline (best in-place stream at the same size, same rounds): {rooflines}.\n")  # fmt: skip
+                 + f"\n\nRoofline (best in-place stream at the same size, same rounds): {rooflines}.\n"
+                 + f"\nCompute floor ({COMPUTE_NUMEL} elements, in L2, one thread, less a {OVERHEAD_NUMEL}-element "
+                 "call's time: the call's own cost) and the best ratio to the default that overlapping it perfectly with the setting's "
+                 f"bytes at the roofline would give: max(compute / {last['threads']} threads, B/element / roofline "
+                 "GB/s) / the default's measured ns/element.\n\n"
+                 + harness.markdown_table(["setting", "compute ns/element", "/ default", f"/ {last['threads']} threads"]
+                                          + [f"best ratio {x}" for x in labels]
+                                          + [f"measured ratio {' / '.join(labels)}"], crow) + "\n")  # fmt: skip
     if args.before:
         rows = []
         for n in sizes:

@@ -177,6 +177,27 @@ def test_fused_adamw_tiny(tmp_path):
     assert len(csv_lines) == 1 + len(res["rows"])
 
 
+def test_precision_kernel_cost_tiny(tmp_path):
+    # --before this same tree: both children's code paths and the before/after table, at a size the call dominates.
+    run("investigations/precision_kernel_cost.py", "--numel", "4096", "--reps", "2", "--warmup", "1", "--before",
+        str(REPO), "--pairs", "1", "--name", "pkc", "--out-dir", str(tmp_path))  # fmt: skip
+    res = result(tmp_path / "pkc.json")
+    settings = {"default", "remainders", "bf16_moments", "remainders_bf16", "int8_moments", "int8_remainders"}
+    for tree in ("before", "after"):
+        per_size = res["trees"][tree]["sizes"]["4096"]["settings"]
+        assert set(per_size) == settings
+        assert all(s["gb_per_s"] > 0 and s["rounds"] == 2 for s in per_size.values())
+        floor = res["trees"][tree]["compute_floor"]
+        assert set(floor) == settings
+        assert floor["default"]["ratio_to_default"] == 1.0
+        roofline = res["trees"][tree]["sizes"]["4096"]["roofline_gb_per_s"]
+        default_ns = per_size["default"]["median_s"] * 1e9 / 4096
+        for name, s in floor.items():  # the bound is never below the setting's bytes at the roofline
+            memory = per_size[name]["bytes_per_element"] / roofline / default_ns
+            assert s["best_ratio_with_perfect_overlap"]["4096"] >= memory * (1 - 1e-9), (name, s)
+    assert "| setting | compute ns/element | / default |" in (tmp_path / "pkc.md").read_text()
+
+
 def test_engine_step_tiny(tmp_path):
     # The step-time targets are noise at this size (exit 1 when one misses); the memory identities are exact.
     run("bench_engine_step.py", *TINY_GPT, "--rounds", "2", "--warmup-rounds", "0", "--steps-per-turn", "1",
