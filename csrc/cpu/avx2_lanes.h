@@ -16,7 +16,7 @@ constexpr int64_t kWidth = 8;
 // 8 bf16 (or 16-bit) values widened to the high half of 32-bit lanes (bits << 16, exact): the 16
 // bytes broadcast to both halves by the load itself (VBROADCASTI128), then one in-lane byte
 // shuffle puts elements 0-3 (low half) and 4-7 (high half) in place with zeros below. Same bits as
-// VPMOVZXWD + VPSLLD 16, one shift fewer on the shift/shuffle pipes the divider shares.
+// VPMOVZXWD + VPSLLD 16, one shift fewer on the shift/shuffle pipes.
 inline __m256i widen_bf16_bits(const uint16_t* p) {
   const __m256i x =
       _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -43,11 +43,12 @@ inline __m256 load_grad(const void* grad, int64_t i) {
 // << 16 plus low bits that the store drops) and narrowed with in-lane byte shuffles instead of a
 // shift and a pack. NOTE: the bf16-moment step was compute-bound, not memory-bound: in L2 (8K
 // elements, one thread, 2-core Zen 3 EPYC) it took 1.34 ns/element against the default's 0.78,
-// and 57 instructions per vector issue fine; what it waited on is the two pipes that the vector
-// shifts and shuffles share (one of them with the divider, which sqrt and the two divisions keep
-// busy): 18 shifts + shuffles per vector. With 10.5 (these narrowings, widen_bf16_bits,
-// mix32_split, the 16-wide stores) and the pointers held in registers: 1.07-1.11 (default
-// 0.68-0.72, remainders 1.16 -> 0.97-1.05), bitwise the same.
+// and 57 instructions per vector issue fine; what it waited on is the vector shifts and shuffles:
+// 18 per vector (on this EPYC one VPSHUFB ymm and one VPSRLD a cycle, ~1.4 a cycle mixed, and not
+// slowed by divisions in flight: 24 shuffles an iteration take 22 cycles alone, 19 with 4 VDIVPS).
+// With 10.5 (these narrowings, widen_bf16_bits, mix32_split, the 16-wide stores) and the pointers
+// held in registers: 1.07-1.11 (default 0.68-0.72, remainders 1.16 -> 0.97-1.05), bitwise the
+// same.
 
 // Per 128-bit half: the high 16 bits of its 4 lanes to bytes 0-7 (kHighToLow) or 8-15
 // (kHighToHigh), the low 16 bits to bytes 8-15 (kLowToHigh); the other bytes zero.

@@ -10,17 +10,17 @@
 // encode both moments of the group in one pass.
 // NOTE: the step is bound by the vector instructions it issues, not by the divider or memory (the
 // in-cache time tracks their count, ~85 per 8 elements against the default step's ~40: 1.86x its
-// time), the shifts and shuffles above all (Zen 3 has two pipes for them, one shared with the
-// divider). AMD EPYC Zen 3 under KVM, one thread, 16K elements in cache, C++ timing loop, min of 5
-// interleaved processes, ns/element: one block at a time 1.52 (the default 0.66); in groups 1.38;
-// the encode of finite y without clamps or NaN tests, both moments from one pack, and the update 16
-// elements a step with avx2_lanes.h's widen/round/join 1.24. Tried and not kept: the group's
-// decode fused into its update loop (no faster); the decode in 16-bit lanes with two unpacks to
-// fp32 (fewer instructions but 5 shuffles per 16 codes against 4: 1.22 against 1.20); one loop
-// updating group g while encoding g - 1 and decoding g + 1 (1.94: the loop spills); non-temporal
-// param stores (16M elements, 2 threads: 0.97x the default against 0.85x without); software
-// prefetch 2K-8K elements ahead (no change beyond the noise). Memory-bound sizes:
-// bench/results/precision_kernel_cost_avx2.md.
+// time), the shifts and shuffles above all (avx2_lanes.h: about one of each a cycle on this EPYC,
+// divisions in flight or not). AMD EPYC Zen 3 under KVM, one thread, 16K elements in cache, C++
+// timing loop, min of 5 interleaved processes, ns/element: one block at a time 1.52 (the default
+// 0.66); in groups 1.38; the encode of finite y without clamps or NaN tests, both moments from one
+// pack, and the update 16 elements a step with avx2_lanes.h's widen/round/join 1.24. Tried and not
+// kept: the group's decode fused into its update loop (no faster); the decode in 16-bit lanes with
+// two unpacks to fp32 (fewer instructions but 5 shuffles per 16 codes against 4: 1.22
+// against 1.20); one loop updating group g while encoding g - 1 and decoding g + 1 (1.94: the loop
+// spills); non-temporal param stores (16M elements, 2 threads: 0.97x the default against 0.85x
+// without); software prefetch 2K-8K elements ahead (no change beyond the noise). Memory-bound
+// sizes: bench/results/precision_kernel_cost_avx2.md.
 #pragma GCC target("avx2,f16c,fma")
 #pragma GCC optimize("fp-contract=off")
 #include <immintrin.h>
