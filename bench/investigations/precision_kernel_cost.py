@@ -47,26 +47,41 @@ ROOFLINE_TARGET = 0.8  # every setting at >= 80% of the roofline on CPU
 COMPUTE_NUMEL, OVERHEAD_NUMEL, CALLS_PER_TIMING, COMPUTE_ROUNDS = 2**14, 64, 32, 30
 
 
-def contenders(n: int) -> dict:
-    """Every setting's step (precision_settings.steps: the kernel the engine calls for it) and the in-place streams
-    that make the roofline, each timed by the host clock."""
+def setting_steps(n: int) -> dict:
+    """precision_settings.steps (the kernel the engine calls for each setting) over this bench's n-element shard: a
+    seeded fp32 master and bf16 gradient."""
     g = torch.Generator().manual_seed(0)
     grad = (torch.randn(n, generator=g) * 1e-2).to(torch.bfloat16)
     master = torch.randn(n, generator=g) * 0.02
-    step = [0]
-    src, dst = torch.rand(n), torch.empty(n)
-    a, b, c = torch.ones(n), torch.full((n,), 1e-6), torch.ones(n)
+    return precision_settings.steps(master, grad)
 
-    def timed(fn):
+
+def timer(step: list, calls: int = 1, warm: bool = False):
+    """fn(step number) -> a round_robin contender returning the seconds per call over ``calls`` calls, each with the
+    next step number (``warm``: one untimed call first)."""
+
+    def wrap(fn):
         def run():
-            step[0] += 1
+            if warm:
+                step[0] += 1
+                fn(float(step[0]))
             t0 = time.perf_counter()
-            fn(float(step[0]))
-            return time.perf_counter() - t0
+            for _ in range(calls):
+                step[0] += 1
+                fn(float(step[0]))
+            return (time.perf_counter() - t0) / calls
 
         return run
 
-    out = {name: timed(fn) for name, fn in precision_settings.steps(master, grad).items()}
+    return wrap
+
+
+def contenders(n: int) -> dict:
+    """Every setting's step and the in-place streams that make the roofline, each timed by the host clock."""
+    timed = timer([0])
+    src, dst = torch.rand(n), torch.empty(n)
+    a, b, c = torch.ones(n), torch.full((n,), 1e-6), torch.ones(n)
+    out = {name: timed(fn) for name, fn in setting_steps(n).items()}
     # 0.999 ** (a few hundred reps) stays far from denormals; the in-place add drifts by 1e-6 per rep.
     out.update(copy=timed(lambda s: dst.copy_(src)), scale_inplace=timed(lambda s: a.mul_(0.999)),
                add_inplace=timed(lambda s: c.add_(b)))  # fmt: skip
@@ -79,26 +94,8 @@ def compute_floor() -> dict:
     cost with the memory and the call out of the way)."""
     import gc
 
-    step = [0]
-
-    def timed(fn):
-        def run():
-            step[0] += 1
-            fn(float(step[0]))
-            t0 = time.perf_counter()
-            for _ in range(CALLS_PER_TIMING):
-                step[0] += 1
-                fn(float(step[0]))
-            return (time.perf_counter() - t0) / CALLS_PER_TIMING
-
-        return run
-
-    calls = {}
-    for n in (COMPUTE_NUMEL, OVERHEAD_NUMEL):
-        g = torch.Generator().manual_seed(0)
-        grad = (torch.randn(n, generator=g) * 1e-2).to(torch.bfloat16)
-        master = torch.randn(n, generator=g) * 0.02
-        calls.update({(name, n): timed(fn) for name, fn in precision_settings.steps(master, grad).items()})
+    timed = timer([0], calls=CALLS_PER_TIMING, warm=True)
+    calls = {(name, n): timed(fn) for n in (COMPUTE_NUMEL, OVERHEAD_NUMEL) for name, fn in setting_steps(n).items()}
     gc.disable()
     try:
         raw = harness.round_robin(calls, 1, COMPUTE_ROUNDS)
@@ -179,9 +176,10 @@ def compute_rows(runs: list[dict], per_size: dict) -> tuple[list[list], dict]:
             memory = BYTES[name] / p["roofline_gb_per_s"]  # ns per element at the roofline
             default = p["settings"]["default"]["median_s"] * 1e9 / int(n)
             bounds[n] = max(c / threads, memory) / default
-        payload[name] = {"ns_per_element_one_thread": c, "ratio_to_default": c / (floor["default"] * 1e9),
+        relative = floor[name] / floor["default"]
+        payload[name] = {"ns_per_element_one_thread": c, "ratio_to_default": relative,
                          "best_ratio_with_perfect_overlap": bounds}  # fmt: skip
-        rows.append([name, f"{c:.2f}", f"{c / (floor['default'] * 1e9):.2f}", f"{c / threads:.2f}"]
+        rows.append([name, f"{c:.2f}", f"{relative:.2f}", f"{c / threads:.2f}"]
                     + [f"{bounds[str(n)]:.2f}" for n in sorted(map(int, per_size))]
                     + [" / ".join(f"{p['settings'][name]['ratio_to_default_per_round']:.2f}"
                                   for _, p in sorted((int(k), v) for k, v in per_size.items()))])  # fmt: skip
