@@ -3,12 +3,14 @@ on (seed, step, canonical element index): every stage and offload gives the same
 rounding does not depend on where an element lives: stage 3 and nvme lay the shards out differently), the run stays close to the fp32-momentum run, the buffer takes 2 bytes
 per element, and checkpoints cross between the two settings."""
 
+import math
+
 import pytest
 import torch
 from distributed import run_on_ranks
 from engine_reference import offload_kwargs, params_digest
-from muon_reference import MUON, zero_muon_groups
-from test_muon_parity import model_for
+from muon_reference import MUON, MuonReference, group_names, zero_muon_groups
+from test_muon_parity import means_at, model_for
 from tiny_transformer import batch, loss_fn
 
 from zero_ext import ZeroMuon, checkpoint
@@ -39,6 +41,23 @@ def _run(rank, world, stage, offload, moment_dtype, root, save=None, load=None):
     return digest, params
 
 
+def _reference(round_momentum: bool) -> dict[str, torch.Tensor]:
+    """The unsharded run (torch.optim.Muon + the AdamW kernel, one process, this machine's GEMMs), its Muon momentum
+    rounded to nearest-even bf16 after every step or kept fp32: how far a bf16-sized momentum error moves the
+    parameters in three steps through Newton-Schulz (bf16 GEMMs whose rounding depends on the CPU's instruction set)."""
+    ref = MuonReference(model_for(torch.float32))
+    for step in range(3):
+        ref.step(means_at(ref, step, 1, torch.float32))
+        if round_momentum:
+            for state in ref.muon.state.values():
+                state["momentum_buffer"].copy_(state["momentum_buffer"].bfloat16())
+    return ref.master
+
+
+def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).norm().item()
+
+
 @pytest.mark.slow
 def test_every_stage_offload_and_world_size_rounds_alike(tmp_path):
     root = str(tmp_path)
@@ -50,8 +69,29 @@ def test_every_stage_offload_and_world_size_rounds_alike(tmp_path):
     bf16 = run_on_ranks(1, _run, 2, None, "bfloat16", root)[0][1]
     fp32 = run_on_ranks(1, _run, 2, None, "float32", root)[0][1]
     assert any(not torch.equal(a, b) for a, b in zip(bf16, fp32)), "the bf16 momentum changed nothing"
-    for a, b in zip(bf16, fp32):
-        torch.testing.assert_close(a, b, atol=2e-3, rtol=0.05)
+    # Close to the fp32 momentum run by a bound computed here, not observed on one CPU (issue 46: a fixed
+    # atol/rtol held on the AVX2 EPYC, and one element of 1728 broke it on the AVX-512-BF16 Xeon, whose bf16 GEMMs
+    # round differently). The bound is the same run's distance when the momentum is rounded to nearest bf16
+    # instead, on this machine's GEMMs: stochastic rounding's error has sqrt(2) times round-to-nearest's rms
+    # (variance ulp^2/6 against ulp^2/12 over uniform fractions), so about 1.4x that distance is expected; 4x is
+    # allowed. Per matrix whose momentum is stored in bf16 (first order: ratios 0.9-1.2 measured on AVX-512-BF16 and
+    # oneDNN's AVX2 GEMMs), and over the whole model: the AdamW parameters move only through the gradients' second
+    # order dependence on the matrices, 1e-5 against 1e-2, too small a signal to bound one by one. A tensor that
+    # both references leave equal (frozen) stays bitwise equal.
+    rounded, exact = _reference(True), _reference(False)
+    names = [n for n, _ in model_for(torch.float32).named_parameters()]
+    muon_matrices = set(sum(group_names(model_for(torch.float32))[:2], []))
+    ours, theirs = [], []
+    for name, a, b in zip(names, bf16, fp32):
+        ours.append(_distance(a, b))
+        theirs.append(_distance(rounded[name], exact[name]))
+        if theirs[-1] == 0:
+            assert torch.equal(a, b), f"{name}: the fp32 references leave it alone; the bf16 momentum moved it"
+        elif name in muon_matrices:
+            assert ours[-1] <= 4 * theirs[-1], (
+                f"{name}: moved {ours[-1]:.3g} by the bf16 momentum, bound {4 * theirs[-1]:.3g}"
+            )
+    assert math.hypot(*ours) <= 4 * math.hypot(*theirs), (math.hypot(*ours), math.hypot(*theirs))
 
 
 @pytest.mark.slow

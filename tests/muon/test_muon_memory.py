@@ -5,7 +5,7 @@ only; ``memory.estimate(muon_params=)`` and ``memory.muon_owner_bytes`` agree wi
 import pytest
 import torch
 from distributed import run_on_ranks
-from engine_reference import live_storage_bytes
+from engine_reference import LiveStorages
 from test_muon_parity import model_for, optimizer
 from tiny_transformer import batch, loss_fn
 
@@ -15,7 +15,7 @@ from zero_ext.owner_layout import OwnerLayout
 
 def _ledger(rank, world, stage, root):
     model = model_for(torch.bfloat16)
-    before = live_storage_bytes()
+    before = LiveStorages()
     opt = optimizer(model, stage, None, root, rank, "mem")
     loss_fn(model, batch(0, rank)).backward()
     opt.step()
@@ -30,7 +30,7 @@ def _ledger(rank, world, stage, root):
     assert owned == sum(p.numel() for g in muon for i, p in enumerate(g.params) if g.layout.owners[i] == rank)
     assert report.allocated["momentum_buffer"] == 4 * sum(g.layout.shard_numel for g in muon)
     # what is alive grew by no more than the ledger says (the model's own bf16 parameters were alive before)
-    grown = live_storage_bytes() - before
+    grown = before.born_bytes()
     assert grown <= report.total + 64 * 1024, (grown, report.total)
     opt.close()
     return owned

@@ -26,7 +26,7 @@ from amsgrad_reference import (
     scaled_loss,
 )
 from distributed import run_on_ranks
-from engine_reference import live_storage_bytes, offload_kwargs
+from engine_reference import LiveStorages, offload_kwargs
 from tiny_transformer import batch, build
 
 from zero_ext import ZeroAdamW
@@ -253,12 +253,12 @@ def _ledger(rank, world, stage, dtype_name):
     for amsgrad in (False, True):
         model = build(dtype)
         named = list(model.named_parameters())
-        base = live_storage_bytes()
+        before = LiveStorages()
         opt = ZeroAdamW(named, amsgrad=amsgrad, maximize=True, stage=stage, bucket_size=BUCKET,
                         module=model if stage == 3 else None)  # fmt: skip
         _train_step(model, opt, 0, rank)
         reports[amsgrad] = r = opt.memory_report()
-        grown[amsgrad] = live_storage_bytes() - base
+        grown[amsgrad] = before.born_bytes()
         shard = sum(g.layout.shard_numel for g in opt.sharded_state.groups)
         # tests/engine/test_memory.py's identity
         assert r.total == r.formula + r.padding + r.staging + r.grad_shard_fp32 - r.param_shard_not_kept, str(r)

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 from distributed import run_on_ranks
-from engine_reference import live_storage_bytes, offload_kwargs
+from engine_reference import LiveStorages, offload_kwargs
 from moment_dtypes import MOMENT_DTYPES
 from tiny_transformer import batch, build, loss_fn
 
@@ -39,13 +39,13 @@ def _memory(rank, world, name, stage, offload, root):
         named = list(model.named_parameters())
         groups = [{"params": [(n, p) for n, p in named if p.dim() > 1]},
                   {"params": [(n, p) for n, p in named if p.dim() <= 1], "amsgrad": True}]  # fmt: skip
-        base = live_storage_bytes()
+        before = LiveStorages()
         kw = offload_kwargs(offload, root, rank, f"mem-{dtype}", md.window)
         opt = ZeroAdamW(groups, stage=stage, bucket_size=BUCKET, module=model, moment_dtype=dtype, **kw)
         loss_fn(model, batch(0, rank)).backward()
         opt.step()
         opt.zero_grad()
-        grown[dtype], reports[dtype] = live_storage_bytes() - base, opt.memory_report()
+        grown[dtype], reports[dtype] = before.born_bytes(), opt.memory_report()
         if dtype == md.dtype:  # elements of this rank's shards that keep each moment
             kept = {m: [g.layout.shard_numel for g in opt.sharded_state.groups if m in g.rule.kind_names]
                     for m in MOMENTS}  # fmt: skip

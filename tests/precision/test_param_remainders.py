@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_on_ranks
-from engine_reference import full_params, live_storage_bytes, offload_kwargs, state_shards
+from engine_reference import LiveStorages, full_params, offload_kwargs, state_shards
 from safetensors.torch import load_file
 from tiny_transformer import batch, build, loss_fn
 
@@ -399,14 +399,14 @@ def _memory(rank, world, stage, offload, root):
     grown, reports = {}, {}
     for remainders in (False, True):
         model = build(torch.bfloat16)
-        base = live_storage_bytes()
+        before = LiveStorages()
         opt = ZeroAdamW(model.named_parameters(), stage=stage, bucket_size=BUCKET, param_remainders=remainders,
                         module=model if stage == 3 else None,
                         **offload_kwargs(offload, root, rank, f"mem-{remainders}", WINDOW))  # fmt: skip
         loss_fn(model, batch(0, rank)).backward()
         opt.step()
         opt.zero_grad()
-        grown[remainders], reports[remainders] = live_storage_bytes() - base, opt.memory_report()
+        grown[remainders], reports[remainders] = before.born_bytes(), opt.memory_report()
         shard = sum(g.layout.shard_numel for g in opt.sharded_state.groups)
         opt.close()
         del opt
