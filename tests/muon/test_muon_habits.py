@@ -6,7 +6,7 @@ rank, naming the parameter."""
 import pytest
 import torch
 from distributed import run_on_ranks
-from muon_reference import MUON, MUON_LR_1, MuonReference, group_names, zero_muon_groups
+from muon_reference import MUON, MUON_LR_1, MuonReference, group_names, nudged, zero_muon_groups
 from test_muon_parity import means_at, model_for, optimizer
 from tiny_transformer import batch, loss_fn
 
@@ -18,9 +18,10 @@ CLIP = 0.05  # below the gradients' norm: every step clips
 def _clipped(rank, world, how, root):
     model = model_for(torch.float32)
     opt = optimizer(model, 2, None, root, rank, "clip")
-    ref = MuonReference(model_for(torch.float32))
+    ref, twin = MuonReference(model_for(torch.float32)), MuonReference(model_for(torch.float32))
     for step in range(3):
         ref.step(means_at(ref, step, world, torch.float32), clip=CLIP)
+        twin.step(nudged(means_at(twin, step, world, torch.float32), step), clip=CLIP)
         loss_fn(model, batch(step, rank)).backward()
         norm = opt.clip_grad_norm_(CLIP) if how == "opt" else torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         assert norm > CLIP
@@ -28,8 +29,9 @@ def _clipped(rank, world, how, root):
         opt.zero_grad()
         with opt.gathered_params():
             # the norm is summed over shards in another order than torch's: its coefficient may differ in the last
-            # bit, so the clipped runs agree at fp32 tolerance (unclipped ones are bitwise: test_muon_parity.py)
-            ref.check(opt, model, f"clip {how} step {step}", exact=False)
+            # bit, so the clipped runs agree at fp32 tolerance or the twin's distance (unclipped ones are bitwise:
+            # test_muon_parity.py)
+            ref.check(opt, model, f"clip {how} step {step}", exact=False, twin=twin)
     opt.close()
 
 
@@ -43,18 +45,20 @@ def _accumulated(rank, world, stage, root):
     """Two micro-batches per step under no_sync() (the second synchronises), model.zero_grad() between steps."""
     model = model_for(torch.float32)
     opt = optimizer(model, stage, None, root, rank, "accum")
-    ref = MuonReference(model_for(torch.float32))
+    ref, twin = MuonReference(model_for(torch.float32)), MuonReference(model_for(torch.float32))
     for step in range(2):
-        first = means_at(ref, 2 * step, world, torch.float32)
-        second = means_at(ref, 2 * step + 1, world, torch.float32)
-        ref.step({n: None if g is None else first[n] + second[n] for n, g in first.items()})
+        for r, seed in ((ref, None), (twin, step)):
+            first = means_at(r, 2 * step, world, torch.float32)
+            second = means_at(r, 2 * step + 1, world, torch.float32)
+            summed = {n: None if g is None else first[n] + second[n] for n, g in first.items()}
+            r.step(summed if seed is None else nudged(summed, seed))
         with opt.no_sync():
             loss_fn(model, batch(2 * step, rank)).backward()
         loss_fn(model, batch(2 * step + 1, rank)).backward()
         opt.step()
         model.zero_grad()
         with opt.gathered_params():
-            ref.check(opt, model, f"accumulation stage {stage} step {step}", exact=False)
+            ref.check(opt, model, f"accumulation stage {stage} step {step}", exact=False, twin=twin)
     opt.close()
 
 

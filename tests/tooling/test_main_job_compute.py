@@ -4,6 +4,7 @@ gradients, losses within bf16 rounding of the bf16 GEMMs) while no GEMM sees a b
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -37,13 +38,32 @@ class GemmDtypes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def step(param_dtype: torch.dtype, matmul: str):
+class NudgeGemms(TorchDispatchMode):
+    """Moves every bf16 output of a GEMM, forward and backward, one bf16 ulp up or down at random: how far a
+    disagreement of one ulp per GEMM output moves the loss and the gradients, measured on this machine. The two
+    modes compared below feed each GEMM the same bf16 operands and round its fp32 sum to bf16; they differ where
+    the summation order flips a rounding, by one ulp at most, on some outputs, not all: this is an upper bound that
+    scales with the model and the CPU (issue 46: no tolerance tuned on one machine)."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in GEMMS and isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16:
+            up = torch.rand(out.shape, generator=self.gen) < 0.5
+            out = torch.nextafter(out, torch.where(up, float("inf"), float("-inf")).to(out.dtype))
+        return out
+
+
+def step(param_dtype: torch.dtype, matmul: str, nudge: int | None = None):
     """One forward and backward of a small GPT under CPU bf16 autocast; the loss, the grads and the GEMM dtypes."""
     torch.manual_seed(0)
     c = GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=2, n_heads=2)
     model = GPT(c).to(param_dtype)
     x, y = MarkovData(c.vocab, c.seq_len).batch(0, 4, 0, 1)
-    with GemmDtypes() as spy:
+    with GemmDtypes() as spy, NudgeGemms(nudge) if nudge is not None else contextlib.nullcontext():
         with mc.matmul_context(matmul), torch.autocast("cpu", dtype=torch.bfloat16):  # as bench/harness.py does
             loss = model(x, y)
         loss.backward()
@@ -54,16 +74,22 @@ def step(param_dtype: torch.dtype, matmul: str):
 def test_fp32_gemms_keep_the_bf16_autocast_recipe(param_dtype):
     loss_bf16, grads_bf16, seen_bf16 = step(param_dtype, "bf16")
     loss_fp32, grads_fp32, seen_fp32 = step(param_dtype, "fp32")
+    nudged = [step(param_dtype, "bf16", nudge=seed)[:2] for seed in range(3)]  # the largest of three draws
     assert seen_bf16 == {torch.bfloat16}  # autocast's GEMMs as they are
     assert seen_fp32 == {torch.float32}  # the mode: every GEMM, forward and backward, in fp32
-    assert abs(loss_fp32 - loss_bf16) < 1e-2
+    # within what one ulp per GEMM output does to them, twice over (NudgeGemms)
+    moved = max(abs(loss - loss_bf16) for loss, _ in nudged)
+    assert moved > 0  # the nudges reached the loss
+    assert abs(loss_fp32 - loss_bf16) <= 2 * moved, (loss_fp32, loss_bf16, moved)
     for name, g in grads_fp32.items():
         assert g.dtype == param_dtype, name
         # a weight of a Linear gets its gradient from a bf16 GEMM result under autocast: bf16-representable
         if name.endswith("qkv.weight") or name.endswith("fc.weight"):
             assert torch.equal(g, g.bfloat16().to(param_dtype)), name
-        scale = grads_bf16[name].float().abs().max().item() + 1e-6
-        assert (g.float() - grads_bf16[name].float()).abs().max().item() <= 0.05 * scale, name
+        ours = (g.float() - grads_bf16[name].float()).abs().max().item()
+        moved = max((grads[name].float() - grads_bf16[name].float()).abs().max().item() for _, grads in nudged)
+        one_ulp = torch.finfo(torch.bfloat16).eps * grads_bf16[name].float().abs().max().item()
+        assert ours <= 2 * moved + one_ulp, (name, ours, moved, one_ulp)
 
 
 def test_a_linear_returns_what_autocast_gives_and_is_untouched_outside_it():
