@@ -68,6 +68,8 @@ def _extensions():
 ext_modules, build_ext = _extensions()
 BENCH_REQUIRES = ["matplotlib>=3.7", "tqdm>=4.60"]
 HF_REQUIRES = ["transformers>=5.0", "accelerate>=1.1"]
+LIGHTNING_REQUIRES = ["lightning>=2.4"]  # zero_ext.integrations.lightning (ZeroStrategy)
+ACCELERATE_REQUIRES = ["accelerate>=1.1"]  # zero_ext.integrations.accelerate (ZeroAccelerator)
 
 setup(
     name="zero_ext",
@@ -101,8 +103,11 @@ setup(
             "expecttest>=0.2",
         ]
         + BENCH_REQUIRES
-        + HF_REQUIRES,
+        + HF_REQUIRES
+        + LIGHTNING_REQUIRES,
         "bench": BENCH_REQUIRES,
         "hf": HF_REQUIRES,
+        "lightning": LIGHTNING_REQUIRES,
+        "accelerate": ACCELERATE_REQUIRES,
     },
 )

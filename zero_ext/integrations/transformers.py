@@ -72,7 +72,6 @@ of the parameters through the accelerator.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
 from typing import Any, Optional
@@ -82,6 +81,9 @@ import torch
 from .. import checkpoint
 from ..optimizer import ZeroAdamW
 from . import rng
+from .optimizer_swap import TRAINER_OWNED as _TRAINER_OWNED
+from .optimizer_swap import check_all_trainable
+from .optimizer_swap import on_device as _on_device
 
 # The Trainer methods ZeroTrainer overrides (transformers 5.x). Should a release rename one, the Trainer would quietly
 # go back to its own (e.g. torch.save of rank 0's shard alone): refuse instead.
@@ -110,10 +112,6 @@ logger = logging.getLogger(__name__)
 ZERO_CHECKPOINT = "zero_ext"  # the sharded optimizer checkpoint's folder inside a Trainer checkpoint
 _EXTRA_FORMAT = "zero_ext.integrations.transformers/1"
 _ADAMW = {"adamw_torch", "adamw_torch_fused", "adamw_apex_fused"}  # `optim` values that mean plain AdamW
-# ZeroAdamW keywords the Trainer decides: its hyperparameters, stage and clipping; the model; the data-parallel group
-# (the world, which the Trainer's data loader is sharded over); parameters read outside forward (no deferred gather).
-_TRAINER_OWNED = {"params", "lr", "betas", "eps", "weight_decay", "stage", "module", "max_grad_norm", "process_group",
-                  "communicator", "defer_all_gather_to"}  # fmt: skip
 
 
 class ZeroTrainer(Trainer):
@@ -205,7 +203,7 @@ class ZeroTrainer(Trainer):
             opt = self.zero_optimizer
             if opt is None:
                 return clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
-            _check_all_trainable(parameters, opt)
+            check_all_trainable(parameters, opt, "ZeroTrainer")
             return opt.clip_grad_norm_(float(max_norm), float(norm_type))
 
         @contextlib.contextmanager
@@ -368,27 +366,6 @@ class ZeroTrainer(Trainer):
 class ZeroSeq2SeqTrainer(ZeroTrainer, Seq2SeqTrainer):
     """:class:`ZeroTrainer` over transformers' ``Seq2SeqTrainer``: ``predict_with_generate`` generates in
     ``evaluate()`` and ``predict()`` (inside ``gathered_params()`` at stage 3, like every evaluation forward)."""
-
-
-def _on_device(model: torch.nn.Module, device) -> bool:
-    """Every parameter and buffer of ``model`` already on ``device`` (on CPU the index means nothing)."""
-    device = torch.device(device)
-    for t in itertools.chain(model.parameters(), model.buffers()):
-        d = t.device
-        if d.type != device.type or (d.type != "cpu" and device.index is not None and d.index != device.index):
-            return False
-    return True
-
-
-def _check_all_trainable(parameters, opt: ZeroAdamW) -> None:
-    """ZeroAdamW clips all its parameters together: clipping a subset through it would clip everything."""
-    given = {id(p) for p in parameters if p.requires_grad}
-    managed = {id(p) for g in opt.param_groups for p in g["params"]}
-    if given != managed:
-        raise ValueError(
-            "ZeroTrainer: clip_grad_norm_ was given other parameters than the optimizer's; ZeroAdamW clips the global "
-            "norm of all its parameters at once (opt.clip_grad_norm_(max_norm))"
-        )
 
 
 if _UNAVAILABLE is not None:
