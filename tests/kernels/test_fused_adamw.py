@@ -507,3 +507,18 @@ def test_cpu_tensor_scalars_give_the_numbers_bits(dtype):
         ops.fused_adamw_(shard.master, shard.grad, shard.exp_avg, shard.exp_avg_sq, param_out=shard.param_out, **kw)
     for x, y in zip(a.tensors(), b.tensors()):
         assert_same_bits(y, x)
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2"])
+def test_the_isa_can_be_forced_for_every_process(isa):
+    """ZERO_EXT_CPU_ISA forces the path in each process that imports zero_ext (spawned ranks too): the suite runs as
+    another CPU would (docs/development.md). A path this CPU lacks falls back to the best one it has."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ZERO_EXT_CPU_ISA": isa}
+    code = "from zero_ext import ops; print(ops.cpu_isa())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    ops.cpu_isa(isa)  # what this CPU gives for it
+    assert out.strip() == ops.cpu_isa()

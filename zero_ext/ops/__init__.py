@@ -9,6 +9,7 @@ one would, and a call with one tensor on the ``meta`` device fails instead of si
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
 import torch
@@ -122,6 +123,12 @@ def cpu_isa(isa: str = "") -> str:
     """Query (``""``) or force (``"scalar"``, ``"avx2"``, ``"avx512"``, ``"auto"``) the CPU kernels' SIMD
     path; returns the path in use. A path this CPU lacks falls back to the best one it has."""
     return torch.ops.zero_ext._cpu_isa(isa)
+
+
+# ZERO_EXT_CPU_ISA=scalar|avx2|avx512 forces the path in every process that imports zero_ext (spawned ranks
+# included), as ATEN_CPU_CAPABILITY does for torch's kernels: one machine runs the suite as another CPU would.
+if os.environ.get("ZERO_EXT_CPU_ISA"):
+    cpu_isa(os.environ["ZERO_EXT_CPU_ISA"])
 
 
 def built_with_cuda() -> bool:
