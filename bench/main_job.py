@@ -66,10 +66,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         "and 8 on NCCL, clamped to [N * 2**16, max(2**22, N * 2**18)] elements)",
     )
     p.add_argument(
+        "--loss-rtol",
+        type=float,
+        default=0.01,
+        help="max |loss(ZeRO) - loss(DDP)| allowed at each step, as a fraction of DDP's loss at that step\n"
+        "(default 0.01: the precision bench's 1 %% quality bar; see bench/README.md)",
+    )
+    p.add_argument(
         "--loss-tol",
         type=float,
-        default=0.02,
-        help="max |loss(ZeRO) - loss(DDP)| allowed at any step, in nats (default 0.02, see bench/README.md)",
+        default=None,
+        help="an absolute bound in nats instead of --loss-rtol",
     )
     p.add_argument(
         "--out-dir",
@@ -276,9 +283,12 @@ def train(rank: int, world: int, device: torch.device, cfg: RunConfig, matmul: s
 
 
 # ------------------------------------------------------------------------------------------------ checks and report
-def agreement(runs: dict, tol: float) -> dict:
+def agreement(runs: dict, tol: float | None, rtol: float = 0.01) -> dict:
     """Every ZeroAdamW stage must be bitwise equal to the lowest one run (losses and final params); ZeRO vs DDP within
-    ``tol`` nats."""
+    ``tol`` nats or, without it, ``rtol`` of DDP's loss at each step. Relative, not a number of nats observed on one
+    CPU (issue 46): ZeRO keeps bf16 parameters and gradients where DDP keeps fp32 ones under the same autocast, a
+    gap whose size follows the loss and the machine's bf16 GEMMs; 1 % is the bar the precision bench holds every
+    setting to."""
     checks = {}
     zero = [r for r in ("zero1", "zero2", "zero3") if r in runs]  # the same training run, bit for bit
     muon = [r for r in ("muon1", "muon2", "muon3") if r in runs]  # ZeroMuon's: the same run at every stage
@@ -308,9 +318,13 @@ def agreement(runs: dict, tol: float) -> dict:
             }
         if "ddp" in runs:
             d = [abs(x - y) for x, y in zip(runs[r]["losses"], runs["ddp"]["losses"])]
+            allowed = [tol if tol is not None else rtol * abs(x) for x in runs["ddp"]["losses"]]
             checks[f"{r}_vs_ddp"] = {
-                "ok": max(d) <= tol,
-                "tolerance_nats": tol,
+                "ok": all(x <= a for x, a in zip(d, allowed)),
+                "tolerance_nats": min(allowed),  # the tightest step's
+                "tolerance_by_step": allowed,
+                "tolerance_rule": f"{tol} nats" if tol is not None else f"{rtol:.0%} of DDP's loss",
+                "max_gap_over_tolerance": max(x / a for x, a in zip(d, allowed)),
                 "max_abs_loss_diff": max(d),
                 "final_abs_loss_diff": d[-1],
                 "mean_abs_loss_diff": sum(d) / len(d),
@@ -388,8 +402,9 @@ def render(runs: dict, checks: dict, meta_: dict, matmul: dict, entropy: float, 
         else:
             verdicts.append(
                 f"{v} {name.removesuffix('_vs_ddp')} vs DDP: max |dloss| {c['max_abs_loss_diff']:.4f} nats (final "
-                f"{c['final_abs_loss_diff']:.4f}, mean {c['mean_abs_loss_diff']:.4f}) <= tolerance "
-                f"{c['tolerance_nats']}"
+                f"{c['final_abs_loss_diff']:.4f}, mean {c['mean_abs_loss_diff']:.4f}) within "
+                f"{c['tolerance_rule']} at every step ({min(c['tolerance_by_step']):.4f}-"
+                f"{max(c['tolerance_by_step']):.4f} nats; worst step at {c['max_gap_over_tolerance']:.0%} of it)"
             )
     first = next(iter(runs.values()))
     head = (
@@ -568,7 +583,7 @@ def main(argv=None) -> int:
             **precision,
         )
         runs[recipe] = launch(train, world, args.device, cfg, matmul["matmul"])
-    checks = agreement(runs, args.loss_tol)
+    checks = agreement(runs, args.loss_tol, args.loss_rtol)
     written = []
     if not args.no_chart:
         out.mkdir(parents=True, exist_ok=True)

@@ -114,8 +114,10 @@ def save_chart(runs: dict, checks: dict, entropy: float, meta: dict, path: Path)
                    title_fontsize=8)  # fmt: skip
 
     # The gap to DDP, step by step, against the tolerance band.
-    tol = next((c["tolerance_nats"] for k, c in checks.items() if k.endswith("_vs_ddp")), None)
-    if "ddp" in runs and tol is not None:
+    band = next((c for k, c in checks.items() if k.endswith("_vs_ddp")), None)
+    if "ddp" in runs and band is not None:
+        tols = band.get("tolerance_by_step") or [band["tolerance_nats"]] * len(runs["ddp"]["losses"])
+        tol = max(tols)
         ref = runs["ddp"]["losses"]
         for name in (n for n in names if f"{n}_vs_ddp" in checks):  # (ZeroMuon is another optimizer: no gap)
             gap = [a - b for a, b in zip(runs[name]["losses"], ref)]
@@ -127,9 +129,11 @@ def save_chart(runs: dict, checks: dict, entropy: float, meta: dict, path: Path)
                 label=f"{SHORT.get(name, name)}: max |gap| {worst:.4f}",
                 **GAP_STYLES[name],
             )
-        ax_gap.axhspan(-tol, tol, color="tab:green", alpha=0.08, label=f"tolerance ±{tol} nats")
-        for y in (-tol, tol):
-            ax_gap.axhline(y, color="tab:red", ls=":", lw=1)
+        steps = range(1, len(tols) + 1)
+        rule = band.get("tolerance_rule", f"{tol} nats")
+        ax_gap.fill_between(steps, [-t for t in tols], tols, color="tab:green", alpha=0.08, label=f"tolerance: {rule}")
+        for sign in (-1, 1):
+            ax_gap.plot(steps, [sign * t for t in tols], color="tab:red", ls=":", lw=1)
         ax_gap.axhline(0, color="black", lw=0.6)
         ax_gap.set_ylim(-max(1.6 * tol, 1.1 * max(gaps)), max(1.6 * tol, 1.1 * max(gaps)))
         ax_gap.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, fontsize=8, frameon=False)

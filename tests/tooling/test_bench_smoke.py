@@ -77,7 +77,9 @@ def test_main_job_and_memory_model(tmp_path, matmul):
         # stage 3 with bf16 params keeps no bf16 shard (each gather rounds the fp32 master): 2 bytes per owned param
         # (with param_remainders the kept bf16 shard is the master's high half)
         assert r["param_shard_not_kept"] == (2 * r["owned_numel"] if name == "zero3" else 0)
-        assert checks[f"{name}_vs_ddp"]["max_abs_loss_diff"] <= checks[f"{name}_vs_ddp"]["tolerance_nats"]
+        gap = checks[f"{name}_vs_ddp"]  # 1 % of DDP's loss at each step, not a number of nats seen on one CPU
+        assert gap["tolerance_rule"] == "1% of DDP's loss" and gap["max_gap_over_tolerance"] <= 1
+        assert gap["tolerance_by_step"] == [0.01 * abs(x) for x in runs["ddp"]["losses"]]
     lean = runs["zero3_lean"]  # stage 3, param_remainders, the leanest moments: the remainder replaces the master
     assert "param_remainders + " in lean["label"] and lean["config"]["param_remainders"]
     assert lean["model_state"]["remainder"] > 0 and lean["model_state"].get("master", 0) == 0
