@@ -114,7 +114,7 @@ def test_compiled_stage3_matches_compiled_ddp_within_its_distance_from_eager():
     eager stage 3's as compiled DDP's are to eager DDP's (twice that, or 1e-6, as the margin), with no recompile-limit
     warning; and compiled stage 3 is as close to compiled DDP as eager stage 3 is to eager DDP (plus that margin)."""
     results = {
-        (mode, backend): run_on_ranks(2, _script, mode, backend)
+        (mode, backend): run_on_ranks(2, _script, mode, backend, timeout=900)
         for mode in ("ddp", "zero3")
         for backend in (None, "inductor")
     }
