@@ -239,6 +239,11 @@ class ZeroAdamW(torch.optim.Optimizer):
             replicate_state=replicate_state,
         ))  # fmt: skip
 
+    @classmethod
+    def _name(cls) -> str:
+        """How messages name this optimizer: ``zero_ext.ZeroAdamW``, ``zero_ext.ZeroMuon``."""
+        return f"zero_ext.{cls.__name__}"
+
     def _construct(self, params: Iterable, defaults: dict, check_arguments: Callable[[], None], options: dict) -> None:
         """Construction after the rule's defaults are known (ZeroAdamW's, or a subclass's: ``zero_ext.ZeroMuon``):
         ``check_arguments`` raises for the rule's bad arguments; ``options`` are the keyword options."""
@@ -248,7 +253,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         # (torch_compat/failed_construction.py)
         try:
             check_arguments()
-            config = EngineConfig.checked(defaults, default_rule=self.default_rule, **options)
+            config = EngineConfig.checked(defaults, default_rule=self.default_rule, name=self._name(), **options)
             module = config.module
             # 2. torch's param groups (each group's hyperparameters checked as it is added)
             self._constructing = True

@@ -68,3 +68,9 @@ def test_errors_raised_through_zeromuon_name_it():
     with pytest.raises(ValueError, match="ZeroMuon"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], "use_muon": True})
     opt.close()
+    # raised from the model's side (stage 3: a parameter read outside forward), not through a call on ZeroMuon
+    model = model_for(torch.float32)
+    opt = ZeroMuon(zero_muon_groups(model), **MUON, stage=3, module=model)
+    with pytest.raises(RuntimeError, match=r"^zero_ext\.ZeroMuon\(stage=3\): parameter 'blocks\.0\.qkv\.weight'"):
+        model.blocks[0].qkv.weight.sum()
+    opt.close()

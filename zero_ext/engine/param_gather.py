@@ -85,7 +85,7 @@ from .sleep import asleep
 SHARDED, GATHERING, GATHERED = ParamState.SHARDED, ParamState.GATHERING, ParamState.GATHERED
 
 _LOCAL_BACKWARD = (
-    "zero_ext.ZeroAdamW(stage=3): backward through a forward that ran inside `opt.gathered_params()`. A forward "
+    "{name}(stage=3): backward through a forward that ran inside `opt.gathered_params()`. A forward "
     "there is local to its rank (evaluation, generation: no collective, the gather schedule untouched), so its "
     "gradients cannot be reduced with the other ranks'. Run training forwards and backwards outside the context; "
     "evaluate inside it under `torch.no_grad()`"
@@ -97,9 +97,10 @@ class ParamGather:
 
     def __init__(
         self, state: ShardedState, runtimes: BucketRuntimes, module: torch.nn.Module, reshard_after_forward: bool,
-        prefetch: int, gather_units="auto",
+        prefetch: int, gather_units="auto", name: str = "zero_ext.ZeroAdamW",
     ):  # fmt: skip
         self.state, self.comm, self.module = state, state.comm, module
+        self.name = name  # the optimizer, as messages name it
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.runtime: dict[Key, BucketRuntime] = runtimes.buckets
         self.live: dict[Key, BucketRuntime] = {}  # the window: buckets not SHARDED (changed by _gather, _release)
@@ -297,7 +298,7 @@ class ParamGather:
     def ensure(self, param, func) -> None:
         """A read of ``param`` (torch op ``func``) while its bucket (one of its buckets) is not GATHERED: gather
         them (on demand)."""
-        keys, name = self.sharded[id(param)]
+        keys, param_name = self.sharded[id(param)]
         runtimes = [self.runtime[key] for key in keys]
         if all(rt.params is not SHARDED for rt in runtimes):
             self._gather_all(runtimes)
@@ -308,7 +309,7 @@ class ParamGather:
                 raise RuntimeError(refusal)
             name = getattr(func, "__name__", str(func))
             raise RuntimeError(
-                f"zero_ext.ZeroAdamW(stage=3): parameter {name!r} is sharded here (outside forward "
+                f"{self.name}(stage=3): parameter {param_name!r} is sharded here (outside forward "
                 f"and backward), so `{name}` cannot use it. Read parameters inside `with opt.gathered_params():` "
                 "(on every rank: it gathers them), change them (e.g. `model.load_state_dict`) inside "
                 "`with opt.gathered_params(modifier_rank=r):`, or get a full copy with zero_ext.checkpoint.consolidate."
@@ -379,7 +380,7 @@ class ParamGather:
     def _post_forward(self, module, _args, output) -> None:
         if self._local():
             if torch.is_grad_enabled():
-                refuse_backward(output, _LOCAL_BACKWARD)
+                refuse_backward(output, _LOCAL_BACKWARD.format(name=self.name))
             return
         if in_backward():
             return
