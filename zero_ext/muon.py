@@ -10,6 +10,7 @@ reports) is ZeroAdamW's: one engine, two rules.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Iterable, Optional
 
@@ -55,6 +56,33 @@ def _check_muon_arguments(lr, weight_decay, momentum, adjust_lr_fn) -> None:
         raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported")
 
 
+def _named_zeromuon(error: BaseException) -> None:
+    """``error``'s message names ZeroMuon where the shared engine named ZeroAdamW (changed in place: its type and
+    traceback stay)."""
+    if error.args and isinstance(error.args[0], str) and "ZeroAdamW" in error.args[0]:
+        error.args = (error.args[0].replace("ZeroAdamW", "ZeroMuon"), *error.args[1:])
+
+
+def _as_zeromuon(method):
+    """``method`` of ZeroAdamW, whose errors name ZeroMuon."""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except Exception as e:
+            _named_zeromuon(e)
+            raise
+
+    return wrapper
+
+
+# ZeroAdamW's public calls (and construction) whose errors ZeroMuon renames; messages raised from the model's hooks
+# during forward and backward are the engine's and still say ZeroAdamW
+_RENAMED = ("_construct", "step", "zero_grad", "clip_grad_norm_", "state_dict", "load_state_dict", "offload_states",
+            "reload_states", "memory_report", "finish_sync", "wait_for_params", "named_full_params", "close")  # fmt: skip
+
+
 class ZeroMuon(ZeroAdamW):
     """Muon whose optimizer state, gradients and (stage 3) parameters are sharded across data-parallel ranks.
 
@@ -73,7 +101,8 @@ class ZeroMuon(ZeroAdamW):
             with its meaning, for the Muon groups.
         stage, module, offload, ...: every keyword option of :class:`zero_ext.ZeroAdamW`, with its meaning
             (``moment_dtype=torch.bfloat16`` also stores the Muon momentum in bf16, with stochastic rounding;
-            ``param_remainders`` and int8 moments are refused when a Muon group exists).
+            ``param_remainders=True`` and ``moment_dtype=torch.int8`` apply to the AdamW groups, exactly as in
+            ZeroAdamW; a Muon group keeps its fp32 master and an fp32 momentum with them).
 
     :meth:`owners` says which rank updates each Muon matrix and how even the Newton-Schulz work is.
     """
@@ -119,7 +148,11 @@ class ZeroMuon(ZeroAdamW):
                 param_group.setdefault(RULE_KEY, "adamw")
                 for key, value in AUX_ADAMW_DEFAULTS.items():
                     param_group.setdefault(key, value)
-        super().add_param_group(param_group)
+        try:
+            super().add_param_group(param_group)
+        except Exception as e:
+            _named_zeromuon(e)
+            raise
 
     def owners(self) -> list[dict[str, Any]]:
         """Every Muon matrix: its name, shape, owner rank and Newton-Schulz cost (about rows x cols x min), in
@@ -141,5 +174,8 @@ class ZeroMuon(ZeroAdamW):
         mean = sum(per_rank) / len(per_rank)
         return dict(cost_per_rank=per_rank, max_over_mean=max(per_rank) / mean if mean else 1.0)
 
+
+for _name in _RENAMED:
+    setattr(ZeroMuon, _name, _as_zeromuon(getattr(ZeroAdamW, _name)))
 
 __all__ = ["ZeroMuon", "AUX_ADAMW_DEFAULTS", "USE_MUON"]

@@ -30,7 +30,7 @@ from .torch_compat import no_copy
 from .torch_compat.adamw_arguments import check_adamw_arguments
 from .torch_compat.duplicates import dedupe_new_group, drop_duplicates
 from .torch_compat.failed_construction import tell_other_ranks
-from .torch_compat.param_ids import to_positions, to_torch_ids
+from .torch_compat.param_ids import split_user_state, to_positions, to_torch_ids
 from .torch_compat.state_dict_hooks import hooked_load_state_dict, hooked_state_dict
 from .torch_compat.state_view import StateAttribute
 from .update.registry import rule_for_group
@@ -239,6 +239,11 @@ class ZeroAdamW(torch.optim.Optimizer):
             replicate_state=replicate_state,
         ))  # fmt: skip
 
+    @classmethod
+    def _name(cls) -> str:
+        """How messages name this optimizer: ``zero_ext.ZeroAdamW``, ``zero_ext.ZeroMuon``."""
+        return f"zero_ext.{cls.__name__}"
+
     def _construct(self, params: Iterable, defaults: dict, check_arguments: Callable[[], None], options: dict) -> None:
         """Construction after the rule's defaults are known (ZeroAdamW's, or a subclass's: ``zero_ext.ZeroMuon``):
         ``check_arguments`` raises for the rule's bad arguments; ``options`` are the keyword options."""
@@ -248,7 +253,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         # (torch_compat/failed_construction.py)
         try:
             check_arguments()
-            config = EngineConfig.checked(defaults, default_rule=self.default_rule, **options)
+            config = EngineConfig.checked(defaults, default_rule=self.default_rule, name=self._name(), **options)
             module = config.module
             # 2. torch's param groups (each group's hyperparameters checked as it is added)
             self._constructing = True
@@ -597,11 +602,14 @@ class ZeroAdamW(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard in torch.optim's format (:mod:`zero_ext.checkpoint.local_state_dict`; parameter ids by
         identity, as torch numbers them: :mod:`zero_ext.torch_compat.param_ids`), with torch's state-dict pre and
-        post hooks run around it (:mod:`zero_ext.torch_compat.state_dict_hooks`)."""
+        post hooks run around it (:mod:`zero_ext.torch_compat.state_dict_hooks`); ``opt.state``'s keys that are
+        not parameters are in its ``"state"`` as they are."""
 
         def make() -> dict[str, Any]:
             self.finish_sync()
-            return to_torch_ids(local_state_dict(self._engine.state, self.param_groups), self.param_groups)
+            sd = to_torch_ids(local_state_dict(self._engine.state, self.param_groups), self.param_groups)
+            sd["state"].update(self.state.user_entries())  # keys that are not parameters, as torch keeps them
+            return sd
 
         return hooked_state_dict(self, make)
 
@@ -614,8 +622,10 @@ class ZeroAdamW(torch.optim.Optimizer):
 
         def load(sd: Any, failed: Optional[BaseException]) -> None:
             self.finish_sync()
+            sd, user = split_user_state(sd)  # keys that are no parameter's: opt.state's own, as torch loads them
             sd = to_positions(sd, self.param_groups)
             load_local_state_dict(self._engine.state, self.param_groups, sd, failed)
+            self.state.load_user_entries(user)
 
         hooked_load_state_dict(self, state_dict, load)
 

@@ -49,6 +49,7 @@ class EngineConfig:
     moment_dtype: torch.dtype = torch.float32
     collective_timeout: Optional[float] = 300.0
     default_rule: str = DEFAULT_RULE  # the update rule of a param group that names none (update.registry)
+    name: str = "zero_ext.ZeroAdamW"  # the optimizer class, as the messages raised from the model's hooks name it
 
     @classmethod
     def checked(cls, defaults: Mapping[str, Any], **options) -> "EngineConfig":

@@ -9,7 +9,8 @@ it. With a hook on every module that owns parameters (``"modules"``), a GPT of 2
 of the model ran eagerly.
 
 ``"auto"`` (the default) makes each element of an ``nn.ModuleList``, ``nn.ModuleDict`` or ``nn.Sequential`` that has
-parameters a unit (the outermost such: a transformer's blocks, not the Linear layers inside them), as FSDP2 users
+parameters a unit (the outermost such: a transformer's blocks, not the Linear layers inside them; an element that is
+itself a ``ModuleList`` or ``ModuleDict``, never called, is looked into: nanoGPT's ``transformer.h``), as FSDP2 users
 ``fully_shard`` each block; every other module that owns parameters (embeddings, the final norm, the head) and the
 model itself are units of their own parameters, gathered only while they run. A tuple of module classes makes their
 instances the units instead (the outermost; DeepSpeed calls them ZeRO-3 leaf modules); ``"modules"`` makes every
@@ -27,6 +28,7 @@ import torch.nn as nn
 
 Units = Union[str, tuple]
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+_UNCALLED = (nn.ModuleList, nn.ModuleDict)  # containers without a forward of their own
 
 
 def check_gather_units(gather_units) -> None:
@@ -55,7 +57,9 @@ def unit_roots(model: nn.Module, gather_units: Units) -> set[int]:
     def walk(m: nn.Module) -> None:
         for child in m.children():
             if gather_units == "auto":
-                chosen = isinstance(m, _CONTAINERS) and _has_params(child)
+                # a ModuleList or ModuleDict inside a container (nanoGPT's ``transformer.h``) has no forward: code
+                # iterates it, so a hook on it would never run; its elements are the units
+                chosen = isinstance(m, _CONTAINERS) and _has_params(child) and not isinstance(child, _UNCALLED)
             else:
                 chosen = isinstance(child, tuple(gather_units)) and _has_params(child)
             if chosen and child is not model:

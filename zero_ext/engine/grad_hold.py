@@ -1,17 +1,24 @@
-"""One write per bucket instead of one per gradient: the gradients of the bucket being filled wait in ``param.grad``.
+"""One write per bucket instead of one per gradient: the gradients of a bucket being filled wait in ``param.grad``.
 
 A kernel launch costs the host a few microseconds in C++ and tens through a Python Triton launcher, whatever the
 tensor's size; a model has hundreds of small parameters, so writing each gradient into its bucket the moment it
-arrives made backward launch-bound (bench/results/backward_hooks_cpu.md). Instead a strategy holds the gradients
-of one bucket at a time, where autograd left them, and writes them all with one multi-tensor call (``ops.flatten_``:
-one CUDA launch however many tensors) when the bucket launches, or when a gradient of another bucket arrives
-first. Then it frees them (``param.grad = None``), as it did one by one before.
+arrives made backward launch-bound (bench/results/backward_hooks_cpu.md). Instead a strategy holds each bucket's
+gradients where autograd left them, and writes them all with one multi-tensor call (``ops.flatten_``: one CUDA
+launch however many tensors) when the bucket launches. Then it frees them (``param.grad = None``), as it did one by
+one before.
 
-Memory: the gradients of at most one bucket are held at any time, in the parameters' dtype, and at most
-``HOLD_ELEMENTS`` of them: the hold is written out when it reaches that, so what waits is at most
-``min(bucket_size, HOLD_ELEMENTS)`` elements plus the last gradient (a parameter larger than that is written at
-once; autograd produced its gradient whole anyway). The staging pool already holds two buckets in the wire dtype,
-so in bf16 with an fp32 wire this adds at most a quarter of the pool during backward, and nothing between steps.
+Held per bucket, not one bucket at a time: when gradients arrive for several buckets at once (ZeroMuon's owner
+layout puts equal matrices of neighbouring layers in one bucket, and its AdamW group's bucket fills from the head's
+gradient to the embedding's), writing a bucket's gradients before it launches needs a staging entry for it from then
+until its launch, and the pool grew to an entry per bucket (the main job's ZeroMuon stage 2: 7 entries, 17.5 MiB per
+rank, more than its stage 1's whole gradient; bench/results/muon_stage2_staging_before.md). Held, they cost their
+parameters' dtype (bf16: half the fp32 staging), during backward only.
+
+Memory: at most ``HOLD_ELEMENTS`` elements are held, every bucket together: beyond that the oldest bucket's are
+written out (into a staging entry, held until it launches), so what waits is at most that plus the last gradient (a
+parameter larger than that is written at once; autograd produced its gradient whole anyway). When buckets fill one
+after another (ZeroAdamW's layout, in about backward's order) that is one bucket's gradients, as before; nothing is
+held between steps.
 
 A parameter's gradient may arrive twice in one backward pass (reentrant activation checkpointing where the
 parameter is also used outside the checkpointed part). While held, autograd adds the second into ``param.grad``
@@ -51,66 +58,75 @@ Taken = tuple[BucketRuntime, list[Slot], list[torch.Tensor]]
 
 
 class GradHold:
-    """The bucket whose gradients are held and the slots of each bucket that got a gradient this round.
+    """The gradients held, bucket by bucket, and the slots of each bucket that got a gradient this round.
 
     It never writes: every call that lets held gradients go returns them (:data:`Taken`), and the strategy that
     called writes them, so the pairing is in the return values, not in a callback the hold keeps."""
 
-    __slots__ = ("bucket", "held", "_held_slots", "_held_numel", "_seen")
+    __slots__ = ("_holds", "_numel", "_seen")
 
     def __init__(self):
-        self.bucket: Optional[BucketRuntime] = None
-        self.held: Held = []
-        self._held_slots: set[int] = set()
-        self._held_numel = 0
+        # bucket order -> (the bucket, its held gradients, their slot indices), oldest first
+        self._holds: dict[int, tuple[BucketRuntime, Held, set[int]]] = {}
+        self._numel = 0  # elements held, every bucket together
         self._seen: dict[int, set[int]] = {}  # bucket order -> slot indices with a gradient this round
 
     def arrive(self, gb: BucketRuntime, slot: Slot, param: torch.Tensor, grad: torch.Tensor) -> tuple[Arrival, tuple]:
         """``param``'s gradient (``grad``, its ``.grad``) arrived. Returns how it counts and what the caller must
-        write now, in order (a tuple of :data:`Taken`, usually empty): the held gradients of another bucket (one
-        bucket's wait at a time), and this bucket's once the hold reached ``HOLD_ELEMENTS``."""
+        write now, in order (a tuple of :data:`Taken`, usually empty): the oldest buckets' held gradients once all
+        held reached ``HOLD_ELEMENTS``."""
         seen = self._seen.get(gb.order)
         if seen is None:
             seen = self._seen[gb.order] = set()
+        hold = self._holds.get(gb.order)
         if slot.index in seen:
-            if gb is self.bucket and slot.index in self._held_slots:
+            if hold is not None and slot.index in hold[2]:
                 # autograd added the second into .grad, in place or as a new tensor: keep what .grad is now
-                at = next(i for i, (s, _, _) in enumerate(self.held) if s.index == slot.index)
-                self.held[at] = (slot, param, grad)
+                held = hold[1]
+                at = next(i for i, (s, _, _) in enumerate(held) if s.index == slot.index)
+                held[at] = (slot, param, grad)
                 return Arrival.AGAIN_HELD, ()
             return Arrival.AGAIN_WRITTEN, ()
         seen.add(slot.index)
+        if hold is None:
+            hold = self._holds[gb.order] = (gb, [], set())
+        hold[1].append((slot, param, grad))
+        hold[2].add(slot.index)
+        self._numel += slot.numel
         writes = ()
-        if gb is not self.bucket:
-            other = self.take()
-            writes = () if other is None else (other,)
-            self.bucket = gb
-        self.held.append((slot, param, grad))
-        self._held_slots.add(slot.index)
-        self._held_numel += slot.numel
-        if self._held_numel >= HOLD_ELEMENTS:
-            writes += (self.take(),)
+        while self._numel >= HOLD_ELEMENTS:
+            writes += (self.take(self._holds[next(iter(self._holds))][0]),)
         return Arrival.FIRST, writes
 
     def take(self, gb: Optional[BucketRuntime] = None) -> Optional[Taken]:
-        """Let the held gradients go (only if they are ``gb``'s, when given), to be written by the caller; None
-        when nothing (of ``gb``'s) is held."""
-        if self.bucket is None or (gb is not None and gb is not self.bucket):
+        """Let ``gb``'s held gradients go (the oldest bucket's when None), to be written by the caller; None when
+        nothing (of ``gb``'s) is held."""
+        if not self._holds:
             return None
-        bucket, held = self.bucket, self.held
-        self.bucket, self.held, self._held_numel = None, [], 0
-        self._held_slots.clear()
-        if not held:
+        order = next(iter(self._holds)) if gb is None else gb.order
+        hold = self._holds.pop(order, None)
+        if hold is None:
             return None
+        bucket, held, _ = hold
         slots, grads = [], []
         for slot, param, grad in held:
             slots.append(slot)
             grads.append(grad if grad.is_contiguous() else grad.contiguous())
             param.grad = None
-        return bucket, slots, grads
+            self._numel -= slot.numel
+        return (bucket, slots, grads) if held else None
 
-    def end_round(self) -> Optional[Taken]:
+    def take_all(self) -> tuple[Taken, ...]:
+        """Every held gradient, oldest bucket first."""
+        taken = []
+        while self._holds:
+            t = self.take()
+            if t is not None:
+                taken.append(t)
+        return tuple(taken)
+
+    def end_round(self) -> tuple[Taken, ...]:
         """A backward pass ended: the slots seen are forgotten; returns what is still held (nothing: every bucket
         launched at the round's end; kept for safety), to be written."""
         self._seen.clear()
-        return self.take()
+        return self.take_all()

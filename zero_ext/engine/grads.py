@@ -6,8 +6,8 @@
   staging buffer; the mean overwrites the bucket's grad shard. Inside ``no_sync()`` nothing is reduced; the
   next synchronised backward (or ``step()``) reduces the accumulated sum.
 - :class:`StagedGrads` (stages 2 and 3): no full-size buffer. A bucket's gradients are cast and pre-scaled into
-  its staging buffer, all in one call when the bucket launches (``grad_hold.py``: at most one bucket's gradients
-  wait, in ``param.grad``), then freed (``param.grad = None``); the mean is added to the grad shard in fp32, so
+  its staging buffer, all in one call when the bucket launches (``grad_hold.py``: the gradients of the buckets
+  not launched yet wait in ``param.grad``), then freed (``param.grad = None``); the mean is added to the grad shard in fp32, so
   several backward passes before ``step()`` accumulate. There is no buffer to accumulate a full gradient in, so
   ``no_sync()`` still reduces every backward pass (as DeepSpeed's ZeRO-2).
 - :class:`ShardGrads` (stages 2 and 3 on one process): nothing to communicate, so a bucket's gradients are added
@@ -179,7 +179,7 @@ class ShardedGradStrategy(GradStrategy):
         raise NotImplementedError
 
     def end_round(self) -> None:
-        self._write_taken(self._hold.end_round())
+        self._write_taken(*self._hold.end_round())
         self._split_seen.clear()
 
     def arrived(self, group: FlatGroup, slot: Slot) -> None:
@@ -437,7 +437,7 @@ class Fp32GradBuffer(BufferedGrads):
         if grad.layout is not torch.strided:
             _dense(param, gb.group.names[slot.index])
         if not syncing:  # inside no_sync() no launch comes to write it: added now
-            self._write_taken(self._hold.take())
+            self._write_taken(*self._hold.take_all())
             self._keep_early_grad(gb.group, slot, param)
             self._unreduced = True
             return False
@@ -452,7 +452,7 @@ class Fp32GradBuffer(BufferedGrads):
         add_flattened(gb.group.grad_buffer, grads, [s.offset for s in slots])
 
     def end_round(self) -> None:
-        self._write_taken(self._hold.end_round())
+        self._write_taken(*self._hold.end_round())
         super().end_round()
 
     def send(self, gb) -> torch.Tensor:
@@ -471,7 +471,7 @@ class Fp32GradBuffer(BufferedGrads):
 
 class StagedGrads(ShardedGradStrategy):
     """Stages 2 and 3: a bucket's gradients go into its staging buffer, cast and pre-scaled, in one write when the
-    bucket launches (or when a gradient of another bucket arrives first: ``grad_hold.py``), then are freed.
+    bucket launches (``grad_hold.py``: they wait in ``.grad`` until then), then are freed.
 
     A split parameter's gradient (autograd made it whole) waits until each of its buckets launches, which writes
     its fragment into that bucket's staging entry: the pool's entries are reused in launch order, so staging stays

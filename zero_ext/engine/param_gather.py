@@ -73,7 +73,7 @@ import contextlib
 
 import torch
 
-from ..state.sharded_params import shard_class
+from ..state.sharded_params import original_class, shard_class, unwatch, watch
 from ..state.sharded_state import ShardedState
 from .backward_hooks import Call, hook_outputs, in_backward, refuse_backward, wrap_inputs
 from .bucket_runtime import BucketRuntime, Hold, Key, ParamState
@@ -85,7 +85,7 @@ from .sleep import asleep
 SHARDED, GATHERING, GATHERED = ParamState.SHARDED, ParamState.GATHERING, ParamState.GATHERED
 
 _LOCAL_BACKWARD = (
-    "zero_ext.ZeroAdamW(stage=3): backward through a forward that ran inside `opt.gathered_params()`. A forward "
+    "{name}(stage=3): backward through a forward that ran inside `opt.gathered_params()`. A forward "
     "there is local to its rank (evaluation, generation: no collective, the gather schedule untouched), so its "
     "gradients cannot be reduced with the other ranks'. Run training forwards and backwards outside the context; "
     "evaluate inside it under `torch.no_grad()`"
@@ -97,9 +97,10 @@ class ParamGather:
 
     def __init__(
         self, state: ShardedState, runtimes: BucketRuntimes, module: torch.nn.Module, reshard_after_forward: bool,
-        prefetch: int, gather_units="auto",
+        prefetch: int, gather_units="auto", name: str = "zero_ext.ZeroAdamW",
     ):  # fmt: skip
         self.state, self.comm, self.module = state, state.comm, module
+        self.name = name  # the optimizer, as messages name it
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.runtime: dict[Key, BucketRuntime] = runtimes.buckets
         self.live: dict[Key, BucketRuntime] = {}  # the window: buckets not SHARDED (changed by _gather, _release)
@@ -122,6 +123,7 @@ class ParamGather:
         self.run_of: dict[Key, tuple[int, int]] = {}
         self.run_bytes: dict[tuple[int, int], int] = {}
         self.keys: dict[int, set[Key]] = {}  # id(module) -> buckets it uses (own parameters, then learned reads)
+        self.sharded: dict[int, tuple[tuple[Key, ...], str]] = {}  # id(parameter) -> (its buckets, its name)
         self._hooks = []
         self._replica_syncs = []  # mesh chunks being completed after step() (bucket_updated)
         self.position = self.comm.position  # where this rank is, for the divergence check (divergence.py)
@@ -149,8 +151,9 @@ class ParamGather:
             for slot, p in zip(layout.slots, group.params):
                 keys = tuple((group.index, b) for b in slot.buckets)
                 where[id(p)] = keys
-                p._zero_ext_keys, p._zero_ext_name, p._zero_ext_gather = keys, group.names[slot.index], self
-                original = getattr(type(p), "_zero_ext_original", type(p))  # (a class of its own already sharded)
+                self.sharded[id(p)] = (keys, group.names[slot.index])
+                watch(p, self)  # (sharded_params: its reads gather through ensure())
+                original = original_class(type(p))  # (a class of its own already sharded)
                 p.__class__ = shard_class(original)
                 for key in keys:
                     self.classes.setdefault(key, []).append((p, original, type(p), keys))
@@ -295,7 +298,8 @@ class ParamGather:
     def ensure(self, param, func) -> None:
         """A read of ``param`` (torch op ``func``) while its bucket (one of its buckets) is not GATHERED: gather
         them (on demand)."""
-        runtimes = [self.runtime[key] for key in param._zero_ext_keys]
+        keys, param_name = self.sharded[id(param)]
+        runtimes = [self.runtime[key] for key in keys]
         if all(rt.params is not SHARDED for rt in runtimes):
             self._gather_all(runtimes)
             return
@@ -305,7 +309,7 @@ class ParamGather:
                 raise RuntimeError(refusal)
             name = getattr(func, "__name__", str(func))
             raise RuntimeError(
-                f"zero_ext.ZeroAdamW(stage=3): parameter {param._zero_ext_name!r} is sharded here (outside forward "
+                f"{self.name}(stage=3): parameter {param_name!r} is sharded here (outside forward "
                 f"and backward), so `{name}` cannot use it. Read parameters inside `with opt.gathered_params():` "
                 "(on every rank: it gathers them), change them (e.g. `model.load_state_dict`) inside "
                 "`with opt.gathered_params(modifier_rank=r):`, or get a full copy with zero_ext.checkpoint.consolidate."
@@ -376,7 +380,7 @@ class ParamGather:
     def _post_forward(self, module, _args, output) -> None:
         if self._local():
             if torch.is_grad_enabled():
-                refuse_backward(output, _LOCAL_BACKWARD)
+                refuse_backward(output, _LOCAL_BACKWARD.format(name=self.name))
             return
         if in_backward():
             return
@@ -556,8 +560,9 @@ class ParamGather:
                         full = p.data.clone()
                     p.data = full
                     p.__class__ = original
-                    del p._zero_ext_gather, p._zero_ext_keys, p._zero_ext_name
+                    unwatch(p)
             self.classes = {key: [] for key in self.classes}  # released below without touching them again
+            self.sharded.clear()
 
     def remove_hooks(self) -> None:
         self.restore()

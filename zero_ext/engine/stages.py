@@ -109,7 +109,13 @@ class Stage3(Stage):
 
     def param_sync(self, state, runtimes, grad_sync, config):
         gather = ParamGather(
-            state, runtimes, config.module, config.reshard_after_forward, config.prefetch, config.gather_units
+            state,
+            runtimes,
+            config.module,
+            config.reshard_after_forward,
+            config.prefetch,
+            config.gather_units,
+            config.name,
         )
         grad_sync.on_ready = gather.bucket_ready
         grad_sync.on_round_end = gather.backward_done

@@ -19,14 +19,22 @@ demand (a module reading a weight it does not own, ``F.linear(x, self.wte.weight
 error instead of a collective one rank might make alone. Metadata (shape, dtype, device, ``.grad``, ``.data``
 assignment) never triggers anything. Once its bucket's gather is complete a parameter gets its own class back
 (param_gather.py), so the ops of forward pay nothing for the checks; ``close()`` restores the class for good.
+
+Who gathers is a :class:`GatherOnUse` registered for the parameter here (:func:`watch`), not an attribute stamped on
+it: this layer never reaches into the engine but through that protocol. The check itself runs outside torch.compile
+(``torch.compiler.disable``): it has host-side effects (a collective, the scheduler's bookkeeping) that dynamo must
+not trace, so an op reading a parameter whose bucket is not gathered is a graph break, run eagerly, as FSDP2's
+hooks are. Inside a gather unit (engine/gather_units.py) every parameter is gathered by the unit's hook before its
+graph runs, so a compiled unit has no such op and no break.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..layout import Bucket, Layout, Range, Run
 
@@ -55,22 +63,59 @@ def _reads_data(func) -> bool:
     return name not in _METADATA_METHODS
 
 
+class GatherOnUse(Protocol):
+    """What gathers a sharded parameter when an op reads it (the engine's stage-3 gather scheduler)."""
+
+    def ensure(self, param: torch.Tensor, func) -> None:
+        """``func`` reads ``param``: make its bucket(s) gathered, or raise a clear error where it may not be."""
+
+
+# parameter -> its gatherer, by identity (a weak key: a parameter dropped by the model takes its entry with it)
+_GATHERERS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+
+
+def watch(param: torch.Tensor, gatherer: GatherOnUse) -> None:
+    """Reads of ``param`` (while its class is a :class:`ShardedParameter`) go through ``gatherer`` first."""
+    _GATHERERS[param] = gatherer
+
+
+def unwatch(param: torch.Tensor) -> None:
+    _GATHERERS.pop(param, None)
+
+
+def _gather_what_it_reads(func, args, kwargs) -> None:
+    """Every sharded parameter among ``func``'s arguments gathered (or a clear error), before ``func`` runs."""
+    if not _reads_data(func):
+        return
+    for a in tree_flatten((args, kwargs))[0]:
+        if isinstance(a, ShardedParameter):
+            gatherer = _GATHERERS.get(a)
+            if gatherer is not None:
+                gatherer.ensure(a, func)
+
+
+# Under torch.compile: never traced (see the module docstring), the frame breaks its graph here and runs the op
+# eagerly. Only there: the wrapper costs microseconds per call, and eager code calls this for every op on a parameter
+# whose bucket is not gathered (``.grad`` reads included).
+_gather_outside_the_graph = torch.compiler.disable(_gather_what_it_reads)
+
+
 class ShardedParameter(torch.nn.Parameter):
     """Mixed into a stage-3 parameter's own class (see :func:`shard_class`)."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _reads_data(func):
-            for a in tree_flatten((args, kwargs))[0]:
-                gather = getattr(a, "_zero_ext_gather", None) if isinstance(a, ShardedParameter) else None
-                if gather is not None:
-                    gather.ensure(a, func)
+        if torch.compiler.is_compiling():
+            _gather_outside_the_graph(func, args, kwargs)
+        else:
+            _gather_what_it_reads(func, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
 
-_CLASSES: dict[type, type] = {}
+_CLASSES: dict[type, type] = {}  # a parameter class -> its checking class
+_ORIGINAL: dict[type, type] = {}  # ... and back
 
 
 def shard_class(cls: type) -> type:
@@ -78,8 +123,14 @@ def shard_class(cls: type) -> type:
     if issubclass(cls, ShardedParameter):
         return cls
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedParameter, cls), {"_zero_ext_original": cls})
+        _CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedParameter, cls), {})
+        _ORIGINAL[_CLASSES[cls]] = cls
     return _CLASSES[cls]
+
+
+def original_class(cls: type) -> type:
+    """The class :func:`shard_class` made ``cls`` from (``cls`` itself when it is not a sharded class)."""
+    return _ORIGINAL.get(cls, cls)
 
 
 class ShardedParams:

@@ -63,3 +63,18 @@ def to_positions(state_dict: Any, param_groups: Sequence[dict]) -> Any:
     if unknown:
         return state_dict  # reported as state for parameters this rank does not own
     return {**state_dict, "state": {id_map[k]: v for k, v in state.items()}}
+
+
+def split_user_state(state_dict: Any) -> tuple[Any, dict]:
+    """``(state_dict without them, the entries of its "state" whose key is no saved parameter's id)``: what
+    torch.optim's load_state_dict copies into ``opt.state`` as it is ("state that is not assigned to params"). A dict
+    this cannot read is returned whole, with no such entries, for the load's checks to report."""
+    try:
+        saved_ids = set(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
+        state = state_dict["state"]
+        user = {k: v for k, v in state.items() if k not in saved_ids}
+    except (TypeError, KeyError, AttributeError):
+        return state_dict, {}
+    if not user:
+        return state_dict, {}
+    return {**state_dict, "state": {k: v for k, v in state.items() if k in saved_ids}}, user

@@ -19,7 +19,13 @@ for fp32 moments, bf16 widened, int8 dequantized block by block, read from host 
 files), finishing the communication in flight first (``opt.finish_sync()``); membership reads the step counts (one
 small device-to-host copy). The tensors are snapshots: changing them changes nothing in the optimizer. Writing
 (``opt.state[p][k] = v``, ``opt.state[p] = {}``, ``del``, ``opt.state = ...``) raises: the state is changed by
-loading it (``opt.load_state_dict``, ``zero_ext.checkpoint.load``) and moved by ``offload=``."""
+loading it (``opt.load_state_dict``, ``zero_ext.checkpoint.load``) and moved by ``offload=``.
+
+Keys that are not tensors are the user's, as torch.optim keeps them (its own tests write ``opt.state["test"] = 1``
+in a state-dict hook): ``opt.state[key] = value`` keeps them on this rank, after the parameters' entries in
+iteration; ``del``, ``pop``, ``setdefault`` and ``update`` work on them. ``state_dict()`` puts them in its
+``"state"`` under their own keys, and ``load_state_dict()`` replaces them with the dict's keys that are no saved
+parameter's id (torch's rule: "state that is not assigned to params is copied as is"), once the load succeeded."""
 
 from __future__ import annotations
 
@@ -111,12 +117,28 @@ class ParamState(_ReadOnly):
         return f"<this rank's piece of {self._ref.name!r}: {list(self)}, elements {self.param_ranges}>"
 
 
+_TENSOR_KEY = (
+    "zero_ext.ZeroAdamW.state: a tensor key is a parameter's entry, a read-only view of this rank's shard of its "
+    "state; it cannot be {what}. Change the state by loading it, on every rank: opt.load_state_dict(sd) (a dict "
+    "from opt.state_dict(), edited) or zero_ext.checkpoint.load(path, opt). Keys that are not tensors (strings, "
+    "numbers) are yours to set"
+)
+
+
+def _user_key(key, what: str):
+    """``key`` if it is one of the user's (not a tensor), else the clear error."""
+    if isinstance(key, torch.Tensor):
+        raise TypeError(_TENSOR_KEY.format(what=what))
+    return key
+
+
 class ShardState(_ReadOnly):
     """``opt.state`` (see the module docstring). ``optimizer``: anything with ``sharded_state``, ``param_groups``
     and ``finish_sync()``."""
 
     def __init__(self, optimizer):
         self._optimizer = optimizer
+        self._user: dict[Any, Any] = {}  # keys that are not tensors: the user's, this rank's, kept as given
         self._built_for = None  # the sharded state the index below was made from (add_param_group makes another)
         self._index: dict[int, tuple[torch.Tensor, int]] = {}  # id(param) -> (param, global index), held ones
         self._runs: dict[int, tuple[Any, list]] = {}
@@ -150,9 +172,13 @@ class ShardState(_ReadOnly):
         return found[1]
 
     def __contains__(self, key) -> bool:
+        if not isinstance(key, torch.Tensor):
+            return key in self._user
         return self._lookup(key) is not None
 
-    def __getitem__(self, key) -> Mapping:
+    def __getitem__(self, key) -> Any:
+        if not isinstance(key, torch.Tensor):
+            return self._user.get(key, EMPTY)
         gidx = self._lookup(key)
         if gidx is None:
             return EMPTY  # torch's defaultdict(dict) gives {} (and we do not insert it)
@@ -162,11 +188,38 @@ class ShardState(_ReadOnly):
     def get(self, key, default=None):
         return self[key] if key in self else default
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        return iter([p for p, _ in self._updated()])
+    def __iter__(self) -> Iterator[Any]:
+        return iter([p for p, _ in self._updated()] + list(self._user))
 
     def __len__(self) -> int:
-        return len(self._updated())
+        return len(self._updated()) + len(self._user)
+
+    # ---------------------------------------------------------------- the user's keys (not tensors)
+    def __setitem__(self, key, value) -> None:
+        self._user[_user_key(key, "assigned to")] = value
+
+    def __delitem__(self, key) -> None:
+        del self._user[_user_key(key, "deleted from")]
+
+    def pop(self, key, *default):
+        return self._user.pop(_user_key(key, "popped from"), *default)
+
+    def setdefault(self, key, default=None):
+        return self._user.setdefault(_user_key(key, "assigned to (setdefault)"), default)
+
+    def update(self, other=(), **kwargs) -> None:
+        items = dict(other, **kwargs)
+        for key in items:
+            _user_key(key, "updated")
+        self._user.update(items)
+
+    def user_entries(self) -> dict[Any, Any]:
+        """The user's keys and values (``state_dict()`` saves them)."""
+        return dict(self._user)
+
+    def load_user_entries(self, entries: Mapping) -> None:
+        """Replace the user's keys (``load_state_dict()``, once the load succeeded)."""
+        self._user = dict(entries)
 
     def __repr__(self) -> str:
         return f"<zero_ext.ZeroAdamW.state: this rank's pieces of {len(self)} parameter(s), read-only>"

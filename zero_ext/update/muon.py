@@ -192,15 +192,12 @@ class Muon(WholeParameterRule):
 
 
 def _muon(param_dtype: torch.dtype, group: Mapping[str, Any], options: RuleOptions) -> Muon:
-    """The registry's factory of "muon": an fp32 master and an fp32 or bf16 momentum buffer."""
-    if options.param_remainders:
-        raise ValueError("the Muon rule keeps an fp32 master: `param_remainders=True` is for AdamW groups only")
-    if options.moment_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(
-            f"the Muon rule keeps its momentum buffer in float32 or bfloat16: `moment_dtype={options.moment_dtype}` "
-            "is for AdamW groups only"
-        )
-    return Muon(param_dtype, options.moment_dtype, options.group_index)
+    """The registry's factory of "muon": an fp32 master and an fp32 or bf16 momentum buffer. The optimizer-wide
+    encodings that are AdamW's alone apply to the AdamW groups and leave a Muon group as it is: ``param_remainders``
+    (the Muon group keeps its fp32 master) and int8 moments (its momentum stays fp32: one buffer per matrix, not
+    AdamW's two, and Newton-Schulz amplifies a block-quantized momentum's error)."""
+    momentum = options.moment_dtype if options.moment_dtype == torch.bfloat16 else torch.float32
+    return Muon(param_dtype, momentum, options.group_index)
 
 
 register("muon", _muon, saved_kinds=(MASTER, MOMENTUM))
