@@ -7,13 +7,13 @@ within compiled DDP's own distance from eager with inductor; the window stays wi
 
 from __future__ import annotations
 
-import logging
 from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn as nn
 from distributed import run_on_ranks
+from dynamo_watch import watching_dynamo
 from tiny_transformer import GPT, HEADS, SEQ, VOCAB, GPTConfig, batch, loss_fn
 
 from zero_ext import ZeroAdamW
@@ -30,18 +30,6 @@ def _model() -> nn.Module:
     model = GPT(config)
     model.blocks = nn.ModuleList(Block(replace(config, mlp_hidden=w)) for w in WIDTHS)
     return model
-
-
-class _RecompileLimit(logging.Handler):
-    """Catches dynamo's "hit config.recompile_limit" warning (after which a function runs eagerly for good)."""
-
-    def __init__(self):
-        super().__init__()
-        self.hits: list[str] = []
-
-    def emit(self, record):
-        if "recompile_limit" in record.getMessage():
-            self.hits.append(record.getMessage())
 
 
 def _losses(net, opt, rank, after_step=lambda: None) -> list:
@@ -65,23 +53,17 @@ def _train(rank, world, stage, backend, gather_units="auto"):
     model = _model()
     opt = ZeroAdamW(model.named_parameters(), lr=1e-2, stage=stage, module=model, bucket_size=1024,
                     gather_units=gather_units)  # fmt: skip
-    torch._dynamo.reset()
-    counters.clear()
-    catch = _RecompileLimit()
-    logging.getLogger("torch._dynamo.convert_frame").addHandler(catch)
-    try:
+    with watching_dynamo() as seen:
         net = torch.compile(model, backend=backend) if backend else model
         graphs = []
         losses = _losses(net, opt, rank, after_step=lambda: graphs.append(counters["stats"]["unique_graphs"]))
-    finally:
-        logging.getLogger("torch._dynamo.convert_frame").removeHandler(catch)
     report = opt.memory_report()
     opt.close()
     return {
         "losses": losses,
         "graphs": graphs,
-        "breaks": sum(counters["graph_break"].values()),
-        "limit_hits": catch.hits,
+        "breaks": seen["breaks"],
+        "limit_hits": seen["limit_hits"],
         "window": (report.window_peak, report.window_bound) if stage == 3 else None,
     }
 

@@ -49,6 +49,7 @@ from .optimizer_swap import (
     innermost_zero,
     on_device,
     retarget_scheduler,
+    unavailable_names,
     zero_adamw_like,
 )
 
@@ -279,8 +280,4 @@ def _nothing():
 
 if _UNAVAILABLE is not None:
     del ZeroAccelerator
-
-    def __getattr__(name: str):
-        if name == "ZeroAccelerator":
-            raise ImportError(_UNAVAILABLE[0]) from _UNAVAILABLE[1]
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    __getattr__ = unavailable_names(__name__, ("ZeroAccelerator",), _UNAVAILABLE)

@@ -43,7 +43,14 @@ from typing import Any, Optional
 
 from .. import checkpoint
 from ..optimizer import ZeroAdamW
-from .optimizer_swap import check_options, innermost_zero, on_device, retarget_scheduler, zero_adamw_like
+from .optimizer_swap import (
+    check_options,
+    innermost_zero,
+    on_device,
+    retarget_scheduler,
+    unavailable_names,
+    zero_adamw_like,
+)
 
 _UNAVAILABLE: Optional[tuple[str, Optional[BaseException]]] = None
 try:
@@ -275,8 +282,4 @@ class ZeroStrategy(DDPStrategy):
 
 if _UNAVAILABLE is not None:
     del ZeroStrategy
-
-    def __getattr__(name: str):
-        if name == "ZeroStrategy":
-            raise ImportError(_UNAVAILABLE[0]) from _UNAVAILABLE[1]
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    __getattr__ = unavailable_names(__name__, ("ZeroStrategy",), _UNAVAILABLE)

@@ -115,3 +115,15 @@ def innermost_zero(optimizer: Optional[Any]) -> Optional[ZeroAdamW]:
     while optimizer is not None and not isinstance(optimizer, ZeroAdamW):
         optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
     return optimizer
+
+
+def unavailable_names(module: str, names: tuple[str, ...], why: tuple[str, Optional[BaseException]]):
+    """A module ``__getattr__`` for an integration whose framework is missing (or too old): the module imports, and
+    taking one of ``names`` from it raises ImportError with ``why``'s message (the pip extra to install)."""
+
+    def __getattr__(name: str):
+        if name in names:
+            raise ImportError(why[0]) from why[1]
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__

@@ -82,7 +82,7 @@ from .. import checkpoint
 from ..optimizer import ZeroAdamW
 from . import rng
 from .optimizer_swap import TRAINER_OWNED as _TRAINER_OWNED
-from .optimizer_swap import check_all_trainable
+from .optimizer_swap import check_all_trainable, unavailable_names
 from .optimizer_swap import on_device as _on_device
 
 # The Trainer methods ZeroTrainer overrides (transformers 5.x). Should a release rename one, the Trainer would quietly
@@ -370,8 +370,4 @@ class ZeroSeq2SeqTrainer(ZeroTrainer, Seq2SeqTrainer):
 
 if _UNAVAILABLE is not None:
     del ZeroTrainer, ZeroSeq2SeqTrainer
-
-    def __getattr__(name: str):
-        if name in ("ZeroTrainer", "ZeroSeq2SeqTrainer"):
-            raise ImportError(_UNAVAILABLE[0]) from _UNAVAILABLE[1]
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    __getattr__ = unavailable_names(__name__, ("ZeroTrainer", "ZeroSeq2SeqTrainer"), _UNAVAILABLE)
