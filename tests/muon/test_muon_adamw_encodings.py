@@ -74,3 +74,18 @@ def test_errors_raised_through_zeromuon_name_it():
     with pytest.raises(RuntimeError, match=r"^zero_ext\.ZeroMuon\(stage=3\): parameter 'blocks\.0\.qkv\.weight'"):
         model.blocks[0].qkv.weight.sum()
     opt.close()
+
+
+def test_messages_from_the_hooks_name_zeromuon():
+    """Raised or warned while backward runs, or by a gradient placeholder, not through a call on ZeroMuon."""
+    model = model_for(torch.float32)
+    model.embed.weight.grad = torch.ones_like(model.embed.weight)  # a gradient from before the optimizer existed
+    with pytest.warns(UserWarning, match=r"^zero_ext\.ZeroMuon: dropping the gradients"):
+        opt = ZeroMuon(zero_muon_groups(model), **MUON, stage=2, module=model)
+    loss_fn(model, batch(0, 0)).backward()
+    with pytest.raises(
+        RuntimeError, match=r"^zero_ext\.ZeroMuon: .*gradient of parameter 'blocks\.0\.qkv\.weight'"
+    ) as caught:
+        model.blocks[0].qkv.weight.grad.sum().item()
+    assert "ZeroAdamW" not in str(caught.value)
+    opt.close()

@@ -58,7 +58,7 @@ class StateBuilder:
         self.model = None
         if o.module is not None:
             try:
-                self.model = ModelState(o.module)
+                self.model = ModelState(o.module, o.name)
                 name_by_model(plan, self.model)
             except ValueError as e:
                 plan.error = plan.error or str(e).removeprefix("zero_ext.ZeroAdamW: ")
@@ -135,7 +135,7 @@ class StateBuilder:
             Mesh(comm), o.stage, self.bucket_size, groups, plan.names, self.device,
             model=self.model, frozen=frozen, default_rule=o.default_rule,
             update_device=placement_class(o.offload).update_device_on(self.device),
-            tracks_param_edits=o.strategy.tracks_param_edits,
+            tracks_param_edits=o.strategy.tracks_param_edits, optimizer_name=o.name,
         )  # fmt: skip
 
 

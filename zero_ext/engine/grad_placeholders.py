@@ -323,7 +323,7 @@ class GradPlaceholders:
         else:
             why = ""
         return RuntimeError(
-            f"zero_ext.ZeroAdamW: `{what}` on the gradient of parameter {self.names[ph._gidx]!r}: at stage "
+            f"{self.state.optimizer_name}: `{what}` on the gradient of parameter {self.names[ph._gidx]!r}: at stage "
             f"{self.state.stage} the mean gradients are sharded over the ranks, and `.grad` after backward is a "
             "placeholder that supports only what torch.nn.utils.clip_grad_norm_ does with it (its 2-norm, an "
             "in-place multiply, zero_()). Clip with opt.clip_grad_norm_(max_norm) or torch.nn.utils.clip_grad_norm_; "
@@ -350,7 +350,7 @@ class GradPlaceholders:
     def _check_norm(self, ph, ord_, extra) -> None:
         if float(ord_) != 2.0 or extra:
             raise RuntimeError(
-                f"zero_ext.ZeroAdamW: the gradient of {self.names[ph._gidx]!r} is sharded over the ranks; of its "
+                f"{self.state.optimizer_name}: the gradient of {self.names[ph._gidx]!r} is sharded over the ranks; of its "
                 f"norms only the 2-norm of the whole tensor is available (asked: ord={ord_!r}"
                 f"{', with dim/keepdim/dtype' if extra else ''}). Use norm_type=2.0, or opt.clip_grad_norm_(max_norm)"
             )
@@ -396,7 +396,7 @@ class GradPlaceholders:
                     f = torch.tensor(float(f), dtype=torch.float32)
                 elif f.numel() != 1:
                     raise RuntimeError(
-                        f"zero_ext.ZeroAdamW: the gradient of {self.names[t._gidx]!r} is sharded over the ranks; it "
+                        f"{self.state.optimizer_name}: the gradient of {self.names[t._gidx]!r} is sharded over the ranks; it "
                         "can be multiplied in place by a scalar only (as clipping does), use opt.clip_grad_norm_"
                     )
                 self._pending.setdefault(t._gidx, []).append(f)

@@ -146,12 +146,12 @@ class ShardedGradStrategy(GradStrategy):
         self._got: set[int] = set()  # parameters whose gradient arrived since the last step() or zero_grad()
         self._hold = GradHold()  # a bucket's gradients wait in .grad and are written at once
         self._split_seen: set[tuple[int, int]] = set()  # (group, slot) of split parameters with a gradient this round
-        _drop_early_grads(state.groups, state.stage, "the optimizer existed")
+        _drop_early_grads(state.groups, state.stage, "the optimizer existed", state.optimizer_name)
 
     def on_grad(self, gb, slot, param, syncing) -> bool:
         grad = param.grad
         if grad.layout is not torch.strided:
-            _dense(param, gb.group.names[slot.index])
+            _dense(param, gb.group.names[slot.index], self.state.optimizer_name)
         self.arrived(gb.group, slot)
         arrival, writes = self._hold.arrive(gb, slot, param, grad)
         self._write_taken(*writes)
@@ -160,7 +160,7 @@ class ShardedGradStrategy(GradStrategy):
         return arrival is Arrival.FIRST
 
     def on_split_grad(self, gbs, slot, param, syncing) -> bool:
-        grad = _dense(param, gbs[0].group.names[slot.index])
+        grad = _dense(param, gbs[0].group.names[slot.index], self.state.optimizer_name)
         self.arrived(gbs[0].group, slot)
         key = (gbs[0].group.index, slot.index)
         first = key not in self._split_seen
@@ -199,7 +199,7 @@ class ShardedGradStrategy(GradStrategy):
         self._got.difference_update(gidxs)
 
     def extend(self, added) -> None:
-        _drop_early_grads(added, self.state.stage, "their param group was added")
+        _drop_early_grads(added, self.state.stage, "their param group was added", self.state.optimizer_name)
 
     def zero_grad(self, set_to_none: bool) -> None:
         zero_hand_grads(self.state, self, set_to_none)  # a .grad assigned by hand, as torch zeroes it
@@ -210,11 +210,11 @@ class ShardedGradStrategy(GradStrategy):
             self._clean = True
 
 
-def _dense(param: torch.Tensor, name: str) -> torch.Tensor:
+def _dense(param: torch.Tensor, name: str, who: str) -> torch.Tensor:
     grad = param.grad
     if grad.layout != torch.strided:
         raise RuntimeError(
-            f"zero_ext.ZeroAdamW: parameter {name!r} received a {grad.layout} gradient; only dense gradients are "
+            f"{who}: parameter {name!r} received a {grad.layout} gradient; only dense gradients are "
             "supported (use nn.Embedding(sparse=False))"
         )
     return grad
@@ -294,7 +294,7 @@ class BufferedGrads(GradStrategy):
 
     def on_grad(self, gb, slot, param, syncing) -> bool:
         self._reduced_at = None
-        self._adopt(gb.group, slot, param, _dense(param, gb.group.names[slot.index]))
+        self._adopt(gb.group, slot, param, _dense(param, gb.group.names[slot.index], self.state.optimizer_name))
         if not syncing:
             self._unreduced = True
         return syncing
@@ -435,7 +435,7 @@ class Fp32GradBuffer(BufferedGrads):
     def on_grad(self, gb, slot, param, syncing) -> bool:
         grad = param.grad
         if grad.layout is not torch.strided:
-            _dense(param, gb.group.names[slot.index])
+            _dense(param, gb.group.names[slot.index], self.state.optimizer_name)
         if not syncing:  # inside no_sync() no launch comes to write it: added now
             self._write_taken(*self._hold.take_all())
             self._keep_early_grad(gb.group, slot, param)
@@ -581,7 +581,7 @@ class ShardGrads(ShardedGradStrategy):
         return None
 
 
-def _drop_early_grads(groups: Sequence[FlatGroup], stage: int, since: str) -> None:
+def _drop_early_grads(groups: Sequence[FlatGroup], stage: int, since: str, who: str) -> None:
     """Stages 2 and 3: a gradient the parameters of ``groups`` got before the engine took them (``since``) was never
     reduced, and nothing will reduce it: dropped, with a warning."""
     stale = [group.names[i] for group in groups for i, p in enumerate(group.params) if p.grad is not None]
@@ -590,7 +590,7 @@ def _drop_early_grads(groups: Sequence[FlatGroup], stage: int, since: str) -> No
             p.grad = None
     if stale:
         warnings.warn(
-            f"zero_ext.ZeroAdamW: dropping the gradients of {len(stale)} parameters (e.g. {stale[0]!r}) computed "
+            f"{who}: dropping the gradients of {len(stale)} parameters (e.g. {stale[0]!r}) computed "
             f"before {since}: stage {stage} reduces gradients while backward runs",
             stacklevel=4,
         )

@@ -23,25 +23,26 @@ _DDP_HINT = (
 )
 
 
-def wrapping_in_ddp() -> Optional[str]:
+def wrapping_in_ddp(who: str) -> Optional[str]:
     """When DistributedDataParallel's own code is running (its constructor broadcasts the parameters: stage 3 sees a
     read of a sharded parameter), the refusal to give instead of stage 3's "sharded here"; else None. Called only on
     that error path: it walks the Python stack."""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_globals.get("__name__") == DistributedDataParallel.__module__:
-            return f"zero_ext.ZeroAdamW: the model is being wrapped in DistributedDataParallel. {_DDP_HINT}."
+            return f"{who}: the model is being wrapped in DistributedDataParallel. {_DDP_HINT}."
         frame = frame.f_back
     return None
 
 
 class ModelState:
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, who: str = "zero_ext.ZeroAdamW"):
         if not isinstance(module, torch.nn.Module):
-            raise ValueError(f"zero_ext.ZeroAdamW: `module` must be a torch.nn.Module, got {type(module).__name__}")
+            raise ValueError(f"{who}: `module` must be a torch.nn.Module, got {type(module).__name__}")
         if isinstance(module, DistributedDataParallel):
-            raise ValueError(f"zero_ext.ZeroAdamW: `module` is wrapped in DistributedDataParallel. {_DDP_HINT}.")
+            raise ValueError(f"{who}: `module` is wrapped in DistributedDataParallel. {_DDP_HINT}.")
         self.module = module
+        self.who = who  # how messages name the optimizer
         self.keys_of: dict[int, list[str]] = {}  # id(tensor) -> its state_dict keys, name first
         self.tensor_of: dict[str, torch.Tensor] = {}  # name -> tensor
         for key, t in module.state_dict(keep_vars=True).items():
@@ -74,7 +75,7 @@ class ModelState:
     def _refuse_ddp(self, _module, _args) -> None:
         active = getattr(DistributedDataParallel, "_get_active_ddp_module", lambda: None)()
         if active is not None and active.module is self.module:
-            raise RuntimeError(f"zero_ext.ZeroAdamW: the model is running inside DistributedDataParallel. {_DDP_HINT}.")
+            raise RuntimeError(f"{self.who}: the model is running inside DistributedDataParallel. {_DDP_HINT}.")
 
     def remove_hooks(self) -> None:
         remove_all(self._hooks)

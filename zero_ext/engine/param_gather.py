@@ -304,7 +304,7 @@ class ParamGather:
             self._gather_all(runtimes)
             return
         if not (self._stack or self._manual or in_backward()):
-            refusal = wrapping_in_ddp()
+            refusal = wrapping_in_ddp(self.name)
             if refusal is not None:
                 raise RuntimeError(refusal)
             name = getattr(func, "__name__", str(func))

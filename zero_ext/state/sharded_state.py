@@ -111,6 +111,7 @@ class ShardedState:
         default_rule: str = DEFAULT_RULE,
         update_device: Optional[torch.device] = None,
         tracks_param_edits: bool,
+        optimizer_name: str = "zero_ext.ZeroAdamW",
     ):
         self.mesh = mesh  # the layout's communicator; for HSDP also its shard and replicate groups (comm/mesh.py)
         self.comm: Communicator = mesh.comm  # every collective of the layout goes through it
@@ -120,6 +121,7 @@ class ShardedState:
         self.names = dict(names)  # global index -> name, for every parameter of the optimizer (frozen ones too)
         self.device = device
         self.default_rule = default_rule  # the update rule of a param group that names none (registry.RULE_KEY)
+        self.optimizer_name = optimizer_name  # how messages raised outside the optimizer's own calls name it
         # Where the update runs and the step's scalars live (offload: the CPU): the placement's, given by the builder
         # from the configuration, so that a state built without a flat group has the one its added groups will need.
         if update_device is None:
