@@ -78,7 +78,7 @@ def _as_zeromuon(method):
 
 
 # ZeroAdamW's public calls (and construction) whose errors ZeroMuon renames; messages raised from the model's hooks
-# during forward and backward are the engine's and still say ZeroAdamW
+# during forward and backward name the optimizer themselves (EngineConfig.name, ShardedState.optimizer_name)
 _RENAMED = ("_construct", "step", "zero_grad", "clip_grad_norm_", "state_dict", "load_state_dict", "offload_states",
             "reload_states", "memory_report", "finish_sync", "wait_for_params", "named_full_params", "close")  # fmt: skip
 
