@@ -18,6 +18,7 @@ only (:mod:`zero_ext.torch_compat.state_dict_hooks`); state of your own goes in 
 """
 
 from .consolidate import adamw_state_dict, consolidate, torch_state_dicts
+from .dcp_state_dict import get_state_dict, set_state_dict
 from .format import FORMAT_VERSION, CheckpointError
 from .loading import load
 from .reader import Checkpoint, read_extra
@@ -25,6 +26,8 @@ from .saving import save
 
 __all__ = [
     "save",
+    "get_state_dict",
+    "set_state_dict",
     "load",
     "read_extra",
     "consolidate",
