@@ -18,6 +18,7 @@ only (:mod:`zero_ext.torch_compat.state_dict_hooks`); state of your own goes in 
 """
 
 from .consolidate import adamw_state_dict, consolidate, torch_state_dicts
+from .dcp_app import AppState, load_dcp
 from .dcp_state_dict import get_state_dict, set_state_dict
 from .format import FORMAT_VERSION, CheckpointError
 from .loading import load
@@ -28,6 +29,8 @@ __all__ = [
     "save",
     "get_state_dict",
     "set_state_dict",
+    "load_dcp",
+    "AppState",
     "load",
     "read_extra",
     "consolidate",

@@ -127,6 +127,11 @@ def _groups(names: ModelNames, state, saved_groups: Any, optimizer, plan: Plan) 
             raise ValueError(f"{_WHERE}: param_groups[{i}]['params'] must list parameter names, got {params!r}")
         for n in params:
             by_first[n] = i
+    ours = {n for fqns in mine for n in fqns}
+    extra = sorted(set(by_first) - ours)
+    if extra:
+        raise ValueError(f"{_WHERE}: the saved param groups list parameters this model does not have (a checkpoint "
+                         f"of another model?): {extra[:8]}{' ...' if len(extra) > 8 else ''}")  # fmt: skip
     rules = {g.group_index: g.rule for g in state.groups}
     for gi, fqns in enumerate(mine):
         found = {by_first.get(n) for n in fqns}

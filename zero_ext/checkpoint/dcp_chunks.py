@@ -63,12 +63,12 @@ class HostSnapshot:
     copying the state dict to host memory) keeps host values as they are: they are staged already."""
 
     def __init__(self, values: torch.Tensor):
-        self.values = values
+        self.flat_values = values
 
     def __deepcopy__(self, memo):
-        if self.values.device.type == "cpu":
+        if self.flat_values.device.type == "cpu":
             return self
-        return HostSnapshot(self.values.to("cpu", copy=True))
+        return HostSnapshot(self.flat_values.to("cpu", copy=True))
 
 
 _NOT_A_TENSOR = (
@@ -99,15 +99,15 @@ class FlatPieces(torch.Tensor):
         return list(self._runs)
 
     @property
-    def values(self) -> torch.Tensor:
+    def flat_values(self) -> torch.Tensor:
         """This rank's elements, the runs one after the other (1-D)."""
-        return self._snapshot.values
+        return self._snapshot.flat_values
 
     def pieces(self) -> list[tuple[Range, torch.Tensor]]:
         """[(run, its values)] in order."""
         out, at = [], 0
         for run in self._runs:
-            out.append((run, self.values[at : at + run.numel]))
+            out.append((run, self.flat_values[at : at + run.numel]))
             at += run.numel
         return out
 
@@ -117,7 +117,7 @@ class FlatPieces(torch.Tensor):
             for offsets, sizes, first in flat_boxes(run.start, run.end, self.shape):
                 n = math.prod(sizes)
                 local = at + first - run.start
-                out.append((offsets, sizes, self.values[local : local + n].view(sizes)))
+                out.append((offsets, sizes, self.flat_values[local : local + n].view(sizes)))
             at += run.numel
         return out
 
@@ -167,4 +167,7 @@ class FlatPieces(torch.Tensor):
         return f"FlatPieces({self._name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, runs={self._runs})"
 
     def __reduce_ex__(self, protocol):
-        return (FlatPieces, (tuple(self.shape), self.dtype, [tuple(r) for r in self._runs], self.values, self._name))
+        return (
+            FlatPieces,
+            (tuple(self.shape), self.dtype, [tuple(r) for r in self._runs], self.flat_values, self._name),
+        )
