@@ -101,11 +101,23 @@ def reference_run(steps: int) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+_GROUP: dict = {}
+
+
+def checkpoint_group():
+    """A gloo group for dcp.async_save's own collectives (torchtitan's habit): its thread must not share a group with
+    the training collectives running meanwhile, whose order it would interleave. Made once per worker."""
+    world = dist.get_world_size()
+    if world not in _GROUP:
+        _GROUP[world] = dist.new_group(backend="gloo")
+    return _GROUP[world]
+
+
 # ---------------------------------------------------------------- saving and loading, each side's way
 def zero_save(model, opt, path: str, use_async: bool = False) -> None:
     msd, osd = zc.get_state_dict(model, opt)
     if use_async:
-        dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=path).result()
+        dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=path, process_group=checkpoint_group()).result()
     else:
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
 
