@@ -57,7 +57,10 @@ def test_offload_meshes_stages_across_world_sizes_bitwise(tmp_path):
     first = next(iter(finals.values()))
     for name, params in finals.items():  # the uninterrupted runs: one result whatever the setting
         assert all(torch.equal(v, first[k]) for k, v in params.items()), name
-    for world, settings, sources in ((3, AT_3, [f"w2-{i}" for i in range(4)]), (2, AT_2, [f"w3-{i}" for i in range(4)])):
+    for world, settings, sources in (
+        (3, AT_3, [f"w2-{i}" for i in range(4)]),
+        (2, AT_2, [f"w3-{i}" for i in range(4)]),
+    ):
         for (source, i), params in run_on_ranks(world, _resume_all, root, settings, sources)[0].items():
             for key, value in params.items():
                 assert torch.equal(value, first[key]), f"{source} -> {settings[i]} on {world} ranks: {key}"
