@@ -8,6 +8,7 @@ optimizer's own names may be generic when it was given ``model.parameters()``).
 
 from __future__ import annotations
 
+import functools
 from typing import Iterator
 
 import torch
@@ -56,3 +57,32 @@ class ModelNames:
 def owned_groups(state: ShardedState) -> dict[int, FlatGroup]:
     """Global index -> its flat group, for every trainable parameter."""
     return {gidx: group for group, gidx, _ in state.members()}
+
+
+# The torch.optim class whose param groups a rule's groups mirror (DCP flattens a param group key by key: both sides
+# must have the same keys for a checkpoint to load across).
+_TORCH_OPTIMIZER = {"adamw": "AdamW", "muon": "Muon"}
+_INTERNAL_KEYS = ("use_muon", "rule", "params", "param_names")
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_group(rule_name: str) -> dict | None:
+    cls = getattr(torch.optim, _TORCH_OPTIMIZER.get(rule_name, ""), None)
+    if cls is None:
+        return None
+    group = cls([torch.nn.Parameter(torch.zeros(2, 2))]).param_groups[0]
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def torch_param_group(rule_name: str, group: dict, own_keys) -> dict:
+    """``group`` (a zero_ext param group, without ``params``) with exactly the keys torch's optimizer for the rule
+    has (values from the group, torch's defaults where the group has none), plus the keys the user added (e.g. a
+    scheduler's ``initial_lr``); the keys only zero_ext knows (``own_keys``: the optimizer's defaults, e.g. Muon's
+    hyperparameters in an AdamW group of ZeroMuon, and ``use_muon``) are left out."""
+    torch_group = _torch_group(rule_name)
+    if torch_group is None:  # a rule registered outside: its group as it is
+        return {k: v for k, v in group.items() if k not in _INTERNAL_KEYS}
+    out = {k: group.get(k, default) for k, default in torch_group.items()}
+    skip = set(own_keys) | set(_INTERNAL_KEYS)
+    out.update({k: v for k, v in group.items() if k not in torch_group and k not in skip})
+    return out

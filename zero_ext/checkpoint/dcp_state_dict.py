@@ -28,10 +28,11 @@ import torch
 from ..engine.param_sync import params_from_master
 from ..engine.sleep import asleep
 from ..update.protocol import MASTER
+from ..update.registry import rule_name_of
 from .agreement import agree, sharded_state_of
 from .dcp_checks import plan_writes
 from .dcp_chunks import FlatPieces
-from .dcp_names import ModelNames
+from .dcp_names import ModelNames, torch_param_group
 from .format import CheckpointError
 from .local_state_dict import owned_runs, read_piece
 
@@ -81,8 +82,10 @@ def get_state_dict(model: torch.nn.Module, optimizer) -> tuple[dict[str, Any], d
             entry[kind] = _pieces(state, gidx, p, kind, owned, fqn)
         optim_state[fqn] = entry
     param_groups = []
-    for g, fqns in zip(optimizer.param_groups, names.group_names(optimizer.param_groups)):
-        saved = {k: v for k, v in g.items() if k not in _NOT_GROUP_KEYS}
+    rules = {group.group_index: group.rule.name for group in state.groups}
+    for gi, (g, fqns) in enumerate(zip(optimizer.param_groups, names.group_names(optimizer.param_groups))):
+        rule = rules.get(gi) or rule_name_of(g, state.default_rule)
+        saved = torch_param_group(rule, {k: v for k, v in g.items() if k not in _NOT_GROUP_KEYS}, optimizer.defaults)
         saved["params"] = fqns
         param_groups.append(saved)
     ordered = {}
