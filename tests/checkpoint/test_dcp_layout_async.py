@@ -6,9 +6,8 @@ what a synchronous save writes though training goes on meanwhile, and host value
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dcp_runs import checkpoint_group, fsdp_model, fsdp_steps, model_for, zero_optimizer, zero_steps
+from dcp_runs import checkpoint_group, fsdp_model, fsdp_steps, model_for, read_whole, zero_optimizer, zero_steps
 from distributed import run_on_ranks
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict as torch_get_state_dict
 
@@ -70,17 +69,11 @@ def _async(rank, world, root, offload):
     return shared
 
 
-def _read_whole(path):
-    sd = {}
-    dcp.load(sd, checkpoint_id=path, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    return sd
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("world,offload", [(2, None), (3, "cpu")])
 def test_async_save_writes_what_sync_save_writes(tmp_path, world, offload):
     assert all(run_on_ranks(world, _async, str(tmp_path), offload)), "a host snapshot was staged a second time"
-    sync, asynchronous = _read_whole(f"{tmp_path}/sync"), _read_whole(f"{tmp_path}/async")
+    sync, asynchronous = read_whole(f"{tmp_path}/sync"), read_whole(f"{tmp_path}/async")
     assert sync.keys() == asynchronous.keys()
     for key, value in sync.items():
         if isinstance(value, torch.Tensor):

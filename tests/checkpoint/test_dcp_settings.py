@@ -6,11 +6,9 @@ exactly, and from fp32 into each setting as that setting encodes it."""
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from dcp_runs import model_for, zero_full, zero_load, zero_optimizer, zero_save, zero_steps
+from dcp_runs import model_for, read_whole, zero_full, zero_load, zero_optimizer, zero_save, zero_steps
 from distributed import run_on_ranks
 from engine_reference import offload_kwargs
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 
 # (offload, mesh shape or None, stage, replicate_state) at 2 ranks and at 3 ranks
 AT_2 = [("none", (2, 1), 2, True), ("cpu", None, 3, False), ("nvme", (1, 2), 1, False), ("cpu", (2, 1), 3, False)]
@@ -89,12 +87,6 @@ def _precision_run(rank, world, root, name, source):
     return True
 
 
-def _whole(path):
-    sd = {}
-    dcp.load(sd, checkpoint_id=path, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    return {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
-
-
 @pytest.mark.slow
 def test_precision_settings_save_canonical_fp32_and_load_into_any(tmp_path):
     root = str(tmp_path)
@@ -103,17 +95,17 @@ def test_precision_settings_save_canonical_fp32_and_load_into_any(tmp_path):
     for name in PRECISIONS:  # every setting's canonical values carry into fp32 exactly
         if name != "fp32":
             run_on_ranks(3, _precision_run, root, "fp32", name)
-            saved, loaded = _whole(f"{root}/{name}"), _whole(f"{root}/{name}-into-fp32")
+            saved, loaded = read_whole(f"{root}/{name}"), read_whole(f"{root}/{name}-into-fp32")
             assert saved.keys() == loaded.keys()
             for key, value in saved.items():
                 assert value.dtype == torch.float32 or key.startswith("model.") and value.dtype != torch.float32
                 assert torch.equal(value, loaded[key]), f"{name} -> fp32: {key}"
-    fp32 = _whole(f"{root}/fp32")
+    fp32 = read_whole(f"{root}/fp32")
     for name in PRECISIONS:  # and fp32 into each setting, as the setting encodes it
         if name == "fp32":
             continue
         run_on_ranks(3, _precision_run, root, name, "fp32")
-        loaded = _whole(f"{root}/fp32-into-{name}")
+        loaded = read_whole(f"{root}/fp32-into-{name}")
         for key, value in fp32.items():
             got, moment = loaded[key], key.endswith(("exp_avg", "exp_avg_sq"))
             if name == "bf16-moments" and moment:  # stored rounded to nearest even

@@ -139,3 +139,20 @@ def fsdp_load(model, opt, path: str) -> None:
     sd = {"model": msd, "optim": osd}
     dcp.load(sd, checkpoint_id=path)
     torch_set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+def read_whole(path: str) -> dict:
+    """A DCP checkpoint read whole in this process by torch's own converter (dcp_to_torch_save), flattened to DCP's
+    keys (``model.<fqn>``, ``optim.state.<fqn>.<kind>``, ...)."""
+    import os
+    import tempfile
+
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(path, os.path.join(tmp, "whole.pt"))
+        whole = torch.load(os.path.join(tmp, "whole.pt"), weights_only=False)
+    flat, _ = flatten_state_dict(whole)
+    assert any(k.startswith("model.") for k in flat), f"{path}: nothing read"
+    return flat
