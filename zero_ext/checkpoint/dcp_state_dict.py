@@ -68,8 +68,9 @@ def get_state_dict(model: torch.nn.Module, optimizer) -> tuple[dict[str, Any], d
     groups = {gidx: group for group, gidx, _ in state.members()}
     masters = {gidx: _pieces(state, gidx, p, MASTER, owned, names.managed[gidx]) for gidx, p in members.items()}
     model_sd: dict[str, Any] = {}
+    index_of = {id(p): gidx for gidx, p in members.items()}
     for key, t in names.tensors.items():
-        gidx = next((g for g, p in members.items() if p is t), None) if id(t) in names.managed_ids else None
+        gidx = index_of.get(id(t))
         model_sd[key] = masters[gidx] if gidx is not None else t.detach().clone()
     steps = state.step_counts.values()
     optim_state: dict[str, dict[str, Any]] = {}
