@@ -70,8 +70,8 @@ def check_against_checkpoint(checkpoint_id: str | os.PathLike, state_dict: dict[
         if theirs is not None and theirs != kinds:
             raise CheckpointError(
                 f"{checkpoint_id}: the optimizer state of {fqn!r} holds {sorted(theirs)}, this optimizer keeps "
-                f"{sorted(kinds)}: the checkpoint was saved by another optimizer (e.g. torch.optim.SGD keeps "
-                "momentum_buffer, AdamW exp_avg / exp_avg_sq / step, Muon momentum_buffer) or with another amsgrad"
+                f"{sorted(kinds)}: the checkpoint was saved by another optimizer (e.g. torch.optim.SGD, which keeps "
+                "momentum_buffer) or with another amsgrad"
             )
     missing = sorted(k for k in flat if k not in saved)
     extra = sorted(k for k in saved if k not in flat and not k.startswith(f"{optim}.param_groups"))
