@@ -10,6 +10,8 @@ they measure the checkpoint code, not the disk. Times are the slowest rank's (a 
     python bench/bench_checkpoint.py                 # 1, 2, 3 ranks, 3 repetitions, ~2 GB of disk
     python bench/bench_checkpoint.py --worlds 2 --reps 1 --params 20e6
     python bench/bench_checkpoint.py --worlds 1 2 --reps 1 --dim 256 --params 2e5 --out-dir /tmp/ckpt   # seconds
+    python bench/bench_checkpoint.py --dcp --worlds 1 2 --reps 3   # dcp.save / dcp.async_save vs checkpoint.save
+                                                                    # (checkpoint_dcp_rows.py; results checkpoint_dcp.*)
 """
 
 from __future__ import annotations
@@ -90,8 +92,11 @@ def main() -> None:
     ap.add_argument(
         "--out-dir", default=str(RESULTS), help="where to write <out>.{json,md,csv} (default: bench/results)"
     )
+    ap.add_argument("--dcp", action="store_true", help="torch.distributed.checkpoint rows (checkpoint_dcp_rows.py)")
     args = ap.parse_args()
     m = meta(torch.device("cpu"))
+    if args.dcp:
+        return _main_dcp(args, m)
     table, csv_rows = [], []
     for world in args.worlds:
         root = tempfile.mkdtemp(prefix="zero_ext_ckpt_bench_", dir=args.dir)
@@ -132,6 +137,32 @@ def main() -> None:
         w.writeheader()
         w.writerows(csv_rows)
     print("wrote", *[str(p) for p in paths], str(csv_path))
+
+
+def _main_dcp(args, m) -> None:
+    from checkpoint_dcp_rows import HEADERS, run_dcp, table_rows
+
+    table, raw = [], []
+    for world in args.worlds:
+        root = tempfile.mkdtemp(prefix="zero_ext_dcp_bench_", dir=args.dir)
+        try:
+            res = launch(run_dcp, world, "cpu", int(args.params), args.dim, args.reps, root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        raw += [dict(world=world, numel=res["numel"], **r) for r in res["rows"]]
+        table += table_rows(world, res, args.reps)
+    print(text_table(HEADERS, table))
+    body = (
+        "fp32 params, ZeroAdamW stage 2. zero_ext.save writes master + exp_avg + exp_avg_sq (12 B/param); dcp.save / "
+        "dcp.async_save write zero_ext.checkpoint.get_state_dict (the fp32 master as the model's weights, exp_avg, "
+        "exp_avg_sq, step: 12 B/param) with FileSystemWriter; async on its own gloo group. blocking = until the call "
+        "returns (for DCP including get_state_dict's snapshot); total = until the files are written. Times: slowest "
+        f"rank, median (min-max) of {args.reps} interleaved repetitions; peak RSS: above the level before the call.\n\n"
+        + markdown_table(HEADERS, table)
+    )
+    stem = args.out if args.out != "checkpoint" else "checkpoint_dcp"
+    paths = write_results(stem, m, {"rows": raw}, body, args.out_dir)
+    print("wrote", *[str(p) for p in paths])
 
 
 if __name__ == "__main__":

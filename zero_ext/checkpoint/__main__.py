@@ -1,10 +1,12 @@
-"""``python -m zero_ext.checkpoint consolidate PATH OUT``: a sharded checkpoint to safetensors, no GPU needed."""
+"""``python -m zero_ext.checkpoint consolidate PATH OUT``: a sharded checkpoint (zero_ext's, or a DCP one: a directory
+with ``.metadata``) to safetensors, no GPU needed."""
 
 from __future__ import annotations
 
 import os
 
 from .consolidate import consolidate
+from .dcp_export import export_dcp, is_dcp_checkpoint
 from .format import CheckpointError
 
 
@@ -18,7 +20,10 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("out")
     args = parser.parse_args(argv)
     try:
-        consolidate(args.path, args.out)
+        if is_dcp_checkpoint(args.path):  # torch.distributed.checkpoint's (zero_ext's get_state_dict, or FSDP2's)
+            export_dcp(args.path, args.out)
+        else:
+            consolidate(args.path, args.out)
     except CheckpointError as e:
         parser.exit(1, f"error: {e}\n")
     print(f"wrote {os.path.join(args.out, 'optimizer.safetensors')} and {os.path.join(args.out, 'model.safetensors')}")

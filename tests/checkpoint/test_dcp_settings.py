@@ -1,0 +1,126 @@
+"""DCP checkpoints of ZeroAdamW across settings: offload none / cpu / nvme, 1-D and HSDP meshes (state sharded over
+every rank, or replicated over the replicas: DCP writes a replicated box once), stages, 2 -> 3 ranks and back, each
+resumed run bitwise the uninterrupted one (fp32 parameters and moments); and precision settings (bf16 / int8
+moments, bf16 parameters with and without param_remainders): saved as their canonical fp32 values, loaded into fp32
+exactly, and from fp32 into each setting as that setting encodes it."""
+
+import pytest
+import torch
+from dcp_runs import model_for, read_whole, zero_full, zero_load, zero_optimizer, zero_save, zero_steps
+from distributed import run_on_ranks
+from engine_reference import offload_kwargs
+
+from zero_ext.update import blockwise_int8 as q8
+
+# (offload, mesh shape or None, stage, replicate_state) at 2 ranks and at 3 ranks
+AT_2 = [("none", (2, 1), 2, True), ("cpu", None, 3, False), ("nvme", (1, 2), 1, False), ("cpu", (2, 1), 3, False)]
+AT_3 = [("cpu", (3, 1), 3, False), ("nvme", None, 2, False), ("none", (1, 3), 1, False), ("none", (3, 1), 2, True)]
+SAVED_AT, STOP = 2, 4
+
+
+def _optimizer(model, setting, root, rank, tag, **kw):
+    offload, shape, stage, replicated = setting
+    extra = offload_kwargs(offload, root, rank, tag, 3 * 12 * 4096) if offload != "none" else {}
+    if shape is not None:
+        extra["replicate_state"] = replicated
+    return zero_optimizer(model, stage, shape, **extra, **kw)
+
+
+def _save_all(rank, world, root, settings):
+    finals = {}
+    for i, setting in enumerate(settings):
+        model = model_for(torch.float32)
+        opt = _optimizer(model, setting, root, rank, f"save-w{world}-{i}")
+        zero_steps(model, opt, 0, SAVED_AT)
+        zero_save(model, opt, f"{root}/w{world}-{i}")
+        zero_steps(model, opt, SAVED_AT, STOP)
+        finals[f"w{world}-{i}"] = zero_full(model, opt)
+    return finals
+
+
+def _resume_all(rank, world, root, settings, sources):
+    out = {}
+    for i, setting in enumerate(settings):
+        for source in sources:
+            model = model_for(torch.float32)
+            opt = _optimizer(model, setting, root, rank, f"load-w{world}-{i}-{source}")
+            zero_load(model, opt, f"{root}/{source}")
+            zero_steps(model, opt, SAVED_AT, STOP)
+            out[(source, i)] = zero_full(model, opt)
+    return out
+
+
+@pytest.mark.slow
+def test_offload_meshes_stages_across_world_sizes_bitwise(tmp_path):
+    root = str(tmp_path)
+    finals = {**run_on_ranks(2, _save_all, root, AT_2)[0], **run_on_ranks(3, _save_all, root, AT_3)[0]}
+    first = next(iter(finals.values()))
+    for name, params in finals.items():  # the uninterrupted runs: one result whatever the setting
+        assert all(torch.equal(v, first[k]) for k, v in params.items()), name
+    for world, settings, sources in (
+        (3, AT_3, [f"w2-{i}" for i in range(4)]),
+        (2, AT_2, [f"w3-{i}" for i in range(4)]),
+    ):
+        for (source, i), params in run_on_ranks(world, _resume_all, root, settings, sources)[0].items():
+            for key, value in params.items():
+                assert torch.equal(value, first[key]), f"{source} -> {settings[i]} on {world} ranks: {key}"
+
+
+PRECISIONS = {
+    "fp32": dict(),
+    "bf16-moments": dict(moment_dtype=torch.bfloat16),
+    "int8-moments": dict(moment_dtype=torch.int8),
+    "bf16-remainders": dict(dtype=torch.bfloat16, param_remainders=True),
+    "bf16-params": dict(dtype=torch.bfloat16),
+}
+
+
+def _precision_run(rank, world, root, name, source):
+    """``source`` None: train and save; else load ``source`` and save again at once (what the setting holds)."""
+    kw = dict(PRECISIONS[name])
+    model = model_for(kw.pop("dtype", torch.float32))
+    opt = zero_optimizer(model, 2 if source is None else 3, **kw)
+    if source is None:
+        zero_steps(model, opt, 0, SAVED_AT)
+        zero_save(model, opt, f"{root}/{name}")
+    else:
+        zero_load(model, opt, f"{root}/{source}")
+        zero_save(model, opt, f"{root}/{source}-into-{name}")
+    return True
+
+
+@pytest.mark.slow
+def test_precision_settings_save_canonical_fp32_and_load_into_any(tmp_path):
+    root = str(tmp_path)
+    for name in PRECISIONS:
+        run_on_ranks(2, _precision_run, root, name, None)
+    for name in PRECISIONS:  # every setting's canonical values carry into fp32 exactly
+        if name != "fp32":
+            run_on_ranks(3, _precision_run, root, "fp32", name)
+            saved, loaded = read_whole(f"{root}/{name}"), read_whole(f"{root}/{name}-into-fp32")
+            assert saved.keys() == loaded.keys()
+            for key, value in saved.items():
+                if isinstance(value, torch.Tensor):
+                    # canonical fp32 whatever the setting keeps; the frozen parameter as the model holds it
+                    assert value.dtype == torch.float32 or key == "model.blocks.0.ln1.weight", key
+                    assert torch.equal(value, loaded[key]), f"{name} -> fp32: {key}"
+    fp32 = read_whole(f"{root}/fp32")
+    for name in PRECISIONS:  # and fp32 into each setting, as the setting encodes it
+        if name == "fp32":
+            continue
+        run_on_ranks(3, _precision_run, root, name, "fp32")
+        loaded = read_whole(f"{root}/fp32-into-{name}")
+        for key, value in fp32.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            got, moment = loaded[key], key.endswith(("exp_avg", "exp_avg_sq"))
+            if name == "bf16-moments" and moment:  # stored rounded to nearest even
+                assert torch.equal(got, value.bfloat16().float()), key
+            elif name == "int8-moments" and moment:  # each parameter's 64-element blocks, quantized with its map
+                qmap = q8.EXP_AVG_MAP if key.endswith("exp_avg") else q8.EXP_AVG_SQ_MAP
+                expected = q8.dequantize(*q8.quantize(value, qmap=qmap), qmap=qmap).reshape(value.shape)
+                assert torch.equal(got, expected), key
+            elif name == "bf16-params" and key.startswith("model.") and value.dtype == torch.float32:
+                assert torch.equal(got, value), key  # the fp32 master kept beside bf16 parameters
+            else:
+                assert torch.equal(got, value), f"fp32 -> {name}: {key}"
