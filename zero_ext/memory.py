@@ -1,7 +1,7 @@
 """Model-state memory: the ZeRO formula, and the per-rank ledger of what the engine actually allocated.
 
 ZeRO (Rajbhandari et al., 2019) counts mixed-precision Adam as 2 (fp16/bf16 params) + 2 (grads) + K bytes per
-parameter, K the optimizer state: the update rule's bytes per element (:mod:`zero_ext.update.rule`; AdamW's fp32 master
+parameter, K the optimizer state: the update rule's bytes per element (:mod:`zero_ext.update.adamw`; AdamW's fp32 master
 and two moments: K = 12). Per rank, with N ranks and Psi parameters, for K = 12:
 
     stage 0 (DDP)  16 Psi              stage 2   2 Psi + 14 Psi / N
@@ -36,8 +36,8 @@ import torch
 
 from .owner_layout import OwnerLayout, newton_schulz_cost
 from .update import blockwise_int8
+from .update.adamw import MOMENT_DTYPES, AdamW
 from .update.muon import Muon
-from .update.rule import MOMENT_DTYPES, AdamW
 
 if TYPE_CHECKING:  # a type only: buffers.py never imports this module back
     from .state.sharded_state import ShardedState

@@ -56,7 +56,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             ``requires_grad=False`` are left alone; one made trainable later makes ``step()`` raise (it has no
             shard). To unfreeze gradually, leave frozen parameters out and add them with :meth:`add_param_group`.
         lr, betas, eps, weight_decay, amsgrad, maximize: ``torch.optim.AdamW``'s, with its meaning (the update
-            rule, :mod:`zero_ext.update.rule`: torch's operation order, its moments to the bit). ``amsgrad`` keeps a
+            rule, :mod:`zero_ext.update.adamw`: torch's operation order, its moments to the bit). ``amsgrad`` keeps a
             fourth fp32 kind of state (torch's running maximum of the second moment) and is fixed per param group at
             construction; ``maximize`` may change between steps.
         foreach, capturable, differentiable, fused: ``torch.optim.AdamW``'s implementation selectors, accepted so
