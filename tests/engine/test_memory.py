@@ -33,7 +33,7 @@ def test_estimate_formulas_and_errors():
 def test_estimate_docstring_examples():
     import doctest
 
-    assert doctest.testmod(memory, raise_on_error=True).attempted >= 2
+    assert doctest.testmod(memory.formula, raise_on_error=True).attempted >= 2  # estimate()'s examples
 
 
 @pytest.mark.parametrize(

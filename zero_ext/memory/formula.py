@@ -34,13 +34,13 @@ from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
-from .owner_layout import OwnerLayout, newton_schulz_cost
-from .update import blockwise_int8
-from .update.adamw import MOMENT_DTYPES, AdamW
-from .update.muon import Muon
+from ..owner_layout import OwnerLayout, newton_schulz_cost
+from ..update import blockwise_int8
+from ..update.adamw import MOMENT_DTYPES, AdamW
+from ..update.muon import Muon
 
 if TYPE_CHECKING:  # a type only: buffers.py never imports this module back
-    from .state.sharded_state import ShardedState
+    from ..state.sharded_state import ShardedState
 
 __all__ = [
     "estimate", "estimate_breakdown", "state_bytes_per_element", "moment_bytes", "INT8_BLOCK", "MemoryReport",
