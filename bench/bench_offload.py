@@ -39,7 +39,7 @@ from zero_ext import ZeroAdamW
 from zero_ext.placement.disk import chunk_numel
 from zero_ext.placement.files import ALIGN
 from zero_ext.placement.offload import DEFAULT_WINDOW
-from zero_ext.update.rule import AdamW
+from zero_ext.update.adamw import AdamW
 
 assert disk_probe.ALIGN == ALIGN, "the probe's transfers must be aligned as the optimizer's are"
 

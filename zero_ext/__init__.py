@@ -9,7 +9,7 @@ kernels; ``zero_ext.checkpoint`` saves and reshards; ``zero_ext.memory`` estimat
 from . import ops  # noqa: I001  (first: registers torch.ops.zero_ext.*)
 from . import checkpoint, memory
 from .comm.divergence import RanksDiverged
-from .muon import ZeroMuon
+from .zero_muon import ZeroMuon
 from .optimizer import ZeroAdamW
 
 __all__ = ["RanksDiverged", "ZeroAdamW", "ZeroMuon", "checkpoint", "memory", "ops"]

@@ -33,7 +33,7 @@ Every range has a name and one place that computes it (apex's ``ParameterFragmen
 
 Every element also has a *canonical* index: its place in the layout of one rank with one bucket larger than every
 parameter (``canonical_offsets``: the parameters in placement order, each 16-aligned). bf16 moments' stochastic
-rounding keys on it (:mod:`zero_ext.update.rule`), so that an element rounds the same way whatever the world size, stage or
+rounding keys on it (:mod:`zero_ext.update.adamw`), so an element rounds the same way whatever the world size, stage or
 bucket size. Inside a bucket the parameters are packed as they are there (from a 64-aligned start, each 16-aligned;
 a split parameter is one contiguous run across its buckets), so a bucket's canonical indices are its flat offsets
 plus one shift per bucket (``Layout.canonical_start``). Padding gets the indices that follow; it is zero, and zero

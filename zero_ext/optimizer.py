@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 
 from . import memory
-from .build.group_adder import GroupAdder
-from .build.meta_init import initialise_shards
-from .build.state_builder import StateBuilder
 from .checkpoint.local_state_dict import load_local_state_dict, local_state_dict
 from .comm import Communicator
 from .comm.divergence import DivergenceWatch
+from .construction.group_adder import GroupAdder
+from .construction.meta_init import initialise_shards
+from .construction.state_builder import StateBuilder
 from .engine.config import EngineConfig
 from .engine.engine import Engine
 from .engine.full_params import named_full_params
@@ -56,7 +56,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             ``requires_grad=False`` are left alone; one made trainable later makes ``step()`` raise (it has no
             shard). To unfreeze gradually, leave frozen parameters out and add them with :meth:`add_param_group`.
         lr, betas, eps, weight_decay, amsgrad, maximize: ``torch.optim.AdamW``'s, with its meaning (the update
-            rule, :mod:`zero_ext.update.rule`: torch's operation order, its moments to the bit). ``amsgrad`` keeps a
+            rule, :mod:`zero_ext.update.adamw`: torch's operation order, its moments to the bit). ``amsgrad`` keeps a
             fourth fp32 kind of state (torch's running maximum of the second moment) and is fixed per param group at
             construction; ``maximize`` may change between steps.
         foreach, capturable, differentiable, fused: ``torch.optim.AdamW``'s implementation selectors, accepted so
@@ -114,8 +114,8 @@ class ZeroAdamW(torch.optim.Optimizer):
             (the finest window; torch.compile then breaks the graph at each).
         param_init: stage 3, for a model built on the ``meta`` device (larger than one rank's memory): a function
             ``init(module)`` that initialises one module's own parameters and buffers in place (like
-            ``reset_parameters``); only this rank's shard is ever materialised (see :mod:`zero_ext.build.meta_init`).
-            Seed torch identically on every rank first.
+            ``reset_parameters``); only this rank's shard is ever materialised (see
+            :mod:`zero_ext.construction.meta_init`). Seed torch identically on every rank first.
         param_device: where a meta model's shards live (default: the current CUDA device, else the CPU).
         defer_all_gather_to: the model, to let ``step()`` return without waiting for the parameter all-gather:
             forward hooks wait for each bucket just before it is used (implies ``module=``). Parameters read
@@ -317,10 +317,10 @@ class ZeroAdamW(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group, as torch does (its missing hyperparameters are the optimizer's defaults): a new flat
         group of its parameters, sharded and stepped like the others from the next ``step()`` (their step counts
-        start at 0), and in checkpoints from then on (:mod:`zero_ext.build.group_adder`). Collective: every rank adds the
-        same group, between steps (not inside forward, backward or ``gathered_params()``); a group that is invalid
-        on some rank or differs between ranks raises on every rank, nothing changed. The way to unfreeze: build the
-        optimizer from the trainable parameters only, then ``p.requires_grad_(True)`` for a block and
+        start at 0), and in checkpoints from then on (:mod:`zero_ext.construction.group_adder`). Collective: every
+        rank adds the same group, between steps (not inside forward, backward or ``gathered_params()``); a group that
+        is invalid on some rank or differs between ranks raises on every rank, nothing changed. The way to unfreeze:
+        build the optimizer from the trainable parameters only, then ``p.requires_grad_(True)`` for a block and
         ``opt.add_param_group({"params": block.parameters(), "lr": lr / 10})`` on every rank."""
         if getattr(self, "_constructing", False):
             super().add_param_group(param_group)  # (torch's warning for a parameter listed twice)

@@ -27,7 +27,7 @@ from gpt_model import GPT, GPTConfig  # noqa: E402
 
 from zero_ext import ZeroAdamW, ops
 from zero_ext.update import master_split  # noqa: E402
-from zero_ext.update.rule import AdamW  # noqa: E402
+from zero_ext.update.adamw import AdamW  # noqa: E402
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=3)
 BYTES = {"fp32_master": 28, "remainders": 26}

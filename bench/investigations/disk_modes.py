@@ -109,7 +109,7 @@ def main() -> None:
 
     from zero_ext.placement.disk import chunk_numel
     from zero_ext.placement.offload import DEFAULT_WINDOW
-    from zero_ext.update.rule import AdamW
+    from zero_ext.update.adamw import AdamW
 
     info = meta(torch.device("cpu"))
     rule = AdamW(torch.bfloat16)

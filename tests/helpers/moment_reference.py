@@ -38,7 +38,7 @@ def canonical_offsets(numels) -> list[int]:
 
 
 def rounding_seed(group_index: int, dtype: torch.dtype) -> int:
-    """The engine's documented seed of a flat group (zero_ext.update.rule: crc32 of 'param group/param dtype')."""
+    """The engine's documented seed of a flat group (zero_ext.update.adamw: crc32 of 'param group/param dtype')."""
     return zlib.crc32(f"{group_index}/{dtype}".encode())
 
 

@@ -108,3 +108,24 @@ def test_import_zero_ext_exposes_its_parts():
     code = "import zero_ext; print(zero_ext.checkpoint.save, zero_ext.memory.estimate, zero_ext.ops.fused_adamw_)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_public_module_names_survive_the_moves():
+    """The names README, docs/ and bench/ give keep working after the modules moved (issue 47): zero_ext.memory's
+    functions and report, zero_ext.comm_time (every public name of memory/comm_time.py, the same objects), ZeroMuon."""
+    import zero_ext.comm_time
+
+    moved = zero_ext.memory.comm_time
+    tree = ast.parse(Path(moved.__file__).read_text())
+    defined = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    defined += [t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)]
+    public = [n for n in defined if not n.startswith("_")]
+    assert {"estimate_step", "mesh_groups", "StepComm", "GBIT", "FACTOR"} <= set(public), public
+    for name in public:
+        assert getattr(zero_ext.comm_time, name, None) is getattr(moved, name), f"zero_ext.comm_time.{name}"
+    assert zero_ext.comm_time.__all__ == moved.__all__
+    assert zero_ext.memory.report.__module__ == "zero_ext.memory.ledger"  # the function, not a submodule
+    for name in zero_ext.memory.__all__:
+        assert hasattr(zero_ext.memory, name), name
+    assert zero_ext.memory.estimate(7_500_000_000, 64, 2) == zero_ext.memory.formula.estimate(7_500_000_000, 64, 2)
+    assert zero_ext.ZeroMuon.__module__ == "zero_ext.zero_muon"

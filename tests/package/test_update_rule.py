@@ -1,5 +1,5 @@
 """The update rule is the one place that knows AdamW's state: every other engine file derives kinds, sizes and
-names from it (zero_ext/update/rule.py), so a new kind of state touches the rule and its kernel only."""
+names from it (zero_ext/update/adamw.py), so a new kind of state touches the rule and its kernel only."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from zero_ext import memory
-from zero_ext.update.rule import MASTER, AdamW, default_bytes_per_element
+from zero_ext.update.adamw import MASTER, AdamW, default_bytes_per_element
 
 PACKAGE = Path(__file__).resolve().parents[2] / "zero_ext"
 # The rule, the kernels' own wrappers (their keyword arguments are the kernels' signatures) and the plain-torch
 # references of the kernel's arithmetic (they spell out which bits of which moment the kernel uses).
 ALLOWED = {
-    "update/rule.py",
+    "update/adamw.py",
     "ops/__init__.py",
     "ops/int8.py",
     "update/master_split.py",

@@ -17,7 +17,7 @@ from tiny_transformer import batch, build, loss_fn
 
 from zero_ext import ZeroAdamW, checkpoint
 from zero_ext.layout import Range
-from zero_ext.update.rule import AdamW
+from zero_ext.update.adamw import AdamW
 
 pytestmark = pytest.mark.skipif(
     not hasattr(AdamW(torch.bfloat16, param_remainders=True), "tie_kind"),

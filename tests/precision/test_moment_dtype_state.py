@@ -25,7 +25,7 @@ from tiny_transformer import build
 
 from zero_ext import ZeroAdamW, checkpoint
 from zero_ext.layout import PARAM_ALIGN, Layout
-from zero_ext.update.rule import MASTER, AdamW
+from zero_ext.update.adamw import MASTER, AdamW
 
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")

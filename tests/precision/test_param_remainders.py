@@ -28,7 +28,7 @@ from tiny_transformer import batch, build, loss_fn
 from zero_ext import ZeroAdamW, checkpoint
 from zero_ext.layout import Range
 from zero_ext.update import master_split
-from zero_ext.update.rule import AdamW
+from zero_ext.update.adamw import AdamW
 
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 BUCKET = 1500
@@ -446,7 +446,7 @@ def test_memory_nvme(tmp_path):
 # ---------------------------------------------------------------- the rule and the formulas
 def test_rule_stores_a_remainder_and_saves_the_master():
     from zero_ext.memory import estimate
-    from zero_ext.update.rule import MASTER, REMAINDER, AdamW
+    from zero_ext.update.adamw import MASTER, REMAINDER, AdamW
 
     rule = AdamW(torch.bfloat16, amsgrad=True, param_remainders=True)
     assert rule.kind_names == (REMAINDER, "exp_avg", "exp_avg_sq", "max_exp_avg_sq")

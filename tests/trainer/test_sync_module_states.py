@@ -14,8 +14,8 @@ from engine_reference import params_digest
 from torch import nn
 
 from zero_ext import ZeroAdamW
-from zero_ext.build.module_sync import broadcast_from_rank0
 from zero_ext.comm import communicator_for
+from zero_ext.construction.module_sync import broadcast_from_rank0
 
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 VOCAB, DIM, SEED = 37, 24, 1234

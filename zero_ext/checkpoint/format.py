@@ -6,7 +6,7 @@ A checkpoint directory (format version ``FORMAT_VERSION``) holds::
     meta.json          rank 0: format, version, world size, stage, step, param groups (hyperparameters) and
                        every trainable parameter by global index: name, shape, dtype, param group, its own step
     rank00000.bin      rank r's shards as raw little-endian arrays, one section per (flat group, kind):
-                       every kind of the group's update rule (zero_ext.update.rule: master and the moments, each
+                       every kind of the group's update rule (zero_ext.update.adamw: master and the moments, each
                        under its name) and, for bf16/fp16 params, param (param dtype).
                        Each section is the rank's whole shard in shard order (padding included), so element s of
                        the shard sits at ``section offset + s * itemsize``; sections start 4 KiB aligned.

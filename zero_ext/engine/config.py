@@ -13,8 +13,8 @@ import torch.distributed as dist
 from ..comm import Communicator
 from ..comm.mesh import check_mesh
 from ..placement.offload import check_offload_options
+from ..update.adamw import check_flag, check_moment_dtype
 from ..update.registry import DEFAULT_RULE
-from ..update.rule import check_flag, check_moment_dtype
 from .gather_units import check_gather_units
 from .options import check_collective_timeout, check_options, check_process_group, check_stage3_options
 from .stages import Stage, stage_for

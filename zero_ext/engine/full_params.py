@@ -25,7 +25,7 @@ from typing import Iterator, Optional
 import torch
 
 from ..state.sharded_state import FlatGroup, ShardedState
-from ..update.rule import MASTER
+from ..update.adamw import MASTER
 from .model_state import ModelState
 from .sleep import asleep
 

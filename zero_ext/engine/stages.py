@@ -25,7 +25,7 @@ from ..placement.offload import placement_class
 from ..state.params import FullParams
 from ..state.sharded_params import ShardedParams
 from ..state.sharded_state import FlatGroup, ShardedState
-from ..update.rule import MASTER
+from ..update.adamw import MASTER
 from .bucket_runtime import ParamState
 from .grads import BufferedGrads, Fp32GradBuffer, GradStrategy, ShardGrads, StagedGrads
 from .param_gather import ParamGather

@@ -1,5 +1,5 @@
 """AdamW's scalars: the "Python number or one-element tensor" split, checked where they are set (the update rule,
-:mod:`zero_ext.update.rule`, resolves them once per ``step()`` into the kernel's arguments).
+:mod:`zero_ext.update.adamw`, resolves them once per ``step()`` into the kernel's arguments).
 
 Values inside tensors are checked wherever reading them costs no device synchronisation: CPU tensors always, CUDA
 tensors at construction only (``read_device_values=True``). Inside ``step()`` a CUDA tensor's value is trusted.

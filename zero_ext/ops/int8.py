@@ -2,7 +2,7 @@
 ``torch.ops.zero_ext.fused_adamw_int8_`` and its fake (meta) impl. The maps, the block layout and the plain-torch
 reference of the same arithmetic are in :mod:`zero_ext.update.blockwise_int8` and tests/helpers/int8_reference.py.
 
-How the engine uses it (``ZeroAdamW(moment_dtype=torch.int8)``; zero_ext/update/rule.py):
+How the engine uses it (``ZeroAdamW(moment_dtype=torch.int8)``; zero_ext/update/adamw.py):
 
 - State per flat group shard of ``n`` elements: ``exp_avg_codes`` / ``exp_avg_sq_codes`` int8 ``[n]``, and
   ``exp_avg_scales`` / ``exp_avg_sq_scales`` fp32 ``[ceil(n / 64)]``; zero-initialised (codes 0, scales 0) is the

@@ -27,7 +27,7 @@ import torch
 
 from ..layout import Bucket, Range
 from ..update import blockwise_int8, master_split
-from ..update.rule import MASTER, REMAINDER, UpdateRule
+from ..update.adamw import MASTER, REMAINDER, UpdateRule
 
 
 class Store(Protocol):

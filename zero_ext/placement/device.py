@@ -7,7 +7,7 @@ gradient goes (:meth:`grad_target`, then :meth:`landed`), the step asks for upda
 (:meth:`unit_done`), so a placement can move state in before an update and out after it, overlapping the next one.
 Serialisers read and write through :meth:`read` / :meth:`write` by shard range.
 
-Kinds: those of the rule (:mod:`zero_ext.update.rule`; the fp32 ``master`` first, absent in memory for fp32 params
+Kinds: those of the rule (:mod:`zero_ext.update.adamw`; the fp32 ``master`` first, absent in memory for fp32 params
 kept with their parameters: its views then come from the param buffer) and ``grad`` (the reduced gradient shard).
 ``master_copy`` says whether this placement stores a master apart from the parameters (not with ``param_remainders``:
 the master is then the parameters' rank slices joined with the ``remainder`` kind and a tie bit).
@@ -28,7 +28,7 @@ from typing import Iterator, Mapping, NamedTuple, Optional, Sequence
 import torch
 
 from ..layout import Bucket, Layout, Range
-from ..update.rule import MASTER, REMAINDER, UpdateRule
+from ..update.adamw import MASTER, REMAINDER, UpdateRule
 from .codecs import StateCodec
 
 

@@ -27,8 +27,8 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from ..layout import Bucket, Layout, Range
+from ..update.adamw import REMAINDER, UpdateRule
 from ..update.protocol import PARAMETERS
-from ..update.rule import REMAINDER, UpdateRule
 from .device import BucketState, Unit, items_of, views_of
 from .files import ALIGN, StateFiles, aligned_buffer, granule
 from .host import HostGradients, copy_runs_to_device, fetch_params

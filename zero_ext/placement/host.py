@@ -26,7 +26,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from ..layout import Bucket, Layout, Range
-from ..update.rule import MASTER, UpdateRule
+from ..update.adamw import MASTER, UpdateRule
 from .device import BucketState, DeviceState, Unit, items_of, views_of
 
 # Bucket shards in flight between their reduce-scatter and the host grad shard: on CUDA, the fifth launch waits for

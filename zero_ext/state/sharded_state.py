@@ -3,7 +3,7 @@
 ``ShardedState`` is the seam every other part of zero_ext reads (``state_dict``, ``checkpoint``, ``memory``, the
 tests): the flat groups with their parameters' global indices, names, param group and update rule, the step and
 skip counters (device scalars), the stage and the communicator. ``ZeroAdamW.sharded_state`` returns it. It is built
-whole (:mod:`zero_ext.build.state_builder`) and only ever grows, in place, by the flat groups ``add_param_group``
+whole (:mod:`zero_ext.construction.state_builder`) and only ever grows, in place, by the flat groups ``add_param_group``
 builds (:meth:`ShardedState.add_groups`); nothing else is assigned to it from outside.
 """
 

@@ -1,5 +1,5 @@
 """A constructor argument check that fails on some ranks only fails every rank: the failing rank joins the others'
-first agreement (:func:`zero_ext.build.planning.agree_on_plan`, where every rank says whether it planned
+first agreement (:func:`zero_ext.construction.planning.agree_on_plan`, where every rank says whether it planned
 successfully) with "failed" before it raises its own error, so they raise "construction failed on rank(s) [...]"
 instead of waiting for it. Where every rank fails alike (the usual case), they agree among themselves and each raises
 its error. Nothing was built before the checks: a failed constructor changes nothing."""

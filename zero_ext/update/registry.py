@@ -5,7 +5,7 @@ builds the rule of one flat group: ``param_dtype`` its parameters' dtype, ``grou
 checkpoint's recorded hyperparameters, decoded or not), ``options`` the optimizer's :class:`RuleOptions`; it
 raises ``ValueError`` for an option it does not support. ``saved_kinds``: every kind the rule may save, so that a
 checkpoint's sections can be checked before any rule is built. AdamW registers itself as ``"adamw"``
-(:mod:`.rule`); a rule written elsewhere registers itself the same way, before the optimizer is built or a
+(:mod:`.adamw`); a rule written elsewhere registers itself the same way, before the optimizer is built or a
 checkpoint naming it is read.
 
 A param group picks its rule with the key ``"rule"`` (a registered name); without it, the optimizer's default
