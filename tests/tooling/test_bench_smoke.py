@@ -6,6 +6,7 @@ test_profile_overlap.py. Marked slow: each run starts processes (about 3 minutes
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -305,7 +306,10 @@ def test_offload_tiny(tmp_path):
     (size,) = res["sizes"]
     assert size["bitwise_equal"] == {"cpu": True, "nvme": True}
     assert all(size[m]["step"]["median_s"] > 0 for m in ("memory", "cpu", "nvme"))
-    assert size["disk"]["read_write_GBps"] > 0 and size["nvme_vs_disk"] > 0 and size["nvme_vs_disk_per_round"] > 0
+    # the ratios are differences of timings: at this size noise, which can make one negative on a busy machine (a
+    # figure for bench/, never a timed assertion); they must be computed, finite
+    assert size["disk"]["read_write_GBps"] > 0
+    assert all(math.isfinite(size[k]) for k in ("nvme_vs_disk", "nvme_vs_disk_per_round"))
     assert "cpu_extra_per_round_s" in size
     assert (tmp_path / "off.png").exists() and not (tmp_path / "state").exists()
 
