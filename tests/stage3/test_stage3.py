@@ -179,6 +179,10 @@ def _outside_forward(rank, world):
     for like in (torch.randn_like(w), torch.zeros_like(w), torch.full_like(w, 2.0), w.new_zeros(3, 4)):
         assert type(like) is torch.Tensor and like.dtype == torch.bfloat16
     assert torch.randn_like(w).shape == (93, 24) and bool((torch.ones_like(w) == 1).all())
+    # what dynamo's fakeification asks of a tensor it traces: metadata, no gather (a rank recompiling alone would
+    # otherwise start a collective the others never join: a hang seen in the full suite)
+    assert not (w.is_conj() or w.is_neg() or w.is_inference() or w._is_zerotensor() or w.is_shared())
+    assert w.is_signed() and w.dim_order() == (0, 1) and not w.is_pinned()
     for read in (lambda: w.sum(), lambda: w * 2, lambda: w.clone(), lambda: model.state_dict()):
         with pytest.raises(RuntimeError, match=r"is sharded here .*opt\.gathered_params"):
             read()

@@ -48,6 +48,10 @@ _METADATA_METHODS = frozenset(
     "size dim numel nelement element_size is_floating_point is_contiguous stride storage_offset __len__ "
     "register_hook register_post_accumulate_grad_hook requires_grad_ _is_view __hash__ __eq__ get_device "
     "is_complex untyped_storage data_ptr "
+    # what dynamo's fakeification asks of every tensor it traces (torch/_subclasses/meta_utils.py describe_tensor):
+    # were these data reads, a rank that alone recompiles a frame (dynamic shapes after a rank-0-only generation)
+    # would start a gather the other ranks never join
+    "is_conj is_neg is_inference _is_zerotensor is_pinned is_shared dim_order is_signed "
     # tensors made like the parameter (shape, dtype, device, strides): a hand-assigned gradient
     # (``p.grad = torch.randn_like(p)``) or a buffer of its shape is made outside forward too
     "empty_like zeros_like ones_like full_like rand_like randn_like randint_like new_empty new_zeros new_ones "
