@@ -99,11 +99,7 @@ def main() -> None:
         return _main_dcp(args, m)
     table, csv_rows = [], []
     for world in args.worlds:
-        root = tempfile.mkdtemp(prefix="zero_ext_ckpt_bench_", dir=args.dir)
-        try:
-            res = launch(_run, world, "cpu", int(args.params), args.dim, args.reps, root)
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
+        res = _launch_in_scratch(_run, world, args, "zero_ext_ckpt_bench_")
         rows = res["rows"]
         for r in rows:
             csv_rows.append(dict(world=world, numel=res["numel"], **r))
@@ -139,16 +135,21 @@ def main() -> None:
     print("wrote", *[str(p) for p in paths], str(csv_path))
 
 
+def _launch_in_scratch(fn, world: int, args, prefix: str) -> dict:
+    """``fn`` on ``world`` gloo ranks, writing under a scratch folder in ``args.dir`` that is removed afterwards."""
+    root = tempfile.mkdtemp(prefix=prefix, dir=args.dir)
+    try:
+        return launch(fn, world, "cpu", int(args.params), args.dim, args.reps, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def _main_dcp(args, m) -> None:
     from checkpoint_dcp_rows import HEADERS, run_dcp, table_rows
 
     table, raw = [], []
     for world in args.worlds:
-        root = tempfile.mkdtemp(prefix="zero_ext_dcp_bench_", dir=args.dir)
-        try:
-            res = launch(run_dcp, world, "cpu", int(args.params), args.dim, args.reps, root)
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
+        res = _launch_in_scratch(run_dcp, world, args, "zero_ext_dcp_bench_")
         raw += [dict(world=world, numel=res["numel"], **r) for r in res["rows"]]
         table += table_rows(world, res, args.reps)
     print(text_table(HEADERS, table))
