@@ -124,6 +124,11 @@ class MuonReference:
                     _close(mine, expected, other, f"{what}: {kind} of {ref.name}")
 
 
+def distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The 2-norm of ``a - b``, in float64."""
+    return (a.double() - b.double()).norm().item()
+
+
 def _close(actual: torch.Tensor, expected: torch.Tensor, twin: torch.Tensor | None, what: str) -> None:
     """fp32 tolerance, or within 4x the twin's distance to ``expected`` (see MuonReference.check)."""
     try:
@@ -131,7 +136,7 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, twin: torch.Tensor | No
     except AssertionError:
         if twin is None:
             raise
-        ours, theirs = ((x.double() - expected.double()).norm().item() for x in (actual, twin))
+        ours, theirs = (distance(x, expected) for x in (actual, twin))
         assert ours <= 4 * theirs, f"{what}: {ours:.3g} from the reference, 4x its twin's distance is {4 * theirs:.3g}"
 
 

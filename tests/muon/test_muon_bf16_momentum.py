@@ -9,7 +9,7 @@ import pytest
 import torch
 from distributed import run_on_ranks
 from engine_reference import offload_kwargs, params_digest
-from muon_reference import MUON, MuonReference, group_names, zero_muon_groups
+from muon_reference import MUON, MuonReference, distance, group_names, zero_muon_groups
 from test_muon_parity import means_at, model_for
 from tiny_transformer import batch, loss_fn
 
@@ -54,10 +54,6 @@ def _reference(round_momentum: bool) -> dict[str, torch.Tensor]:
     return ref.master
 
 
-def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.double() - b.double()).norm().item()
-
-
 @pytest.mark.slow
 def test_every_stage_offload_and_world_size_rounds_alike(tmp_path):
     root = str(tmp_path)
@@ -83,8 +79,8 @@ def test_every_stage_offload_and_world_size_rounds_alike(tmp_path):
     muon_matrices = set(sum(group_names(model_for(torch.float32))[:2], []))
     ours, theirs = [], []
     for name, a, b in zip(names, bf16, fp32):
-        ours.append(_distance(a, b))
-        theirs.append(_distance(rounded[name], exact[name]))
+        ours.append(distance(a, b))
+        theirs.append(distance(rounded[name], exact[name]))
         if theirs[-1] == 0:
             assert torch.equal(a, b), f"{name}: the fp32 references leave it alone; the bf16 momentum moved it"
         elif name in muon_matrices:

@@ -34,7 +34,7 @@ _SCRIPT = textwrap.dedent(
     import hashlib, os, sys, torch, torch.distributed as dist
     sys.path[:0] = [{helpers!r}, {tests!r}]
     from engine_reference import mean_grads, rank_grads
-    from muon_reference import MUON, MuonReference, freeze, zero_muon_groups
+    from muon_reference import MUON, MuonReference, distance, freeze, zero_muon_groups
     from tiny_transformer import batch, build, loss_fn
     from torchrun_scripts import init_ranks
     from zero_ext import ZeroMuon
@@ -68,9 +68,6 @@ _SCRIPT = textwrap.dedent(
     # where NCCL's mean is not the reference's to the bit: the same reference fed the ranks' gradients summed in
     # the other order, on this GPU, shows how far an fp32 rounding of the mean moves the run through Newton-Schulz
     alt = MuonReference(model_for()) if bounded else None
-
-    def distance(a, b):
-        return (a.double() - b.double()).norm().item()
 
     for step in range(3):
         ref.step(means_at(ref, step))
