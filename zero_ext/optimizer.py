@@ -4,26 +4,23 @@ optionally in host memory or on disk (ZeRO-Offload / ZeRO-Infinity)."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 import weakref
 from typing import Any, Callable, Iterable, Optional
 
 import torch
-import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import memory
 from .checkpoint.local_state_dict import load_local_state_dict, local_state_dict
-from .comm import Communicator
-from .comm.divergence import DivergenceWatch
 from .construction.group_adder import GroupAdder
 from .construction.meta_init import initialise_shards
 from .construction.state_builder import StateBuilder
-from .engine.config import EngineConfig
+from .engine.config import OPTION_DEFAULTS, EngineConfig, option_parameters, options_doc, unknown_option
 from .engine.engine import Engine
-from .engine.full_params import named_full_params
-from .engine.param_sync import write_back
 from .engine.runtime import BucketRuntimes
-from .engine.sleep import Sleep, asleep, check_flag, check_include, refuse_if_asleep
+from .engine.sleep import Sleep, asleep, check_flag, check_include
 from .placement.offload import warn_if_one_thread
 from .state.sharded_state import ShardedState
 from .torch_compat import no_copy
@@ -40,6 +37,23 @@ def _cuda_graph_capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def document_options(cls: type) -> type:
+    """``cls``'s docstring lists every keyword option in place of its ``<options>`` line (the text of their
+    declaration, :mod:`zero_ext.engine.config`, in the signature's order)."""
+    cls.__doc__ = cls.__doc__.replace("        <options>\n", options_doc() + "\n")
+    return cls
+
+
+def _declared_options(cls: type) -> type:
+    """``cls`` documents the keyword options and its constructor's signature shows them keyword-only, with their
+    defaults, after its own parameters (it takes them as ``**options``)."""
+    init = cls.__init__
+    own = [p for p in inspect.signature(init).parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    init.__signature__ = inspect.Signature(own + option_parameters())
+    return document_options(cls)
+
+
+@_declared_options
 class ZeroAdamW(torch.optim.Optimizer):
     """AdamW whose optimizer state (and, in stage 2, gradients) is sharded across data-parallel ranks.
 
@@ -62,111 +76,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         foreach, capturable, differentiable, fused: ``torch.optim.AdamW``'s implementation selectors, accepted so
             that ``ZeroAdamW(**adamw_kwargs)`` works and kept in the param groups; the update is always one fused
             kernel. ``differentiable=True`` is refused (the step is not an autograd graph).
-        stage: 1 (shard optimizer state; a persistent flat grad buffer), 2 (also shard gradients; ``step()``
-            consumes them: the next backward starts from zero) or 3 (also shard the parameters: each rank keeps
-            1/N of them; a bucket is gathered just before a module that uses it runs and freed after; needs
-            ``module=``). See :mod:`zero_ext.engine.param_gather`.
-        process_group: the data-parallel group (default: the world; a single process when torch.distributed
-            is not initialised).
-        mesh: beyond one node (HSDP): a 2-D ``torch.distributed.device_mesh.DeviceMesh`` with dims
-            ``("replicate", "shard")`` (``init_device_mesh("cuda", (nodes, gpus_per_node), mesh_dim_names=
-            ("replicate", "shard"))``, FSDP2's convention), or ``"auto"`` (that mesh from torchrun's
-            ``LOCAL_WORLD_SIZE``, said on rank 0). Gradients are reduce-scattered inside the node, then across
-            nodes only ``1/S`` of them; parameters are gathered inside the node (stage 3's forward and backward never
-            cross nodes); the optimizer state stays sharded over every rank. A 1-D mesh is its group (the default
-            layout). See ``docs/hsdp.md`` and :mod:`zero_ext.comm.hsdp`.
-        replicate_state: with a 2-D ``mesh``: keep the optimizer state sharded over the node's ranks only and
-            replicated across nodes (FSDP2's HSDP: the replicas all-reduce the reduced gradient shard, one collective
-            latency fewer per bucket, ``R`` copies of master and moments). Default False: sharded over all ranks.
-        bucket_size: elements per bucket. Default: the model in 8 buckets on NCCL, 4 on gloo (so that even a small
-            model overlaps reduction with backward; gloo's per-collective cost is higher), clamped to
-            [N * 2**14, max(2**22, N * 2**18)] (``planning.default_bucket_size``).
-        reduce_dtype: dtype of the gradient mean: float32 (default; exact) or bfloat16/float16 (half the bytes on
-            NCCL, low-precision sums). On gloo with float32, bf16/fp16 gradients travel in their own dtype and
-            are summed in fp32 after the transfer (exact, half the bytes).
-        grad_accum_dtype: where stage 1 accumulates gradients between steps (``no_sync()`` micro-batches): None
-            (default) in ``param.grad``, in the param dtype, as torch does; ``torch.float32`` in an fp32 flat buffer
-            (``param.grad`` is then freed as it arrives), as stage 2 accumulates in its fp32 grad shard, so that
-            bf16 runs at both stages agree. Stages 2 and 3 always accumulate in fp32.
-        max_grad_norm: clip the global gradient norm to this value (fused into the AdamW kernel); or call
-            :meth:`clip_grad_norm_` before each ``step()``.
-        module: the model. Parameters are then named after it (its ``state_dict`` keys); a model wrapped in, or
-            running inside, ``DistributedDataParallel`` is refused; checkpoints hold its whole state (frozen
-            parameters, buffers, tied names), so a consolidated checkpoint loads with ``load_state_dict(strict=True)``.
-        sync_module_states: every rank starts from rank 0's values, as ``DistributedDataParallel`` does (True, the
-            default): at construction rank 0 of the group broadcasts the parameters given (trainable and frozen)
-            and, with ``module=``, all of the model's parameters and buffers, before the shards and the fp32 master
-            are built from them; so per-rank seeding (``torch.manual_seed(seed + rank)``) only varies the data.
-            Each distinct tensor travels once (tied weights stay tied); ranks that already agree keep their bits.
-            False skips the broadcast (every rank loaded the same weights). A model on the ``meta`` device
-            (``param_init=``) is not broadcast: nothing is materialised yet, and its rule is identical seeds on
-            every rank.
-        reshard_after_forward: stage 3: free a gathered bucket after its last use in forward (True; backward gathers
-            it again: 3 Psi communicated per step, less the ``prefetch + 1`` buckets backward needs first, which are
-            kept) or keep it until its gradients are reduced (False: 2 Psi, every bucket gathered at the end of
-            forward).
-        prefetch: stage 3: buckets gathered ahead of use, in the execution order of the previous step.
-        gather_units: stage 3: which modules' forward hooks gather parameters (:mod:`zero_ext.engine.gather_units`).
-            ``"auto"`` (default): each parameterised element of an ``nn.ModuleList`` / ``ModuleDict`` / ``Sequential``
-            (a transformer's blocks) gathers its whole subtree, and every other module owning parameters its own, so
-            ``torch.compile(model)`` compiles each block as one graph (one graph break per block, in its caller);
-            a tuple of module classes: their instances are the units; ``"modules"``: every module owning parameters
-            (the finest window; torch.compile then breaks the graph at each).
-        param_init: stage 3, for a model built on the ``meta`` device (larger than one rank's memory): a function
-            ``init(module)`` that initialises one module's own parameters and buffers in place (like
-            ``reset_parameters``); only this rank's shard is ever materialised (see
-            :mod:`zero_ext.construction.meta_init`). Seed torch identically on every rank first.
-        param_device: where a meta model's shards live (default: the current CUDA device, else the CPU).
-        defer_all_gather_to: the model, to let ``step()`` return without waiting for the parameter all-gather:
-            forward hooks wait for each bucket just before it is used (implies ``module=``). Parameters read
-            outside forward (an EMA update, logging) need ``finish_sync()`` first.
-        staging_buffers: initial size of the gradient staging pool (buckets in flight at once).
-        communicator: a :class:`zero_ext.comm.Communicator` to use instead of the one chosen from
-            ``process_group`` (e.g. ``NcclCommunicator`` on a one-rank group, to run the communicating path).
-        offload: where the optimizer state (the fp32 master and the moments) lives: None (default: on the params' device),
-            ``"cpu"`` (host memory, pinned on CUDA, with the reduced-gradient shard; updated by the CPU kernel) or
-            ``"nvme"`` (files in ``offload_dir``, streamed through ``offload_window`` bytes of host memory). Same
-            results bit for bit as without; checkpoints cross freely. See :mod:`zero_ext.placement.offload`. The CPU update
-            uses torch's intra-op threads: under torchrun set ``OMP_NUM_THREADS`` to the cores per rank.
-        offload_dir: ``offload="nvme"``: a directory on a fast local disk, created with its parents when missing
-            (each rank makes its own subdirectory, deleted by :meth:`close` or at exit; the files are working memory,
-            not a checkpoint).
-        param_remainders: bf16 parameters only: keep the fp32 master as the bf16 parameter itself (its high half)
-            plus an int16 remainder (apex's ``store_param_remainders``), 2 bytes per owned element instead of 4.
-            The master is exact and the parameter is its round to nearest even (:mod:`zero_ext.update.master_split`; the
-            one bit a 16-bit remainder cannot hold, whether a tie was rounded down, is the sign bit of exp_avg_sq):
-            training is bitwise the fp32 master's. State dicts and checkpoints hold the fp32 master and plain
-            moments, so they load across the setting. At stage 3 without offload it saves nothing
-            (the kept bf16 shard plus the remainder are the 4 bytes of the fp32 master, which is cast at each
-            gather otherwise); with offload it saves 2 bytes per element of host memory. A parameter written in
-            place between steps keeps its remainder: the master becomes the written value plus the old low bits
-            (which still round to it), where the fp32 master would take the written value exactly.
-        moment_dtype: the dtype AdamW's two moments (and amsgrad's running maximum) are stored in:
-            ``torch.float32`` (the default; torch's moments to the bit) or ``torch.bfloat16`` (2 bytes each instead of
-            4; the update is the same fp32 arithmetic, the moments are stored with stochastic rounding whose random
-            bits hash (a seed of the param group, the step, the element's index in the unsharded layout), so an
-            element rounds alike at every stage, world size, bucket size and offload: those runs stay bitwise equal
-            to each other, not to fp32 moments). State dicts and checkpoints hold fp32 moments (bf16 widens exactly;
-            loading fp32 ones into bf16 rounds to nearest even), so either setting loads into the other.
-            ``torch.int8``: block-quantized 8-bit moments (the dynamic quantization of 8-bit Adam): one byte per
-            element and one fp32 scale (the block's absmax) per 64 elements of a parameter, 1.0625 bytes each
-            instead of 4; each step dequantizes, updates in fp32 and requantizes in one fused kernel. The blocks are
-            the parameter's own 64-element blocks (int8 groups align parameters to 64 elements), so training is
-            bitwise the same at every stage, world size, bucket size and offload. State dicts and checkpoints hold
-            the dequantized fp32 moments; loading quantizes them (int8 -> int8 gives back the same codes).
-        offload_window: ``offload="nvme"``: bytes of host memory per rank the state streams through (default
-            ``zero_ext.placement.offload.DEFAULT_WINDOW``, 128 MiB), split evenly between the flat groups; each share is at least
-            one 4 KiB block per kind per slot, and a shard smaller than its share allocates only what it needs.
-        collective_timeout: seconds a collective of the engine may wait before the ranks compare, out of band (the
-            process group's store), how far each got (default 300; None: never check). Ranks that stopped running
-            the same modules (an evaluation or generation on one rank outside :meth:`gathered_params`, loops of
-            different lengths, a rank skipping ``backward()`` or ``step()``) then raise
-            :class:`zero_ext.comm.divergence.RanksDiverged` on every waiting rank, naming each rank's phase, module,
-            bucket and step, instead of hanging; ranks that are merely slow keep waiting. A rank issuing no
-            collective for twice this long while another waits is reported as diverged: 300 s (10 minutes in all,
-            NCCL's own default timeout) leaves room for a long evaluation or checkpoint on one rank, and a hung job
-            is explained within 5 minutes. Nothing is sent while collectives finish in time. See
-            :mod:`zero_ext.comm.divergence`.
+        <options>
 
     The sharded state (flat groups, shards, counters) is :attr:`sharded_state`, the seam that
     :mod:`zero_ext.checkpoint`, :mod:`zero_ext.checkpoint.local_state_dict` and :mod:`zero_ext.memory` read.
@@ -193,30 +103,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         capturable: bool = False,
         differentiable: bool = False,
         fused: Optional[bool] = None,
-        stage: int = 2,
-        process_group: Optional[dist.ProcessGroup] = None,
-        bucket_size: Optional[int] = None,
-        reduce_dtype: torch.dtype = torch.float32,
-        grad_accum_dtype: Optional[torch.dtype] = None,
-        max_grad_norm: Optional[float] = None,
-        module: Optional[torch.nn.Module] = None,
-        sync_module_states: bool = True,
-        reshard_after_forward: bool = True,
-        prefetch: int = 1,
-        gather_units="auto",
-        param_init: Optional[Callable[[torch.nn.Module], None]] = None,
-        param_device: Optional[torch.device] = None,
-        defer_all_gather_to: Optional[torch.nn.Module] = None,
-        staging_buffers: int = 2,
-        communicator: Optional[Communicator] = None,
-        mesh=None,
-        replicate_state: bool = False,
-        offload: Optional[str] = None,
-        offload_dir: Optional[str] = None,
-        offload_window: Optional[int] = None,
-        param_remainders: bool = False,
-        moment_dtype: torch.dtype = torch.float32,
-        collective_timeout: Optional[float] = 300.0,
+        **options: Any,
     ):
         # decoupled_weight_decay: in torch.optim.AdamW's groups, always True (False, Adam's L2 decay, is refused)
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps,
@@ -228,25 +115,21 @@ class ZeroAdamW(torch.optim.Optimizer):
             check_adamw_arguments(lr, betas, eps, weight_decay, foreach=foreach, capturable=capturable,
                                   differentiable=differentiable, fused=fused)  # fmt: skip
 
-        self._construct(params, defaults, check_arguments, dict(
-            stage=stage, process_group=process_group, communicator=communicator, bucket_size=bucket_size,
-            reduce_dtype=reduce_dtype, grad_accum_dtype=grad_accum_dtype, max_grad_norm=max_grad_norm,
-            module=module, sync_module_states=sync_module_states, reshard_after_forward=reshard_after_forward,
-            prefetch=prefetch, gather_units=gather_units, param_init=param_init, param_device=param_device,
-            defer_all_gather_to=defer_all_gather_to, staging_buffers=staging_buffers, offload=offload,
-            offload_dir=offload_dir, offload_window=offload_window, param_remainders=param_remainders,
-            moment_dtype=moment_dtype, collective_timeout=collective_timeout, mesh=mesh,
-            replicate_state=replicate_state,
-        ))  # fmt: skip
+        self._construct(params, defaults, check_arguments, options)
 
     @classmethod
     def _name(cls) -> str:
         """How messages name this optimizer: ``zero_ext.ZeroAdamW``, ``zero_ext.ZeroMuon``."""
         return f"zero_ext.{cls.__name__}"
 
-    def _construct(self, params: Iterable, defaults: dict, check_arguments: Callable[[], None], options: dict) -> None:
+    def _construct(self, params: Iterable, defaults: dict, check_arguments: Callable[[], None], given: dict) -> None:
         """Construction after the rule's defaults are known (ZeroAdamW's, or a subclass's: ``zero_ext.ZeroMuon``):
-        ``check_arguments`` raises for the rule's bad arguments; ``options`` are the keyword options."""
+        ``check_arguments`` raises for the rule's bad arguments; ``given``: the keyword options passed (the others
+        take their declared defaults, :mod:`zero_ext.engine.config`)."""
+        unknown = unknown_option(given, f"{type(self).__name__}.__init__")
+        if unknown is not None:
+            raise unknown
+        options = {**OPTION_DEFAULTS, **given}
         stage, process_group, communicator = options["stage"], options["process_group"], options["communicator"]
         collective_timeout, module = options["collective_timeout"], options["module"]
         # 1. every argument checked, before anything is built; one that fails on some ranks only fails every rank
@@ -271,45 +154,34 @@ class ZeroAdamW(torch.optim.Optimizer):
         # 4. the sharded state: parameters re-pointed into flat buffers, optimizer state allocated
         _take_over(builder.trainable, self)
         state = builder.build()
-        if collective_timeout is not None and state.comm.communicates:
-            state.comm.watch = DivergenceWatch(state.comm, collective_timeout)
         warn_if_one_thread(offload)
-        # 5. the engine around it: gradient reduction, parameter gathers, the step
+        # 5. the engine around it (gradient reduction, parameter gathers, the step; the divergence watch)
         self._config, self._offload_directory = config, builder.directory  # (add_param_group builds more groups)
         self._engine = Engine(config, state)
         if builder.on_meta:
             initialise_shards(state, module, param_init, builder.device)
-        config.strategy.after_build(state.groups)
-        self._has_stepped = False
-        self._closed = False
-        # 6. hooks on the model, and the parameters marked as this optimizer's
-        if builder.model is not None:
-            builder.model.install()
-        self._engine.defer_gathers()
-        for p in builder.trainable:
-            p._zero_ext_owner = weakref.ref(self)
+        # 6. hooks on the model, and the parameters registered as this optimizer's
+        self._engine.attach()
+        _own(builder.trainable, self)
 
     def close(self) -> None:
         """Detach from the model: finish the communication in flight and remove every hook this optimizer put on
         the parameters and the model. A ZeroAdamW built later over the same parameters closes this one itself.
         A closed optimizer cannot step."""
-        if getattr(self, "_closed", True):
+        if self._closed:
             return
         self.reload_states()  # (offloaded: the model gets its parameters back first)
-        self.finish_sync()
-        self._engine.grad_sync.placeholders.drop()
-        self._engine.grad_sync.remove_hooks()
-        self._engine.param_sync.remove_hooks()
-        if self._engine.state.model is not None:
-            self._engine.state.model.remove_hooks()
-        for group in self._engine.state.groups:
-            group.state.close()  # offload="nvme": the state files are deleted (a checkpoint is the durable copy)
-        self._closed = True
+        self._engine.close()
+
+    @property
+    def _closed(self) -> bool:
+        engine = self.__dict__.get("_engine")  # (None: construction failed before the engine was built)
+        return engine is None or engine.closed
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(
-                "zero_ext.ZeroAdamW: this optimizer was closed (close(), or a newer ZeroAdamW took over its "
+                f"{self._name()}: this optimizer was closed (close(), or a newer {type(self).__name__} took over its "
                 "parameters); use the newer one"
             )
 
@@ -326,20 +198,18 @@ class ZeroAdamW(torch.optim.Optimizer):
             super().add_param_group(param_group)  # (torch's warning for a parameter listed twice)
             g = self.param_groups[-1]
             drop_duplicates(g)  # one entry per parameter (torch.optim would update it once per entry)
-            where = f"zero_ext.ZeroAdamW: param group {len(self.param_groups) - 1}"
+            where = f"{self._name()}: param group {len(self.param_groups) - 1}"
             rule_for_group(torch.float32, g, default=self.default_rule).check_group(where, g)
             return
         self._check_open()
-        refuse_if_asleep(self._engine.state, "add_param_group()")
+        self._engine.refuse_if_asleep("add_param_group()")
         dedupe_new_group(param_group, stacklevel=2)
         self.finish_sync()
-        busy = self._engine.stage.busy(self._engine.runtimes)
         # collective; raises on every rank
-        adder = GroupAdder(self, self._engine.state, self._config, param_group, busy)
+        adder = GroupAdder(self, self.sharded_state, self._config, param_group, self._engine.busy())
         added = adder.build(self._offload_directory)
         self._engine.extend(added, adder.names)
-        for _, p in adder.members:
-            p._zero_ext_owner = weakref.ref(self)
+        _own([p for _, p in adder.members], self)
         self.param_groups.append(adder.group)
 
     @property
@@ -367,25 +237,16 @@ class ZeroAdamW(torch.optim.Optimizer):
         On a 2-D ``mesh`` stages 2 and 3 reduce inside the node only and hold the node's sums (1/S of the gradients,
         in ``reduce_dtype``); they cross nodes once, with the first backward after the context (or at ``step()``).
         """
-        previous = self._engine.grad_sync.sync_enabled
-        self._engine.grad_sync.sync_enabled = False
-        held = self._engine.state.comm.hold_replicas(True)
-        try:
+        with self._engine.no_sync():
             yield
-        finally:
-            self._engine.grad_sync.sync_enabled = previous
-            self._engine.state.comm.hold_replicas(held)
 
     def finish_sync(self) -> None:
         """Finish every gradient reduction and parameter gather in flight (the current stream waits for them; no
         host synchronisation on CUDA). Needed before reading parameters outside forward when
         ``defer_all_gather_to`` is set, or the shards of :attr:`sharded_state`. At stages 1 and 2 this rank's fp32
         master then follows parameters changed in place since the last step (:mod:`zero_ext.state.param_edits`)."""
-        refuse_if_asleep(self._engine.state, "finish_sync() (or what calls it: state_dict(), opt.state, ...)")
-        self._engine.param_sync.settle()
-        self._engine.grad_sync.finish_grad_sync()
-        if self._engine.state.param_edits is not None:  # the shards follow parameters changed in place (stages 1, 2)
-            self._engine.state.param_edits.adopt(checked=False)
+        self._engine.refuse_if_asleep("finish_sync() (or what calls it: state_dict(), opt.state, ...)")
+        self._engine.finish_sync()
 
     @contextlib.contextmanager
     def gathered_params(self, modifier_rank: Optional[int] = None):
@@ -399,20 +260,18 @@ class ZeroAdamW(torch.optim.Optimizer):
         the shards; the fp32 master follows every element whose value changed (unchanged ones keep their fp32
         bits)."""
         self._check_open()
-        refuse_if_asleep(self._engine.state, "gathered_params()")
-        world = self._engine.state.comm.process_count  # a rank of the job (on a mesh, not the layout's)
+        self._engine.refuse_if_asleep("gathered_params()")
+        world = self.sharded_state.comm.process_count  # a rank of the job (on a mesh, not the layout's)
         if modifier_rank is not None and not (isinstance(modifier_rank, int) and 0 <= modifier_rank < world):
-            raise ValueError(f"zero_ext.ZeroAdamW.gathered_params: `modifier_rank` must be a rank in [0, {world}), "
+            raise ValueError(f"{self._name()}.gathered_params: `modifier_rank` must be a rank in [0, {world}), "
                              f"got {modifier_rank!r}")  # fmt: skip
         self.finish_sync()
-        with self._engine.stage.gathered(self._engine.param_sync):
+        with self._engine.gathered(modifier_rank):
             yield
-            if modifier_rank is not None:
-                write_back(self._engine.state, modifier_rank)
 
     def wait_for_params(self) -> None:
         """Make the current stream wait for every parameter all-gather still in flight (``defer_all_gather_to``)."""
-        self._engine.param_sync.settle()
+        self._engine.settle()
 
     @torch.no_grad()
     @torch.compiler.disable
@@ -426,29 +285,25 @@ class ZeroAdamW(torch.optim.Optimizer):
         raises on every rank before anything changes anywhere (see :mod:`zero_ext.engine.step`). ``grad_scaler`` is what
         ``torch.amp.GradScaler.step`` passes: fp16 loss scaling is not supported (bf16 needs none), so it raises."""
         self._check_open()
-        sleeping = asleep(self._engine.state)
+        sleeping = asleep(self.sharded_state)
         if sleeping is not None:  # offload_states(): every rank raises (the step's agreement carries it)
             sleeping.refuse_step("step()", is_step=True)
         if grad_scaler is not None:
             raise ValueError(
-                "zero_ext.ZeroAdamW.step: torch.amp.GradScaler (fp16 loss scaling) is not supported; train with bf16 "
+                f"{self._name()}.step: torch.amp.GradScaler (fp16 loss scaling) is not supported; train with bf16 "
                 "parameters or autocast(dtype=torch.bfloat16), which need no loss scaling (a non-finite gradient "
                 "still skips the step on every rank, see opt.skipped_steps). Nothing was changed"
             )
         if _cuda_graph_capturing():
             raise RuntimeError(
-                "zero_ext.ZeroAdamW.step() cannot be captured in a CUDA graph: it issues collectives on side streams "
+                f"{self._name()}.step() cannot be captured in a CUDA graph: it issues collectives on side streams "
                 "and keeps host-side bookkeeping. Capture the forward/backward only and call step() outside the graph."
             )
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._engine.param_sync.settle()
-        if self._engine.stepper.step(self.param_groups):
-            self._has_stepped = True
-            if not self._engine.param_sync.deferred:
-                self._engine.param_sync.settle()
+        self._engine.step(self.param_groups)
         return loss
 
     @torch.no_grad()
@@ -462,17 +317,14 @@ class ZeroAdamW(torch.optim.Optimizer):
         every stage (also collective): after a synchronised backward each ``.grad`` is a placeholder of the sharded
         mean gradient whose norm and in-place scaling the engine implements (:mod:`zero_ext.engine.grad_placeholders`)."""
         self._check_open()
-        sleeping = asleep(self._engine.state)
+        sleeping = asleep(self.sharded_state)
         if sleeping is not None:
             sleeping.refuse_step("clip_grad_norm_()", is_step=False)
         if norm_type != 2.0:
-            raise ValueError(
-                f"zero_ext.ZeroAdamW.clip_grad_norm_: only `norm_type=2.0` is supported, got {norm_type!r}"
-            )
+            raise ValueError(f"{self._name()}.clip_grad_norm_: only `norm_type=2.0` is supported, got {norm_type!r}")
         if not (isinstance(max_norm, (int, float)) and max_norm > 0):
-            raise ValueError(f"zero_ext.ZeroAdamW.clip_grad_norm_: `max_norm` must be a number > 0, got {max_norm!r}")
-        self._engine.param_sync.settle()
-        return self._engine.stepper.clip_grad_norm_(self.param_groups, max_norm)
+            raise ValueError(f"{self._name()}.clip_grad_norm_: `max_norm` must be a number > 0, got {max_norm!r}")
+        return self._engine.clip_grad_norm_(self.param_groups, max_norm)
 
     clip_grad_norm = clip_grad_norm_  # the name trainers look for on sharded optimizers
 
@@ -487,24 +339,24 @@ class ZeroAdamW(torch.optim.Optimizer):
         gradient, which the next ``step()`` applies as torch does: decay and moments move). ``model.zero_grad()``
         or ``p.grad = None`` between backward and ``step()`` drops those gradients at every stage, as in torch."""
         self._check_open()
-        refuse_if_asleep(self._engine.state, "zero_grad()")
-        self._engine.grad_sync.zero_grad(set_to_none)
+        self._engine.refuse_if_asleep("zero_grad()")
+        self._engine.zero_grad(set_to_none)
 
     # ------------------------------------------------------------------ introspection
     @property
     def grad_norm(self) -> Optional[torch.Tensor]:
         """The global gradient norm (before clipping) of the last ``step()``, as a 0-d tensor on the device."""
-        return self._engine.stepper.grad_norm if self._has_stepped else None
+        return self._engine.grad_norm
 
     @property
     def skipped_steps(self) -> int:
         """How many steps were skipped because a gradient was inf or nan (reading it synchronises)."""
-        return int(self._engine.state.skipped.item())
+        return int(self.sharded_state.skipped.item())
 
     @property
     def step_count(self) -> int:
         """Updates applied so far (skipped steps excluded; reading it synchronises)."""
-        return int(self._engine.state.step_count.item())
+        return int(self.sharded_state.step_count.item())
 
     def comm_stats(self) -> dict[str, int]:
         """Elements and bytes this rank has passed to each collective since construction (one rank
@@ -514,14 +366,14 @@ class ZeroAdamW(torch.optim.Optimizer):
         ``intra_node_bytes`` and ``inter_node_bytes`` (a ring's ``(g-1)/g`` of each buffer, twice for an all-reduce;
         a group counts as inter-node when it spans nodes: a mesh's replicate group, or a 1-D group larger than
         torchrun's ``LOCAL_WORLD_SIZE``). See ``docs/hsdp.md``."""
-        return self._engine.state.comm.counts.as_dict()
+        return self.sharded_state.comm.counts.as_dict()
 
     def memory_report(self) -> memory.MemoryReport:
         """Every persistent byte on this rank by kind; see :class:`zero_ext.memory.MemoryReport`."""
         engine = self._engine
-        mesh = engine.state.mesh  # a 2-D mesh's (R, S), or None for the 1-D layout
+        mesh = self.sharded_state.mesh  # a 2-D mesh's (R, S), or None for the 1-D layout
         out = memory.report(
-            engine.state, staging=engine.runtimes.staging, window=engine.stage.window(engine.param_sync),
+            self.sharded_state, staging=engine.staging, window=engine.gather_window(),
             mesh=mesh.shape if mesh.replicate is not None else None, replicate_state=mesh.replicate_state,
         )  # fmt: skip
         out.optimizer = type(self).__name__
@@ -557,16 +409,16 @@ class ZeroAdamW(torch.optim.Optimizer):
         ``reload_states()``; ``.grad`` is None; stages 1-2 parameters read their host copy (a forward with
         ``module=`` raises); :meth:`named_full_params` works."""
         self._check_open()
-        groups = check_include(include)
-        pin = check_flag("offload_states", "pin_memory", pin_memory)
-        nb = check_flag("offload_states", "non_blocking", non_blocking)
+        groups = check_include(include, self._name())
+        pin = check_flag("offload_states", "pin_memory", pin_memory, self._name())
+        nb = check_flag("offload_states", "non_blocking", non_blocking, self._name())
         self._sleep.offload(groups, pin, nb)
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Bring back everything :meth:`offload_states` moved, bit for bit (DeepSpeed's ``engine.reload_states``);
         local, idempotent. ``non_blocking=True``: the host-to-device copies are queued on a side stream that the
         current stream waits for, so work queued after the call reads the reloaded values (no host wait)."""
-        nb = check_flag("reload_states", "non_blocking", non_blocking)
+        nb = check_flag("reload_states", "non_blocking", non_blocking, self._name())
         sleep = self.__dict__.get("_sleep_state")
         if sleep is not None:
             sleep.reload(nb)
@@ -587,10 +439,10 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._check_open()
         if module is not None and not isinstance(module, torch.nn.Module):
             raise TypeError(
-                f"zero_ext.ZeroAdamW.named_full_params: `module` must be a torch.nn.Module, got {type(module).__name__}"
+                f"{self._name()}.named_full_params: `module` must be a torch.nn.Module, got {type(module).__name__}"
             )
-        check_flag("named_full_params", "buffers", buffers)
-        return named_full_params(self._engine, module, buffers)
+        check_flag("named_full_params", "buffers", buffers, self._name())
+        return self._engine.named_full_params(module, buffers)
 
     # ------------------------------------------------------------------ state
     # opt.state[p]: this rank's piece of p's state, read-only (zero_ext.torch_compat.state_view)
@@ -607,7 +459,7 @@ class ZeroAdamW(torch.optim.Optimizer):
 
         def make() -> dict[str, Any]:
             self.finish_sync()
-            sd = to_torch_ids(local_state_dict(self._engine.state, self.param_groups), self.param_groups)
+            sd = to_torch_ids(local_state_dict(self.sharded_state, self.param_groups), self.param_groups)
             sd["state"].update(self.state.user_entries())  # keys that are not parameters, as torch keeps them
             return sd
 
@@ -624,10 +476,20 @@ class ZeroAdamW(torch.optim.Optimizer):
             self.finish_sync()
             sd, user = split_user_state(sd)  # keys that are no parameter's: opt.state's own, as torch loads them
             sd = to_positions(sd, self.param_groups)
-            load_local_state_dict(self._engine.state, self.param_groups, sd, failed)
+            load_local_state_dict(self.sharded_state, self.param_groups, sd, failed)
             self.state.load_user_entries(user)
 
         hooked_load_state_dict(self, state_dict, load)
+
+
+# parameter -> a weak reference to the optimizer that trains it, by identity (a weak key: a parameter dropped by the
+# model takes its entry with it); nothing is stamped on the parameter
+_OWNERS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+
+
+def _own(params: Iterable[torch.Tensor], optimizer: "ZeroAdamW") -> None:
+    for p in params:
+        _OWNERS[p] = weakref.ref(optimizer)
 
 
 def _take_over(params, new: "ZeroAdamW") -> None:
@@ -635,14 +497,14 @@ def _take_over(params, new: "ZeroAdamW") -> None:
     would otherwise leave two sets of hooks reducing every gradient twice)."""
     earlier = []
     for p in params:
-        ref = getattr(p, "_zero_ext_owner", None)
+        ref = _OWNERS.get(p)
         old = ref() if ref is not None else None
         if old is not None and old is not new and not old._closed and old not in earlier:
             earlier.append(old)
     for old in earlier:
         warnings.warn(
-            "zero_ext.ZeroAdamW: these parameters belonged to an earlier ZeroAdamW, which is now closed (its hooks "
-            "removed); use the new optimizer",
+            f"{new._name()}: these parameters belonged to an earlier {type(old).__name__}, which is now closed (its "
+            "hooks removed); use the new optimizer",
             stacklevel=3,
         )
         old.close()

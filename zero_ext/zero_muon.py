@@ -10,11 +10,9 @@ reports) is ZeroAdamW's: one engine, two rules.
 
 from __future__ import annotations
 
-import functools
-import inspect
 from typing import Any, Iterable, Optional
 
-from .optimizer import ZeroAdamW
+from .optimizer import ZeroAdamW, document_options
 from .owner_layout import OwnerLayout
 from .update.muon import NS_COEFFICIENTS
 from .update.registry import RULE_KEY
@@ -26,18 +24,6 @@ AUX_ADAMW_DEFAULTS = dict(
     capturable=False, differentiable=False, fused=None, decoupled_weight_decay=True,
 )  # fmt: skip
 USE_MUON = "use_muon"
-
-
-# ZeroAdamW's keyword-only arguments that are AdamW's own (torch.optim.AdamW's), not the engine's options
-_ADAMW_KEYWORDS = ("maximize", "foreach", "capturable", "differentiable", "fused")
-
-
-def _keyword_options() -> dict[str, Any]:
-    """ZeroAdamW's keyword-only engine options and their defaults (one source: its signature)."""
-    params = inspect.signature(ZeroAdamW.__init__).parameters.values()
-    return {
-        p.name: p.default for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in _ADAMW_KEYWORDS
-    }
 
 
 def _check_muon_arguments(lr, weight_decay, momentum, adjust_lr_fn) -> None:
@@ -56,33 +42,7 @@ def _check_muon_arguments(lr, weight_decay, momentum, adjust_lr_fn) -> None:
         raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported")
 
 
-def _named_zeromuon(error: BaseException) -> None:
-    """``error``'s message names ZeroMuon where the shared engine named ZeroAdamW (changed in place: its type and
-    traceback stay)."""
-    if error.args and isinstance(error.args[0], str) and "ZeroAdamW" in error.args[0]:
-        error.args = (error.args[0].replace("ZeroAdamW", "ZeroMuon"), *error.args[1:])
-
-
-def _as_zeromuon(method):
-    """``method`` of ZeroAdamW, whose errors name ZeroMuon."""
-
-    @functools.wraps(method)
-    def wrapper(*args, **kwargs):
-        try:
-            return method(*args, **kwargs)
-        except Exception as e:
-            _named_zeromuon(e)
-            raise
-
-    return wrapper
-
-
-# ZeroAdamW's public calls (and construction) whose errors ZeroMuon renames; messages raised from the model's hooks
-# during forward and backward name the optimizer themselves (EngineConfig.name, ShardedState.optimizer_name)
-_RENAMED = ("_construct", "step", "zero_grad", "clip_grad_norm_", "state_dict", "load_state_dict", "offload_states",
-            "reload_states", "memory_report", "finish_sync", "wait_for_params", "named_full_params", "close")  # fmt: skip
-
-
+@document_options
 class ZeroMuon(ZeroAdamW):
     """Muon whose optimizer state, gradients and (stage 3) parameters are sharded across data-parallel ranks.
 
@@ -99,10 +59,12 @@ class ZeroMuon(ZeroAdamW):
             (``amsgrad``, ``maximize``).
         lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn: ``torch.optim.Muon``'s,
             with its meaning, for the Muon groups.
-        stage, module, offload, ...: every keyword option of :class:`zero_ext.ZeroAdamW`, with its meaning
-            (``moment_dtype=torch.bfloat16`` also stores the Muon momentum in bf16, with stochastic rounding;
-            ``param_remainders=True`` and ``moment_dtype=torch.int8`` apply to the AdamW groups, exactly as in
-            ZeroAdamW; a Muon group keeps its fp32 master and an fp32 momentum with them).
+        <options>
+
+    The keyword options are :class:`zero_ext.ZeroAdamW`'s, with its meaning (``moment_dtype=torch.bfloat16`` also
+    stores the Muon momentum in bf16, with stochastic rounding; ``param_remainders=True`` and
+    ``moment_dtype=torch.int8`` apply to the AdamW groups, exactly as in ZeroAdamW; a Muon group keeps its fp32 master
+    and an fp32 momentum with them).
 
     :meth:`owners` says which rank updates each Muon matrix and how even the Newton-Schulz work is.
     """
@@ -122,15 +84,11 @@ class ZeroMuon(ZeroAdamW):
         adjust_lr_fn: Optional[str] = None,
         **options: Any,
     ):
-        known = _keyword_options()
-        unknown = sorted(set(options) - set(known))
-        if unknown:
-            raise TypeError(f"ZeroMuon.__init__() got an unexpected keyword argument {unknown[0]!r}")
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=tuple(ns_coefficients) if isinstance(ns_coefficients, (tuple, list))
                         else ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)  # fmt: skip
         self._construct(params, defaults, lambda: _check_muon_arguments(lr, weight_decay, momentum, adjust_lr_fn),
-                        {**known, **options})  # fmt: skip
+                        options)  # fmt: skip
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As :meth:`ZeroAdamW.add_param_group`; a group with ``"use_muon": False`` is an AdamW group (its missing
@@ -148,11 +106,7 @@ class ZeroMuon(ZeroAdamW):
                 param_group.setdefault(RULE_KEY, "adamw")
                 for key, value in AUX_ADAMW_DEFAULTS.items():
                     param_group.setdefault(key, value)
-        try:
-            super().add_param_group(param_group)
-        except Exception as e:
-            _named_zeromuon(e)
-            raise
+        super().add_param_group(param_group)
 
     def owners(self) -> list[dict[str, Any]]:
         """Every Muon matrix: its name, shape, owner rank and Newton-Schulz cost (about rows x cols x min), in
@@ -174,8 +128,5 @@ class ZeroMuon(ZeroAdamW):
         mean = sum(per_rank) / len(per_rank)
         return dict(cost_per_rank=per_rank, max_over_mean=max(per_rank) / mean if mean else 1.0)
 
-
-for _name in _RENAMED:
-    setattr(ZeroMuon, _name, _as_zeromuon(getattr(ZeroAdamW, _name)))
 
 __all__ = ["ZeroMuon", "AUX_ADAMW_DEFAULTS", "USE_MUON"]

@@ -32,7 +32,7 @@ from ..update.registry import DEFAULT_RULE
 # the saved group has them (a dict saved without names leaves the optimizer's). A key the saved group lacks (one
 # added since, e.g. ``decoupled_weight_decay``) keeps the optimizer's value, as torch's __setstate__ defaults do.
 _NOT_RESTORED = ("params",)
-_WHERE = "zero_ext.ZeroAdamW.load_state_dict"
+_WHERE = "{name}.load_state_dict"  # name: the optimizer's (ShardedState.optimizer_name)
 _CHECKPOINT_HINT = (
     "Save with zero_ext.checkpoint.save(path, opt) and resume with zero_ext.checkpoint.load(path, opt), on every rank "
     "(any world size; the model's state included with module=)"
@@ -112,21 +112,22 @@ def local_state_dict(state: ShardedState, param_groups: Sequence[dict]) -> dict[
 
 def _validate(state: ShardedState, param_groups: Sequence[dict], sd: Any) -> list:
     """Every check a local state dict must pass; returns the (group, kind, range, values) writes to apply."""
+    where = _WHERE.format(name=state.optimizer_name)
     if not isinstance(sd, dict):
-        raise ValueError(f"{_WHERE}: `state_dict` must be a dict, got {type(sd).__name__}")
+        raise ValueError(f"{where}: `state_dict` must be a dict, got {type(sd).__name__}")
     for key in ("state", "param_groups", "zero"):
         if key not in sd:
-            raise ValueError(f"{_WHERE}: `state_dict` has no {key!r} entry (not a ZeroAdamW state dict?)")
+            raise ValueError(f"{where}: `state_dict` has no {key!r} entry (not a state dict of this optimizer?)")
     mine, theirs = _layout_record(state), sd["zero"]
     if isinstance(sd["param_groups"], list) and len(sd["param_groups"]) != len(param_groups):
         raise ValueError(
-            f"{_WHERE}: saved {len(sd['param_groups'])} param groups, this optimizer has {len(param_groups)}; a group "
+            f"{where}: saved {len(sd['param_groups'])} param groups, this optimizer has {len(param_groups)}; a group "
             "added with opt.add_param_group is added again (on every rank, in the same order) before loading"
         )
     for key, value in mine.items():
         if key == "param_align" and theirs.get(key, [PARAM_ALIGN] * len(value)) != value:  # older dicts: 16
             raise ValueError(
-                f"{_WHERE}: saved with parameters aligned to {theirs.get(key, [PARAM_ALIGN] * len(value))} elements "
+                f"{where}: saved with parameters aligned to {theirs.get(key, [PARAM_ALIGN] * len(value))} elements "
                 f"per flat group, this optimizer aligns them to {value}: moment_dtype=torch.int8 places parameters "
                 "at multiples of 64 elements (whole quantization blocks), the other settings at multiples of 16, so "
                 "the shards differ and a local state dict cannot cross to or from int8 moments. Save and load with "
@@ -134,40 +135,40 @@ def _validate(state: ShardedState, param_groups: Sequence[dict], sd: Any) -> lis
             )
         if key == "rules" and theirs.get(key, [DEFAULT_RULE] * len(value)) != value:
             raise ValueError(
-                f"{_WHERE}: saved by the update rules {theirs.get(key, [DEFAULT_RULE] * len(value))} (one per flat "
+                f"{where}: saved by the update rules {theirs.get(key, [DEFAULT_RULE] * len(value))} (one per flat "
                 f"group), this optimizer's are {value}: a rule's state does not carry over to another"
             )
         if key in ("param_align", "rules"):
             continue
         if key == "rank" and theirs.get(key) != value and theirs.get("world_size") == state.world_size:
             raise ValueError(
-                f"{_WHERE}: saved by rank {theirs.get(key)!r}, loaded on rank {value}: a state dict from "
+                f"{where}: saved by rank {theirs.get(key)!r}, loaded on rank {value}: a state dict from "
                 f"opt.state_dict() holds its own rank's shard only (one saved by rank 0 alone, `if master_process: "
                 f"torch.save(opt.state_dict(), ...)`, lacks the other ranks'). {_CHECKPOINT_HINT}"
             )
         if theirs.get(key) != value:
             raise ValueError(
-                f"{_WHERE}: saved {key}={theirs.get(key)!r} but this optimizer has {key}={value!r}; a local state "
+                f"{where}: saved {key}={theirs.get(key)!r} but this optimizer has {key}={value!r}; a local state "
                 "dict only loads into the same rank of the same layout (use zero_ext.checkpoint to change world size)"
             )
     rules = {g.group_index: g.rule for g in state.groups}
     for gi, (group, saved) in enumerate(zip(param_groups, sd["param_groups"])):
         merged = {**group, **_restored(saved)}
         if gi in rules:
-            rules[gi].check_group(f"{_WHERE}: saved param group {gi}", merged, device=state.device)
+            rules[gi].check_group(f"{where}: saved param group {gi}", merged, device=state.device)
     writes, expected = [], set()
     for gidx, (ref, runs) in owned_runs(state).items():
         expected.add(gidx)
         entry = sd["state"].get(gidx)
         if entry is None:
-            raise ValueError(f"{_WHERE}: no state for parameter {ref.name!r} (index {gidx})")
+            raise ValueError(f"{where}: no state for parameter {ref.name!r} (index {gidx})")
         want = ranges_record(runs)
         ((key, value),) = want.items()
         saved = entry.get(key)
         if saved is None or [tuple(r) for r in (saved if key == "shard_ranges" else [saved])] != (
             value if key == "shard_ranges" else [value]
         ):
-            raise ValueError(f"{_WHERE}: parameter {ref.name!r}: saved {key} {saved} != expected {value}")
+            raise ValueError(f"{where}: parameter {ref.name!r}: saved {key} {saved} != expected {value}")
         numel = sum(r.numel for r, _ in runs)
         kinds = ref.group.rule.state_dict_names()
         if MASTER not in kinds and entry.get(MASTER) is not None:
@@ -178,7 +179,7 @@ def _validate(state: ShardedState, param_groups: Sequence[dict], sd: Any) -> lis
             src = entry.get(kind)
             if not isinstance(src, torch.Tensor) or src.shape != (numel,) or not src.is_floating_point():
                 got = getattr(src, "shape", type(src).__name__)
-                raise ValueError(f"{_WHERE}: parameter {ref.name!r}: {kind!r} must be a float tensor of shape "
+                raise ValueError(f"{where}: parameter {ref.name!r}: {kind!r} must be a float tensor of shape "
                                  f"{(numel,)}, got {got}")  # fmt: skip
             at = 0
             for r, shard in runs:
@@ -186,17 +187,17 @@ def _validate(state: ShardedState, param_groups: Sequence[dict], sd: Any) -> lis
                 at += r.numel
         own = entry.get("step")
         if own is not None and not _is_count(own):
-            raise ValueError(f"{_WHERE}: parameter {ref.name!r}: `step` must be a whole number >= 0, got {own!r}")
+            raise ValueError(f"{where}: parameter {ref.name!r}: `step` must be a whole number >= 0, got {own!r}")
     extra = set(sd["state"]) - expected
     if extra:
-        raise ValueError(f"{_WHERE}: state for parameters {sorted(extra)} that this rank does not own")
+        raise ValueError(f"{where}: state for parameters {sorted(extra)} that this rank does not own")
     counts = theirs.get("param_steps")
     if counts is not None and not (isinstance(counts, dict) and all(_is_count(v) for v in counts.values())):
-        raise ValueError(f"{_WHERE}: `zero.param_steps` must map parameter indices to whole numbers >= 0")
+        raise ValueError(f"{where}: `zero.param_steps` must map parameter indices to whole numbers >= 0")
     for key in ("step", "skipped_steps"):
         value = theirs.get(key)
         if value is not None and not _is_count(value):
-            raise ValueError(f"{_WHERE}: `zero.{key}` must be a whole number >= 0, got {value!r}")
+            raise ValueError(f"{where}: `zero.{key}` must be a whole number >= 0, got {value!r}")
     return writes
 
 
@@ -220,17 +221,18 @@ def load_local_state_dict(
     """Collective: validate on every rank, agree, then write (a failure anywhere changes nothing anywhere).
     ``failed``: an error this rank met before (a load_state_dict pre hook's), raised after the agreement, so that
     the other ranks fail too instead of waiting."""
+    where = _WHERE.format(name=state.optimizer_name)
     error, writes = failed, []
     try:
         if failed is None:
             writes = _validate(state, param_groups, sd)
     except (ValueError, TypeError, KeyError, AttributeError) as e:
-        error = e if isinstance(e, ValueError) else ValueError(f"{_WHERE}: malformed state dict ({e!r})")
+        error = e if isinstance(e, ValueError) else ValueError(f"{where}: malformed state dict ({e!r})")
     failed = [r for r, f in enumerate(state.comm.agree(int(error is not None))) if f]
     if error is not None:
         raise error
     if failed:
-        raise ValueError(f"{_WHERE}: the state dict failed to load on rank(s) {failed} (see their errors); "
+        raise ValueError(f"{where}: the state dict failed to load on rank(s) {failed} (see their errors); "
                          f"nothing was changed on any rank. {_CHECKPOINT_HINT}")  # fmt: skip
     theirs = sd["zero"]
     with torch.no_grad():

@@ -70,40 +70,40 @@ def _is_device_mesh(mesh) -> bool:
     return isinstance(mesh, DeviceMesh)
 
 
-def check_mesh(mesh, process_group, communicator, replicate_state) -> None:
+def check_mesh(mesh, process_group, communicator, replicate_state, where: str = WHERE) -> None:
     """The local checks of ``mesh=`` and ``replicate_state=`` (before anything is built): a clear ValueError."""
     if not isinstance(replicate_state, bool):
-        raise ValueError(f"{WHERE}: `replicate_state` must be True or False, got {replicate_state!r}")
+        raise ValueError(f"{where}: `replicate_state` must be True or False, got {replicate_state!r}")
     if mesh is None:
         if replicate_state:
-            raise ValueError(f"{WHERE}: `replicate_state=True` is for a 2-D `mesh` (its replicas); no mesh was given")
+            raise ValueError(f"{where}: `replicate_state=True` is for a 2-D `mesh` (its replicas); no mesh was given")
         return
     if process_group is not None or communicator is not None:
-        raise ValueError(f"{WHERE}: give `mesh` or `process_group`/`communicator`, not both (a mesh has its groups)")
+        raise ValueError(f"{where}: give `mesh` or `process_group`/`communicator`, not both (a mesh has its groups)")
     if isinstance(mesh, str):
         if mesh != "auto":
-            raise ValueError(f"{WHERE}: `mesh` must be a DeviceMesh, 'auto' or None, got {mesh!r}")
+            raise ValueError(f"{where}: `mesh` must be a DeviceMesh, 'auto' or None, got {mesh!r}")
         if not dist.is_initialized():
-            raise ValueError(f"{WHERE}: mesh='auto' needs torch.distributed initialised (torchrun) first")
+            raise ValueError(f"{where}: mesh='auto' needs torch.distributed initialised (torchrun) first")
         return
     if not _is_device_mesh(mesh):
         raise ValueError(
-            f"{WHERE}: `mesh` must be a torch.distributed.device_mesh.DeviceMesh (init_device_mesh(device, (R, S), "
+            f"{where}: `mesh` must be a torch.distributed.device_mesh.DeviceMesh (init_device_mesh(device, (R, S), "
             f"mesh_dim_names=('replicate', 'shard'))), 'auto' or None, got {type(mesh).__name__}"
         )
     if mesh.ndim not in (1, 2):
-        raise ValueError(f"{WHERE}: `mesh` must have 1 or 2 dimensions, got {mesh.ndim}: {tuple(mesh.shape)}")
+        raise ValueError(f"{where}: `mesh` must have 1 or 2 dimensions, got {mesh.ndim}: {tuple(mesh.shape)}")
     if mesh.ndim == 2 and tuple(mesh.mesh_dim_names or ()) != DIMS:
         raise ValueError(
-            f"{WHERE}: a 2-D `mesh` must name its dimensions ('replicate', 'shard') (FSDP2's HSDP convention: "
+            f"{where}: a 2-D `mesh` must name its dimensions ('replicate', 'shard') (FSDP2's HSDP convention: "
             f"replicate across nodes, shard within one), got mesh_dim_names={mesh.mesh_dim_names}"
         )
     if mesh.ndim == 1 and replicate_state:
-        raise ValueError(f"{WHERE}: `replicate_state=True` needs a 2-D mesh; this one is 1-D")
+        raise ValueError(f"{where}: `replicate_state=True` needs a 2-D mesh; this one is 1-D")
     world = dist.get_world_size() if dist.is_initialized() else 1
     if mesh.size() != world:
         raise ValueError(
-            f"{WHERE}: `mesh` must cover every rank of the job: it has {mesh.size()} ranks "
+            f"{where}: `mesh` must cover every rank of the job: it has {mesh.size()} ranks "
             f"{tuple(mesh.shape)}, the world has {world}"
         )
 

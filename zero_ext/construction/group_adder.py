@@ -35,8 +35,6 @@ from .module_sync import broadcast_from_rank0
 from .planning import SUPPORTED_DTYPES
 from .state_builder import build_flat_groups
 
-WHERE = "zero_ext.ZeroAdamW.add_param_group"
-
 
 class GroupAdder:
     """Steps 1 and 2 run at construction (collective: raises on every rank if any failed or differs); :meth:`build`
@@ -45,6 +43,7 @@ class GroupAdder:
     def __init__(self, optimizer: torch.optim.Optimizer, state: ShardedState, options: EngineConfig,
                  param_group: Any, busy: Optional[str]):  # fmt: skip
         self.state, self.options = state, options
+        self.where = f"{options.name}.add_param_group"  # how its errors name the call
         self.index = len(optimizer.param_groups)  # the new param group's
         self.group: dict = {}
         self.members: list[tuple[int, torch.nn.Parameter]] = []  # (global index, parameter)
@@ -153,9 +152,11 @@ class GroupAdder:
         comm = self.state.comm
         failed = [r for r, f in enumerate(comm.agree(int(error is not None))) if f]
         if error is not None:
-            raise ValueError(f"{WHERE}: {error}. Nothing was changed")
+            raise ValueError(f"{self.where}: {error}. Nothing was changed")
         if failed:
-            raise ValueError(f"{WHERE}: failed on rank(s) {failed} (see their errors); nothing was changed on any rank")
+            raise ValueError(
+                f"{self.where}: failed on rank(s) {failed} (see their errors); nothing was changed on any rank"
+            )
         hyper = {k: v for k, v in self.group.items() if k not in ("params", "param_names")}
         parts = [f"{k}={v.tolist() if isinstance(v, torch.Tensor) else v!r}" for k, v in sorted(hyper.items())]
         parts += [f"{self.names[gidx]} {p.dtype} {tuple(p.shape)}" for gidx, p in self.members]
@@ -163,7 +164,7 @@ class GroupAdder:
         if len(set(everyone)) != 1:
             differ = [r for r, f in enumerate(everyone) if f != everyone[0]]
             raise ValueError(
-                f"{WHERE}: the new param group differs between ranks (ranks {differ} differ from rank 0 in its "
+                f"{self.where}: the new param group differs between ranks (ranks {differ} differ from rank 0 in its "
                 "parameters' names, shapes or dtypes, or its hyperparameters); every rank must add the same group. "
                 "Nothing was changed on any rank"
             )

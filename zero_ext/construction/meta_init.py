@@ -78,6 +78,6 @@ def initialise_shards(state: ShardedState, module: torch.nn.Module, init: Callab
                     spare.setdefault((run.numel, group.dtype), []).append(buf)
     leftover = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
     if leftover:
-        raise RuntimeError(f"zero_ext.ZeroAdamW: still on the meta device after param_init: {leftover[:5]}")
+        raise RuntimeError(f"{state.optimizer_name}: still on the meta device after param_init: {leftover[:5]}")
     for group in state.groups:  # the fp32 master follows the initialised parameters
         group.state.reset_master()

@@ -98,14 +98,14 @@ def default_bucket_size(trainable: int, comm: Communicator) -> int:
     return min(max(2**22, world * 2**18), max(world * 2**14, -(-trainable // comm.buckets_per_model)))
 
 
-def agree_on_plan(comm: Communicator, plan: Plan, settings: str) -> None:
+def agree_on_plan(comm: Communicator, plan: Plan, settings: str, where: str = "zero_ext.ZeroAdamW") -> None:
     """Collective: every rank learns whether every rank's plan is valid, then compares plans and settings; raises
     on every rank if any rank failed or differs."""
     failed = [r for r, f in enumerate(comm.agree(int(plan.error is not None))) if f]
     if plan.error is not None:
-        raise ValueError(f"zero_ext.ZeroAdamW: {plan.error}")
+        raise ValueError(f"{where}: {plan.error}")
     if failed:
-        raise ValueError(f"zero_ext.ZeroAdamW: construction failed on rank(s) {failed} (see their errors)")
+        raise ValueError(f"{where}: construction failed on rank(s) {failed} (see their errors)")
     descriptions = [settings]
     for gi, members in plan.groups:
         descriptions.append(f"group={gi} dtype={members[0][1].dtype} shapes={[tuple(p.shape) for _, p in members]}")
@@ -113,7 +113,7 @@ def agree_on_plan(comm: Communicator, plan: Plan, settings: str) -> None:
     if len(set(everyone)) != 1:
         differ = [r for r, f in enumerate(everyone) if f != everyone[0]]
         raise RuntimeError(
-            "zero_ext.ZeroAdamW: the model or optimizer settings differ between ranks (layout fingerprints "
+            f"{where}: the model or optimizer settings differ between ranks (layout fingerprints "
             f"{everyone}; ranks {differ} differ from rank 0). Every rank must build the same model with the same "
             "param groups, dtypes, stage, bucket_size and reduce_dtype."
         )

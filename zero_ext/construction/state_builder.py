@@ -61,7 +61,7 @@ class StateBuilder:
                 self.model = ModelState(o.module, o.name)
                 name_by_model(plan, self.model)
             except ValueError as e:
-                plan.error = plan.error or str(e).removeprefix("zero_ext.ZeroAdamW: ")
+                plan.error = plan.error or str(e).removeprefix(f"{o.name}: ")
         self.on_meta = plan.device is not None and plan.device.type == "meta"
         if self.on_meta:
             if not o.strategy.shards_params or o.param_init is None:
@@ -114,13 +114,15 @@ class StateBuilder:
             f"{o.offload_window} rules={[r.describe() for r in self.rules]} "
             f"sync_module_states={o.sync_module_states} {describe(self.to_sync)}"  # the broadcast in build() matches
         )
-        agree_on_plan(self.comm, self.plan, settings)
+        agree_on_plan(self.comm, self.plan, settings, self.options.name)
         self.layouts = [
             layout_for(rule, [p for _, p in members], self.comm.world_size, self.bucket_size, o.offload)
             for (_, members), rule in zip(self.plan.groups, self.rules)
         ]
         # nvme: the directory and its free space, agreed before anything is built
-        self.directory = prepare_offload(self.comm, o.offload, o.offload_dir, list(zip(self.layouts, self.rules)))
+        self.directory = prepare_offload(
+            self.comm, o.offload, o.offload_dir, list(zip(self.layouts, self.rules)), o.name
+        )
 
     # ---------------------------------------------------------------- 3. build
     def build(self) -> ShardedState:
@@ -170,5 +172,5 @@ def build_flat_groups(comm, o: EngineConfig, directory, names: dict[int, str], d
         if failed:
             for group in groups:
                 group.state.close()
-            raise RuntimeError(f"zero_ext.ZeroAdamW: creating the offload files failed on rank(s) {failed}")
+            raise RuntimeError(f"{o.name}: creating the offload files failed on rank(s) {failed}")
     return groups

@@ -40,7 +40,7 @@ def _names_of(state: ShardedState, module: Optional[torch.nn.Module]):
         keys = model.keys_of.get(id(p))
         if keys is None:
             raise ValueError(
-                f"zero_ext.ZeroAdamW.named_full_params: parameter {state.names[gidx]!r} is not in `module` (pass the "
+                f"{state.optimizer_name}.named_full_params: parameter {state.names[gidx]!r} is not in `module` (pass the "
                 "model whose parameters this optimizer trains)"
             )
         names[id(p)] = keys

@@ -31,8 +31,7 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 _UNCALLED = (nn.ModuleList, nn.ModuleDict)  # containers without a forward of their own
 
 
-def check_gather_units(gather_units) -> None:
-    where = "zero_ext.ZeroAdamW"
+def check_gather_units(gather_units, where: str = "zero_ext.ZeroAdamW") -> None:
     if gather_units in ("auto", "modules"):
         return
     classes = tuple(gather_units) if isinstance(gather_units, (tuple, list)) else None

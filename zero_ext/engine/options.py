@@ -1,4 +1,5 @@
-"""The keyword options of ZeroAdamW, checked before anything is built: a clear ValueError naming the option."""
+"""The checks of the keyword options (declared in :mod:`.config`), run before anything is built: a clear ValueError
+naming the option and, first, the optimizer (``where``: ``EngineConfig.name``)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,9 @@ WHERE = "zero_ext.ZeroAdamW"
 
 
 def check_options(stage, defaults, max_grad_norm, bucket_size, staging_buffers, reduce_dtype, grad_accum_dtype,
-                  default_rule: str = DEFAULT_RULE):  # fmt: skip
+                  default_rule: str = DEFAULT_RULE, where: str = WHERE):  # fmt: skip
     """``defaults``: the param-group defaults (torch.optim.AdamW's keywords), checked by the update rule they name
     (``default_rule`` unless they name one)."""
-    where = "zero_ext.ZeroAdamW"
     if stage not in (1, 2, 3):
         raise ValueError(f"{where}: `stage` must be 1, 2 or 3, got {stage!r}")
     rule_for_group(torch.float32, defaults, default=default_rule).check_group(where, defaults)
@@ -33,19 +33,18 @@ def check_options(stage, defaults, max_grad_norm, bucket_size, staging_buffers, 
         raise ValueError(f"{where}: `grad_accum_dtype` must be None or torch.float32, got {grad_accum_dtype}")
 
 
-def check_collective_timeout(collective_timeout) -> None:
+def check_collective_timeout(collective_timeout, where: str = WHERE) -> None:
     if collective_timeout is None:
         return
     number = isinstance(collective_timeout, (int, float)) and not isinstance(collective_timeout, bool)
     if not (number and 0 < collective_timeout < float("inf")):
         raise ValueError(
-            f"{WHERE}: `collective_timeout` must be a number of seconds > 0 (how long a collective may wait before "
+            f"{where}: `collective_timeout` must be a number of seconds > 0 (how long a collective may wait before "
             f"the ranks compare where they are) or None (never check), got {collective_timeout!r}"
         )
 
 
-def check_process_group(process_group, communicator) -> None:
-    where = "zero_ext.ZeroAdamW"
+def check_process_group(process_group, communicator, where: str = WHERE) -> None:
     if communicator is not None and process_group is not None:
         raise ValueError(f"{where}: give `process_group` or `communicator`, not both (a communicator has its group)")
     if communicator is not None and not isinstance(communicator, Communicator):
@@ -65,10 +64,11 @@ def check_process_group(process_group, communicator) -> None:
         )
 
 
-def check_stage3_options(stage, module, reshard_after_forward, prefetch, defer_all_gather_to) -> None:
+def check_stage3_options(
+    stage, module, reshard_after_forward, prefetch, defer_all_gather_to, where: str = WHERE
+) -> None:
     """``stage``: the stage object (``engine.stages``, after ``stage`` was checked): one whose parameters are sharded
     between uses gathers them through the model's hooks."""
-    where = "zero_ext.ZeroAdamW"
     if stage.shards_params and module is None:
         raise ValueError(
             f"{where}: stage 3 needs the model: pass `module=model` (its forward hooks gather each bucket of "

@@ -58,9 +58,10 @@ def refuse_if_asleep(state: ShardedState, what: str) -> None:
         raise sleep.refusal(what)
 
 
-def check_include(include) -> tuple[str, ...]:
+def check_include(include, optimizer: str = "zero_ext.ZeroAdamW") -> tuple[str, ...]:
     """``include`` as group names (None: all): strings, or enum members whose ``value`` is one (DeepSpeed's
-    ``OffloadStateTypeEnum.optim_states``); anything else raises, naming the parameter."""
+    ``OffloadStateTypeEnum.optim_states``); anything else raises, naming the parameter (and ``optimizer``, the
+    optimizer's name)."""
     if include is None:
         return GROUPS
     items = [include] if isinstance(include, str) else include
@@ -68,7 +69,7 @@ def check_include(include) -> tuple[str, ...]:
         items = list(items)
     except TypeError:
         raise TypeError(
-            f"zero_ext.ZeroAdamW.offload_states: `include` must be None, a group name or a list of them "
+            f"{optimizer}.offload_states: `include` must be None, a group name or a list of them "
             f"({', '.join(map(repr, GROUPS))}), got {type(include).__name__}"
         ) from None
     names = []
@@ -76,24 +77,24 @@ def check_include(include) -> tuple[str, ...]:
         name = getattr(item, "value", item)
         if not isinstance(name, str):
             raise TypeError(
-                f"zero_ext.ZeroAdamW.offload_states: `include` holds {item!r} ({type(item).__name__}); it takes group "
+                f"{optimizer}.offload_states: `include` holds {item!r} ({type(item).__name__}); it takes group "
                 f"names: {', '.join(map(repr, GROUPS))}"
             )
         if name not in GROUPS:
             raise ValueError(
-                f"zero_ext.ZeroAdamW.offload_states: `include` names an unknown group {name!r}; the groups are "
+                f"{optimizer}.offload_states: `include` names an unknown group {name!r}; the groups are "
                 f"{', '.join(map(repr, GROUPS))}"
             )
         if name not in names:
             names.append(name)
     if not names:
-        raise ValueError("zero_ext.ZeroAdamW.offload_states: `include` is empty (None offloads every group)")
+        raise ValueError(f"{optimizer}.offload_states: `include` is empty (None offloads every group)")
     return tuple(names)
 
 
-def check_flag(what: str, name: str, value) -> bool:
+def check_flag(what: str, name: str, value, optimizer: str = "zero_ext.ZeroAdamW") -> bool:
     if not isinstance(value, bool):
-        raise TypeError(f"zero_ext.ZeroAdamW.{what}: `{name}` must be True or False, got {value!r}")
+        raise TypeError(f"{optimizer}.{what}: `{name}` must be True or False, got {value!r}")
     return value
 
 
@@ -176,7 +177,7 @@ class Sleep:
         if not self.parked:  # the first group: nothing in flight, nothing owed, then .grad set aside
             busy = engine.stage.busy(engine.runtimes)
             if busy is not None:
-                raise RuntimeError(f"zero_ext.ZeroAdamW.offload_states: {busy}")
+                raise RuntimeError(f"{self.state.optimizer_name}.offload_states: {busy}")
             engine.param_sync.settle()
             # Local waits only: the reductions every rank launched in backward. Gradients accumulated under no_sync()
             # and not reduced yet stay so (parked with "grads"; the next step reduces them): finish_grad_sync()
@@ -214,7 +215,7 @@ class Sleep:
     # ---------------------------------------------------------------- refusals
     def refusal(self, what: str) -> RuntimeError:
         return RuntimeError(
-            f"zero_ext.ZeroAdamW: {what} while the optimizer's states are offloaded (offload_states(): "
+            f"{self.state.optimizer_name}: {what} while the optimizer's states are offloaded (offload_states(): "
             f"{', '.join(self.parked)} in host memory); call opt.reload_states() first. Nothing was changed"
         )
 

@@ -90,7 +90,7 @@ class Stepper:
             raise error
         if agreed[0] > 0:
             raise ValueError(
-                f"zero_ext.ZeroAdamW.step: failed on {int(agreed[0])} other rank(s) (see their errors); nothing was "
+                f"{state.optimizer_name}.step: failed on {int(agreed[0])} other rank(s) (see their errors); nothing was "
                 "changed on any rank"
             )
         summed = agreed.tolist()  # one host read, not one tensor index per parameter
@@ -98,7 +98,7 @@ class Stepper:
         summed[1] -= dropped * hand_unit
         if 0 < dropped < state.world_size:
             raise ValueError(
-                f"zero_ext.ZeroAdamW.step: gradients of the last backward were dropped on {dropped} of "
+                f"{state.optimizer_name}.step: gradients of the last backward were dropped on {dropped} of "
                 f"{state.world_size} ranks only (`model.zero_grad()`, `p.grad = None` or a `.grad` replaced between "
                 "backward and step): the mean gradient is sharded, so each of those ranks dropped only its own piece "
                 "of it and the ranks would update differently. Drop or replace gradients on every rank, or on none. "
@@ -106,7 +106,7 @@ class Stepper:
             )
         if 0 < summed[1] < state.world_size:
             raise ValueError(
-                f"zero_ext.ZeroAdamW.step: parameters were changed in place on {int(summed[1])} of "
+                f"{state.optimizer_name}.step: parameters were changed in place on {int(summed[1])} of "
                 f"{state.world_size} ranks since the last step (e.g. `model.load_state_dict` on one rank only); the "
                 "fp32 master would follow them in those ranks' shards only. Change them on every rank, or inside "
                 "`with opt.gathered_params(modifier_rank=r):`. Nothing was changed on any rank"
@@ -252,7 +252,7 @@ def resolve_scalars(state: ShardedState, param_groups: Sequence[dict]) -> list:
     rules = {group.group_index: group.rule for group in state.groups}
     for gi, g in enumerate(param_groups):
         rule = rules.get(gi) or rule_for_group(torch.float32, g, group_index=gi, default=state.default_rule)
-        rule.check_group(f"zero_ext.ZeroAdamW: param group {gi}", g, state.update_device, read_device_values=False)
+        rule.check_group(f"{state.optimizer_name}: param group {gi}", g, state.update_device, read_device_values=False)
     return [group.rule.scalars(param_groups[group.group_index]) for group in state.groups]
 
 
@@ -263,8 +263,8 @@ def check_still_frozen(state: ShardedState) -> None:
     for name, p in state.frozen:
         if p.requires_grad:
             raise ValueError(
-                f"zero_ext.ZeroAdamW: parameter {name!r} had requires_grad=False when the optimizer was built and is "
-                "trainable now; ZeroAdamW shards and updates only the parameters trainable when it is built, so it "
+                f"{state.optimizer_name}: parameter {name!r} had requires_grad=False when the optimizer was built and is "
+                "trainable now; the optimizer shards and updates only the parameters trainable when it is built, so it "
                 "would never update this one. Build the optimizer from the trainable parameters only and add this "
                 "one when it is unfrozen, with opt.add_param_group({'params': [...]}) (or set requires_grad back to "
                 "False)"
@@ -279,7 +279,7 @@ def check_params_in_place(state: ShardedState) -> None:
         if index is not None:
             p = group.params[index]
             raise RuntimeError(
-                f"zero_ext.ZeroAdamW: parameter {group.names[index]!r} ({p.dtype}, {p.device}) no longer lives in the "
+                f"{state.optimizer_name}: parameter {group.names[index]!r} ({p.dtype}, {p.device}) no longer lives in the "
                 f"optimizer's flat buffer ({group.dtype}, {group.device}): the model was moved, cast or given new "
-                "tensors after ZeroAdamW was built. Move or cast the model first, then build the optimizer."
+                "tensors after the optimizer was built. Move or cast the model first, then build the optimizer."
             )

@@ -52,24 +52,24 @@ DEFAULT_WINDOW = 128 * 2**20
 WHERE = "zero_ext.ZeroAdamW"
 
 
-def check_offload_options(offload, offload_dir, offload_window) -> None:
+def check_offload_options(offload, offload_dir, offload_window, where: str = WHERE) -> None:
     if offload not in OFFLOADS:
-        raise ValueError(f"{WHERE}: `offload` must be None, 'cpu' or 'nvme', got {offload!r}")
+        raise ValueError(f"{where}: `offload` must be None, 'cpu' or 'nvme', got {offload!r}")
     if offload == "nvme":
         if not isinstance(offload_dir, (str, os.PathLike)) or not str(offload_dir):
             raise ValueError(
-                f"{WHERE}: offload='nvme' needs `offload_dir`, a directory on the fast local disk to keep the optimizer "
+                f"{where}: offload='nvme' needs `offload_dir`, a directory on the fast local disk to keep the optimizer "
                 f"state in (not a RAM-backed /tmp), got {offload_dir!r}"
             )
     elif offload_dir is not None:
-        raise ValueError(f"{WHERE}: `offload_dir` is for offload='nvme' (offload={offload!r})")
+        raise ValueError(f"{where}: `offload_dir` is for offload='nvme' (offload={offload!r})")
     if offload_window is not None:
         if offload != "nvme":
-            raise ValueError(f"{WHERE}: `offload_window` is for offload='nvme' (offload={offload!r})")
+            raise ValueError(f"{where}: `offload_window` is for offload='nvme' (offload={offload!r})")
         # the default rule's floor (nothing is built yet); each flat group's share is raised to its own rule's floor
         floor = min_window_bytes(rule_named(DEFAULT_RULE, torch.bfloat16))
         if not (isinstance(offload_window, int) and not isinstance(offload_window, bool) and offload_window >= floor):
-            raise ValueError(f"{WHERE}: `offload_window` must be an int >= {floor} (bytes), got {offload_window!r}")
+            raise ValueError(f"{where}: `offload_window` must be an int >= {floor} (bytes), got {offload_window!r}")
 
 
 def _processes_on_this_host() -> int:
@@ -108,7 +108,7 @@ def disk_bytes_needed(groups: Sequence[tuple[Layout, UpdateRule]]) -> int:
 
 
 def prepare_offload(
-    comm: Communicator, offload, offload_dir, groups: Sequence[tuple[Layout, UpdateRule]]
+    comm: Communicator, offload, offload_dir, groups: Sequence[tuple[Layout, UpdateRule]], where: str = WHERE
 ) -> Optional[str]:
     """Collective for ``offload="nvme"``: create ``offload_dir`` when missing (with its parents) and this rank's
     directory under it, and check that the
@@ -145,8 +145,8 @@ def prepare_offload(
         if directory is not None:
             shutil.rmtree(directory, ignore_errors=True)
         if error is not None:
-            raise ValueError(f"{WHERE}: {error}")
-        raise ValueError(f"{WHERE}: offload='nvme' failed on rank(s) {failed} (see their errors)")
+            raise ValueError(f"{where}: {error}")
+        raise ValueError(f"{where}: offload='nvme' failed on rank(s) {failed} (see their errors)")
     if comm.process_rank == sharing[0]:  # once per disk: what killed processes left there
         leftovers.warn(parent)
     return directory
