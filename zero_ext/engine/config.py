@@ -176,7 +176,7 @@ class EngineConfig:
         "bf16 parameters only: keep the fp32 master as the bf16 parameter itself (its high half) plus an int16 "
         "remainder (apex's ``store_param_remainders``), 2 bytes per owned element instead of 4. The master is "
         "exact and the parameter is its round to nearest even (:mod:`zero_ext.update.master_split`; the one bit "
-        "a 16-bit remainder cannot hold, whether a tie was rounded down, is the sign bit of exp_avg_sq): "
+        "a 16-bit remainder cannot hold, whether a tie was rounded down, is the sign bit of the second moment): "
         "training is bitwise the fp32 master's. State dicts and checkpoints hold the fp32 master and plain "
         "moments, so they load across the setting. At stage 3 without offload it saves nothing (the kept bf16 "
         "shard plus the remainder are the 4 bytes of the fp32 master, which is cast at each gather otherwise); "
