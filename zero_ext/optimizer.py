@@ -78,6 +78,9 @@ class ZeroAdamW(torch.optim.Optimizer):
         replicate_state: with a 2-D ``mesh``: keep the optimizer state sharded over the node's ranks only and
             replicated across nodes (FSDP2's HSDP: the replicas all-reduce the reduced gradient shard, one collective
             latency fewer per bucket, ``R`` copies of master and moments). Default False: sharded over all ranks.
+        inter_node_reduce_dtype: with a 2-D ``mesh``: the node sums cross nodes as ``torch.bfloat16`` or as
+            ``torch.int8`` blocks of 64 with an fp32 scale each, added in fp32 on arrival (the reduction inside the
+            node stays fp32). Default None: fp32. Error model: ``docs/hsdp.md``, :mod:`zero_ext.comm.compress`.
         bucket_size: elements per bucket. Default: the model in 8 buckets on NCCL, 4 on gloo (so that even a small
             model overlaps reduction with backward; gloo's per-collective cost is higher), clamped to
             [N * 2**14, max(2**22, N * 2**18)] (``planning.default_bucket_size``).
@@ -211,6 +214,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         communicator: Optional[Communicator] = None,
         mesh=None,
         replicate_state: bool = False,
+        inter_node_reduce_dtype: Optional[torch.dtype] = None,
         offload: Optional[str] = None,
         offload_dir: Optional[str] = None,
         offload_window: Optional[int] = None,
@@ -236,7 +240,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             defer_all_gather_to=defer_all_gather_to, staging_buffers=staging_buffers, offload=offload,
             offload_dir=offload_dir, offload_window=offload_window, param_remainders=param_remainders,
             moment_dtype=moment_dtype, collective_timeout=collective_timeout, mesh=mesh,
-            replicate_state=replicate_state,
+            replicate_state=replicate_state, inter_node_reduce_dtype=inter_node_reduce_dtype,
         ))  # fmt: skip
 
     @classmethod

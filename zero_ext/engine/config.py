@@ -29,6 +29,7 @@ class EngineConfig:
     communicator: Optional[Communicator] = None
     mesh: Any = None  # a DeviceMesh (2-D: ("replicate", "shard")), "auto" or None (comm/mesh.py)
     replicate_state: bool = False  # with a 2-D mesh: FSDP2's replicated optimizer state instead of sharded everywhere
+    inter_node_reduce_dtype: Optional[torch.dtype] = None  # 2-D mesh: bf16/int8 sums across nodes (comm/compress)
     bucket_size: Optional[int] = None
     reduce_dtype: torch.dtype = torch.float32
     grad_accum_dtype: Optional[torch.dtype] = None
@@ -64,7 +65,7 @@ class EngineConfig:
         check_stage3_options(stage_for(o.stage), o.module, o.reshard_after_forward, o.prefetch, o.defer_all_gather_to)
         check_gather_units(o.gather_units)
         check_process_group(o.process_group, o.communicator)
-        check_mesh(o.mesh, o.process_group, o.communicator, o.replicate_state)
+        check_mesh(o.mesh, o.process_group, o.communicator, o.replicate_state, o.inter_node_reduce_dtype)
         check_collective_timeout(o.collective_timeout)
         if o.defer_all_gather_to is not None and o.module is not None and o.defer_all_gather_to is not o.module:
             raise ValueError("zero_ext.ZeroAdamW: `defer_all_gather_to` and `module` must be the same model")
