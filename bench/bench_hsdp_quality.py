@@ -112,20 +112,34 @@ def main(argv=None) -> int:
                      f"{r['inter_node_bytes'] / 2**20 / args.steps:.3f}", r["skipped_steps"], f"{r['train_s']:.0f}"])  # fmt: skip
     n_params = num_params(GPT(cfg.model))
     entropy = MarkovData(args.vocab, args.seq_len, seed=args.seed).entropy_rate()
-    body = "\n".join([
-        f"The benchmark GPT ({n_params:,} params: vocab {args.vocab}, seq {args.seq_len}, d_model {args.d_model}, "
-        f"{args.layers} layers), {args.steps} steps, global batch {args.batch} x {args.seq_len}, lr {args.lr}, "
-        f"clipped at 1.0, seed {args.seed}; ZeroAdamW stage {args.stage}, bf16 params, on a {args.mesh} mesh of gloo "
-        f"ranks; {describe(args.matmul)}. Best possible loss {entropy:.4f} nats.",
-        "",
-        harness.markdown_table(["inter_node_reduce_dtype", f"final loss (mean of last {args.last})", "gap to fp32 %",
-                                "inter-node MiB / step / rank", "skipped steps", "train s"], rows),  # fmt: skip
-        "",
-        "Checks:",
-        "",
-        *[f"- {'PASS' if c['ok'] else 'FAIL'} {n} within {c['bar_pct']} % of fp32's final loss: gap "
-          f"{c['gap_pct']:+.4f} %" for n, c in checks.items()],  # fmt: skip
-    ])
+    body = "\n".join(
+        [
+            f"The benchmark GPT ({n_params:,} params: vocab {args.vocab}, seq {args.seq_len}, d_model {args.d_model}, "
+            f"{args.layers} layers), {args.steps} steps, global batch {args.batch} x {args.seq_len}, lr {args.lr}, "
+            f"clipped at 1.0, seed {args.seed}; ZeroAdamW stage {args.stage}, bf16 params, on a {args.mesh} mesh of gloo "
+            f"ranks; {describe(args.matmul)}. Best possible loss {entropy:.4f} nats.",
+            "",
+            harness.markdown_table(
+                [
+                    "inter_node_reduce_dtype",
+                    f"final loss (mean of last {args.last})",
+                    "gap to fp32 %",
+                    "inter-node MiB / step / rank",
+                    "skipped steps",
+                    "train s",
+                ],
+                rows,
+            ),  # fmt: skip
+            "",
+            "Checks:",
+            "",
+            *[
+                f"- {'PASS' if c['ok'] else 'FAIL'} {n} within {c['bar_pct']} % of fp32's final loss: gap "
+                f"{c['gap_pct']:+.4f} %"
+                for n, c in checks.items()
+            ],  # fmt: skip
+        ]
+    )
     print(body)
     payload = {"config": {**asdict(cfg), "mesh": shape, "last": args.last, "matmul": args.matmul},
                "runs": runs, "checks": checks}  # fmt: skip
