@@ -14,7 +14,13 @@ link speed (each timed from a barrier to a barrier):
 - ``zero_mesh``: ZeroAdamW with ``mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))``
   (skipped, with the engine's error in the result, where this checkout's ZeroAdamW takes no mesh); with
   ``--bf16-reduce`` also ``zero_mesh_bf16``, the same with ``reduce_dtype=torch.bfloat16`` (the replicas then reduce
-  bf16 sums, not fp32: half the bytes across the link);
+  bf16 sums, not fp32: half the bytes across the link); with ``--compressed`` also ``zero_mesh_inter_bf16`` and
+  ``zero_mesh_inter_int8``, the mesh with ``inter_node_reduce_dtype=torch.bfloat16`` / ``torch.int8`` (the intra-node
+  reduction stays fp32; the node sums cross as bf16 or as 64-element int8 blocks with an fp32 step);
+- ``fsdp2_hsdp`` (with ``--fsdp2``): FSDP2's HSDP, ``fully_shard`` of every layer and the model on the same 2-D
+  mesh, fp32 parameters with ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``
+  (bf16 compute, fp32 gradient sums and master, as ZeroAdamW), ``reshard_after_forward`` False at stage 2 and True
+  at stage 3, torch.optim.AdamW(foreach) on the sharded parameters;
 - ``pattern_1d`` / ``pattern_mesh``: only the collectives ``zero_ext.comm_time.step_collectives`` lists for each
   layout, on buffers of the same sizes, called as the engine's gloo communicator calls them (a reduce-scatter as one
   all-to-all, an all-gather into a tensor): the estimator's own model of the step, measured.
@@ -25,6 +31,11 @@ its nominal rate for the estimator's inter-node wire bytes (the two ranks of a n
 for the bytes that crossed the veth; k = 1 when the link delivers its nominal rate (beta = rate / k), c what the rate
 does not change (compute, the node's own traffic, every collective's fixed cost); alpha is probed apart (a 1-element
 all-reduce), and each point's error. Without root or iproute2 it prints why and exits 0 (after the 8 x 8 prediction).
+
+Each timed step ends when its traffic has: a ZeroAdamW step is ``backward(); step(); finish_sync()`` (at stage 3 on
+a mesh ``step()`` returns with the replicas' all-gather in flight), then a barrier; FSDP2's backward waits for its
+reductions. After the barrier the bench sleeps ``--quiet-ms`` and counts what crossed the veth meanwhile (``quiet``
+column: a contender whose traffic outlives its timed step shows bytes there).
 """
 
 from __future__ import annotations
@@ -78,6 +89,35 @@ def h100_prediction(params_b=(7, 30, 70), stages=(2, 3), buckets: int = 32) -> t
     return rows, text
 
 
+def compressed_prediction(params_b: float = 7, stage: int = 2, buckets: int = 32) -> tuple[list[dict], str]:
+    """The estimate for a 7B model at 8 x 8 GPUs on 400 Gbit/s InfiniBand and on 100 Gbit/s Ethernet (a NIC per GPU;
+    NVLink 450 GB/s inside a node): 1-D over 64, the mesh, the mesh with bf16 and with int8 inter-node sums."""
+    links = {"400 Gbit/s InfiniBand": Link(400 * GBIT, 10e-6), "100 Gbit/s Ethernet": Link(100 * GBIT, 25e-6)}
+    layouts = {"1-D over 64": dict(), "mesh 8 x 8": dict(mesh=(8, 8)),
+               "mesh, bf16 inter-node": dict(mesh=(8, 8), replica_grad_bytes=2),
+               "mesh, int8 inter-node": dict(mesh=(8, 8), replica_grad_bytes=1 + 4 / 64)}  # fmt: skip
+    rows, lines = [], []
+    for link_name, link in links.items():
+        cluster = Cluster(8, 8, Link(450 * GBYTE, 3e-6), link)
+        cells = []
+        for name, kw in layouts.items():
+            e = comm_time.estimate_step(int(params_b * 1e9), cluster, stage, buckets=buckets, **kw)
+            inter_s = sum(t for c, t in zip(e.collectives, e.times) if c.inter_node)
+            rows.append({"link": link_name, "layout": name, "seconds": e.total_s, "inter_s": inter_s,
+                         "inter_bytes": e.bytes_on(True), "intra_bytes": e.bytes_on(False), "collectives": e.rows()})  # fmt: skip
+            cells.append(f"{e.total_s * 1e3:.0f} ms ({inter_s * 1e3:.0f} ms, {e.bytes_on(True) / 1e9:.2f} GB)")
+        lines.append(f"| {link_name} | " + " | ".join(cells) + " |")
+    head = "| inter-node link | " + " | ".join(layouts) + " |\n|---|" + "---|" * len(layouts)
+    text = (
+        f"Predicted communication per step of a {params_b:g}B model, stage {stage}, at 8 nodes x 8 GPUs "
+        f"(`zero_ext.comm_time.estimate_step`, nothing overlapped; NVLink 450 GB/s, alpha 3 us inside a node; one NIC "
+        f"per GPU: 400 Gbit/s InfiniBand alpha 10 us, or 100 Gbit/s Ethernet alpha 25 us; {buckets} buckets; fp32 "
+        "gradient sums in the node, bf16 parameters). In parentheses: the inter-node collectives' time and the "
+        "inter-node wire bytes one GPU sends.\n\n" + head + "\n" + "\n".join(lines)
+    )  # fmt: skip
+    return rows, text
+
+
 # ------------------------------------------------------------------------------------------------ one rank
 def worker(args) -> None:
     import torch
@@ -113,6 +153,7 @@ def worker(args) -> None:
         def step():
             m(x).float().pow(2).mean().backward()
             opt.step()
+            opt.finish_sync()  # the step's traffic ends here (stage 3 on a mesh: the replicas' gathers)
             opt.zero_grad()
 
         return step
@@ -131,8 +172,16 @@ def worker(args) -> None:
             m3 = model()
             opts["zero_mesh_bf16"] = ZeroAdamW(m3.parameters(), module=m3, mesh=mesh, reduce_dtype=torch.bfloat16, **kw)
             contenders["zero_mesh_bf16"] = zero_step(m3, opts["zero_mesh_bf16"])
+        for name in ("bfloat16", "int8") if args.compressed else ():
+            m4 = model()
+            tag = "zero_mesh_inter_" + name.replace("bfloat16", "bf16")
+            opts[tag] = ZeroAdamW(m4.parameters(), module=m4, mesh=mesh, inter_node_reduce_dtype=getattr(torch, name),
+                                  **kw)  # fmt: skip
+            contenders[tag] = zero_step(m4, opts[tag])
     except (TypeError, ValueError, NotImplementedError) as e:  # this checkout's ZeroAdamW takes no mesh
         out["mesh_error"] = f"{type(e).__name__}: {e}"
+    if args.fsdp2:
+        contenders["fsdp2_hsdp"] = fsdp2_step(model, x, args.stage)
     buckets = sum(1 for _ in opts["zero_1d"].sharded_state.buckets())
     psi = sum(p.numel() for p in m1.parameters())
     per = {name: sum(1 for _ in opt.sharded_state.buckets()) for name, opt in opts.items()}
@@ -171,6 +220,7 @@ def worker(args) -> None:
     times = {k: [] for k in contenders}
     comm = {k: [] for k in contenders}
     tx = {k: [] for k in contenders}
+    quiet = {k: [] for k in contenders}
     for rep in range(args.warmup + args.steps):
         for name, fn in contenders.items():
             dist.barrier()
@@ -180,9 +230,13 @@ def worker(args) -> None:
             fn()
             dist.barrier()
             seconds = time.perf_counter() - t0
+            t1_tx = tx_bytes(veth)
+            time.sleep(args.quiet_ms * 1e-3)  # what still crosses now belongs to this contender's step
+            after_tx = tx_bytes(veth)
             if rep >= args.warmup:
                 times[name].append(seconds)
-                tx[name].append(tx_bytes(veth) - t0_tx)
+                tx[name].append(t1_tx - t0_tx)
+                quiet[name].append(after_tx - t1_tx)
                 after = opts[name].comm_stats() if name in opts else {}
                 comm[name].append({k: after[k] - before.get(k, 0) for k in after})
     # alpha probes: a 1-element all-reduce over 2 ranks (2 message steps) inside the node and across the link
@@ -196,13 +250,36 @@ def worker(args) -> None:
             dist.all_reduce(t, group=groups[kind])
             samples.append(time.perf_counter() - t0)
         probes[kind] = statistics.median(samples[5:]) / 2
-    out.update(times=times, comm=comm, tx=tx, alpha_probe=probes, node=node, rank=rank)
+    out.update(times=times, comm=comm, tx=tx, quiet=quiet, alpha_probe=probes, node=node, rank=rank)
     for opt in opts.values():
         opt.close()
     with open(os.path.join(args.result_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def fsdp2_step(model, x, stage: int):
+    """FSDP2's HSDP on the bench's 2-D mesh (see the module docstring): one step, its traffic ended when it returns
+    (FSDP2's backward waits for its reduce-scatters and all-reduces; its next forward gathers)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", MESH, mesh_dim_names=("replicate", "shard"))
+    m = model().float()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in m:
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=stage == 3)
+    fully_shard(m, mesh=mesh, mp_policy=policy, reshard_after_forward=stage == 3)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True)
+
+    def step():
+        m(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step
 
 
 # ------------------------------------------------------------------------------------------------ the driver
@@ -222,7 +299,8 @@ def run_speed(cluster: EmulatedCluster, args, rate_text: str) -> dict:
                    "--master", cluster.addrs[0], "--port", str(port), "--result-dir", tmp, "--stage", str(args.stage),
                    "--params-m", str(args.params_m), "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--bucket-size", str(args.bucket_size), "--timeout", str(args.timeout),
-                   *(["--bf16-reduce"] if args.bf16_reduce else [])]  # fmt: skip
+                   "--quiet-ms", str(args.quiet_ms), *(["--bf16-reduce"] if args.bf16_reduce else []),
+                   *(["--compressed"] if args.compressed else []), *(["--fsdp2"] if args.fsdp2 else [])]  # fmt: skip
             procs.append(subprocess.Popen(cmd, env=env))
         deadline = time.time() + args.timeout
         for p in procs:
@@ -239,13 +317,23 @@ def run_speed(cluster: EmulatedCluster, args, rate_text: str) -> dict:
             "rank2": ranks[2]}  # fmt: skip
 
 
-def emulated_estimate(psi: int, stage: int, buckets: int, mesh, replica_grad_bytes: int = 4) -> comm_time.StepComm:
+def emulated_estimate(psi: int, stage: int, buckets: int, mesh, replica_grad_bytes: float = 4,
+                      **kw) -> comm_time.StepComm:  # fmt: skip
     """The estimate on the emulated cluster with unit bandwidths: its wire bytes and latency steps are what count.
     gloo sends bf16 gradients as they are (2 bytes) and the replicas reduce their fp32 sums (4; 2 with
     ``reduce_dtype=torch.bfloat16``)."""
     cl = Cluster(2, PER_NODE, Link(1.0), Link(1.0), nics_per_node=1)
-    return comm_time.estimate_step(psi, cl, stage, mesh=mesh, grad_bytes=2, replica_grad_bytes=replica_grad_bytes,
-                                   buckets=buckets)  # fmt: skip
+    kw = {"grad_bytes": 2, **kw}
+    return comm_time.estimate_step(psi, cl, stage, mesh=mesh, replica_grad_bytes=replica_grad_bytes, buckets=buckets,
+                                   **kw)  # fmt: skip
+
+
+def replica_bytes(name: str) -> float:
+    """Bytes per element of the sums the replicas exchange: fp32 (4), bf16 (2: ``reduce_dtype`` or
+    ``inter_node_reduce_dtype``), int8 blocks (1 + 4 / 64)."""
+    if name.endswith("int8"):
+        return 1 + 4 / 64
+    return 2 if name.endswith("bf16") else 4
 
 
 def fit(points: list[dict], key: str) -> dict:
@@ -272,15 +360,22 @@ def analyse(runs: list[dict], stage: int) -> dict:
     for run in runs:
         r0, r2 = run["rank0"], run["rank2"]
         for name, times in r0["times"].items():
-            mesh = MESH if "mesh" in name else None
+            mesh = MESH if "mesh" in name or name.startswith("fsdp2") else None
             nb = r0["buckets_by_contender"].get(name, r0["buckets"])
-            est = emulated_estimate(r0["psi"], stage, nb, mesh, replica_grad_bytes=2 if name.endswith("bf16") else 4)
+            # FSDP2's HSDP: fp32 gradients reduce-scattered in the node, all-reduced across, one collective per layer
+            extra = dict(replicate_state=True, grad_bytes=4, reshard_after_forward=stage == 3) if name.startswith(
+                "fsdp2") else {}  # fmt: skip
+            if extra:
+                nb = LAYERS
+            est = emulated_estimate(r0["psi"], stage, nb, mesh, replica_grad_bytes=replica_bytes(name), **extra)
             steps = len(times)
             row = {"rate": run["rate"], "rate_bps": run["rate_bps"], "contender": name,
                    "seconds": statistics.median(times), "q1_s": sorted(times)[steps // 4],
                    "q3_s": sorted(times)[(3 * steps) // 4], "times": times,
                    "veth_bytes_a_to_b": statistics.median(r0["tx"][name]),
                    "veth_bytes_b_to_a": statistics.median(r2["tx"][name]),
+                   "quiet_bytes_a_to_b": max(r0.get("quiet", {}).get(name, [0])),
+                   "quiet_bytes_b_to_a": max(r2.get("quiet", {}).get(name, [0])),
                    "comm_stats": r0["comm"][name][-1] if r0["comm"][name] else {},
                    "est_inter_wire_bytes": est.bytes_on(True), "est_intra_wire_bytes": est.bytes_on(False),
                    "latency_steps": est.latency_steps_on(True) + est.latency_steps_on(False)}  # fmt: skip
@@ -290,7 +385,7 @@ def analyse(runs: list[dict], stage: int) -> dict:
                 # flat model), and the bytes that crossed it (the busier direction)
                 row["u"] = 2 * est.bytes_on(True) * 8 / run["rate_bps"]
                 row["u_veth"] = max(row["veth_bytes_a_to_b"], row["veth_bytes_b_to_a"]) * 8 / run["rate_bps"]
-                families[name.split("_")[0]].append(row)
+                families.setdefault(name.split("_")[0], []).append(row)
     fits = {}
     for fam, pts in families.items():
         if len(pts) >= 3:
@@ -349,10 +444,11 @@ def markdown(result: dict, stage: int, h100_text: str) -> str:
         rows.append([r["rate"], r["contender"], f"{r['seconds']:.3f} [{r['q1_s']:.3f}, {r['q3_s']:.3f}]",
                      f"{r['veth_bytes_a_to_b'] / 2**20:.2f} / {r['veth_bytes_b_to_a'] / 2**20:.2f}",
                      f"{r['est_inter_wire_bytes'] / 2**20:.2f} / {r['est_intra_wire_bytes'] / 2**20:.2f}",
-                     stats, inc, fit_])  # fmt: skip
+                     stats, inc, fit_,
+                     f"{r.get('quiet_bytes_a_to_b', 0) / 1024:.1f} / {r.get('quiet_bytes_b_to_a', 0) / 1024:.1f}"])  # fmt: skip
     head = ["link", "contender", "step s, median [q1, q3]", "veth MiB a->b / b->a", "est. wire MiB/rank inter / intra",
             "comm_stats wire MiB (rank 0) inter / intra", "s over unshaped: measured / flat model / veth bytes at the rate",
-            "fit s (error): flat model / veth bytes"]  # fmt: skip
+            "fit s (error): flat model / veth bytes", "quiet: KiB on the veth after the step, max a->b / b->a"]  # fmt: skip
     fits = []
     for fam, f in result["fits"].items():
         what = "the bytes that crossed the veth" if fam.endswith("_veth") else "the estimate's wire bytes (flat model)"
@@ -405,6 +501,11 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--bf16-reduce", action="store_true",
                     help="also ZeroAdamW on the mesh with reduce_dtype=torch.bfloat16 (zero_mesh_bf16)")  # fmt: skip
+    ap.add_argument("--compressed", action="store_true",
+                    help="also the mesh with inter_node_reduce_dtype bf16 and int8 (zero_mesh_inter_*)")  # fmt: skip
+    ap.add_argument("--fsdp2", action="store_true", help="also FSDP2's HSDP (fully_shard on the 2-D mesh)")
+    ap.add_argument("--predict-only", action="store_true", help="write the 8 x 8 predictions only (no cluster)")
+    ap.add_argument("--quiet-ms", type=float, default=50.0, help="the wait after each timed step, veth bytes counted")
     ap.add_argument("--out-dir", default=None, help="default bench/results")
     ap.add_argument("--name", default="hsdp_cluster")
     ap.add_argument("--redraw", default=None, help="redraw the chart of a result's JSON (next to it) and exit")
@@ -429,6 +530,13 @@ def main(argv=None) -> int:
     info = meta(torch.device("cpu"))
     h100_rows, h100_text = h100_prediction()
     print(h100_text, flush=True)
+    if args.predict_only:
+        rows, text = compressed_prediction()
+        out_dir = args.out_dir or str(RESULTS)
+        write_results(args.name, info, {"compressed": rows, "h100_prediction": h100_rows}, text + "\n\n" + h100_text,
+                      out_dir)  # fmt: skip
+        print(text)
+        return 0
     why = unavailable()
     if why is not None:
         print(f"bench_hsdp_cluster: skipped, no emulated cluster on this machine: {why}")

@@ -60,6 +60,21 @@ def test_h100_prediction_mesh_beats_1d():
     assert "| 7B | 2 |" in text
 
 
+def test_compressed_prediction_orders_the_layouts():
+    """At 8 x 8 on both links: int8 < bf16 < fp32 mesh < 1-D, the inter-node bytes in the ratio of the replicas'
+    element bytes for the gradient shard (4 : 2 : 1 + 4/64) plus the same parameter all-gather."""
+    rows, text = bench_hsdp_cluster.compressed_prediction()
+    for link in ("400 Gbit/s InfiniBand", "100 Gbit/s Ethernet"):
+        by = {r["layout"]: r for r in rows if r["link"] == link}
+        seconds = [by[k]["seconds"] for k in ("mesh, int8 inter-node", "mesh, bf16 inter-node", "mesh 8 x 8",
+                                              "1-D over 64")]  # fmt: skip
+        assert seconds == sorted(seconds)
+        fp32, bf16 = by["mesh 8 x 8"]["inter_bytes"], by["mesh, bf16 inter-node"]["inter_bytes"]
+        int8 = by["mesh, int8 inter-node"]["inter_bytes"]
+        assert (fp32 - bf16) * (4 - 1 - 4 / 64) == pytest.approx((fp32 - int8) * 2, rel=1e-12)
+    assert "| 100 Gbit/s Ethernet |" in text
+
+
 def test_fit_recovers_a_known_line():
     pts = [{"seconds": c + 1.5 * u, "u": u, "contender": name}
            for name, c in (("a", 0.01), ("b", 0.03)) for u in (0.1, 0.2, 0.4)]  # fmt: skip
@@ -83,7 +98,7 @@ def test_emulated_cluster_tiny(tmp_path):
         pytest.skip(why)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, str(BENCH / "bench_hsdp_cluster.py"), "--rates", "100mbit,none", "--params-m", "0.1",
-           "--steps", "1", "--warmup", "1", "--out-dir", str(tmp_path)]  # fmt: skip
+           "--steps", "1", "--warmup", "1", "--compressed", "--fsdp2", "--out-dir", str(tmp_path)]  # fmt: skip
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "hsdp_cluster.json").exists()

@@ -21,7 +21,8 @@ OPTIONS = [
     ("grad_accum_dtype", None), ("max_grad_norm", None), ("module", None), ("sync_module_states", True),
     ("reshard_after_forward", True), ("prefetch", 1), ("gather_units", "auto"), ("param_init", None),
     ("param_device", None), ("defer_all_gather_to", None), ("staging_buffers", 2), ("communicator", None),
-    ("mesh", None), ("replicate_state", False), ("offload", None), ("offload_dir", None), ("offload_window", None),
+    ("mesh", None), ("replicate_state", False), ("inter_node_reduce_dtype", None), ("offload", None),
+    ("offload_dir", None), ("offload_window", None),
     ("param_remainders", False), ("moment_dtype", torch.float32), ("collective_timeout", 300.0),
 ]  # fmt: skip
 

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from ..kernels.dispatch import accumulate_into
 from .base import DONE, CommCounts, Communicator, Pending
+from .compress import InterNodeCodec
 
 
 def _aligned(nbytes: int) -> int:
@@ -92,10 +93,14 @@ class MeshCommunicator(Communicator):
 
     def __init__(
         self, shard: Communicator, replicate: Communicator, world: Communicator, replicate_state: bool,
-        grid: list[list[int]],
+        grid: list[list[int]], inter_node_dtype: Optional[torch.dtype] = None,
     ):  # fmt: skip
         self.shard, self.replicate, self.world, self.grid = shard, replicate, world, grid
         self.replicate_state = replicate_state
+        # inter_node_reduce_dtype: the replicas exchange encoded node sums (compress.py); None: fp32 as sent
+        self.codec = None if inter_node_dtype is None else InterNodeCodec(inter_node_dtype)
+        if self.codec is not None and replicate_state:
+            raise ValueError("MeshCommunicator: inter_node_dtype needs the state sharded over every rank")
         R, S = replicate.world_size, shard.world_size
         self.replicas, self.replica = R, replicate.rank
         world_size = S if replicate_state else R * S
@@ -173,6 +178,8 @@ class MeshCommunicator(Communicator):
         first = self.shard.workspace_bytes(bucket_numel, wire_dtype, reduce_dtype, False)
         if self.replicate_state:
             second = 0
+        elif self.codec is not None:
+            second = self.codec.workspace_bytes(chunk, self.replicas)
         else:
             second = self.replicate.workspace_bytes(chunk, reduce_dtype, reduce_dtype, accumulate)
         return _aligned(first), _aligned(chunk * reduce_dtype.itemsize), _aligned(second)
@@ -236,6 +243,8 @@ class MeshCommunicator(Communicator):
         """The node-reduced ``chunk`` across nodes into ``out``."""
         if self.replicate_state:
             return self._all_reduce_chunk(chunk, out, accumulate, self._divides(wire_dtype, reduce_dtype))
+        if self.codec is not None:
+            return self._compressed_across(chunk, out, accumulate, self._divides(wire_dtype, reduce_dtype), workspace)
         return self.replicate.start_reduce_scatter(
             chunk, out, reduce_dtype=reduce_dtype, accumulate=accumulate, workspace=workspace
         )
@@ -252,13 +261,40 @@ class MeshCommunicator(Communicator):
         held = self._held.pop(key)
         reduce_dtype = held.dtype
         workspace = None
-        if not self.replicate_state:
+        if self.codec is not None:
+            need = self.codec.workspace_bytes(held.numel(), self.replicas)
+            workspace = torch.empty(need, dtype=torch.uint8, device=held.device)
+        elif not self.replicate_state:
             need = self.replicate.workspace_bytes(held.numel(), reduce_dtype, reduce_dtype, accumulate)
             workspace = torch.empty(need, dtype=torch.uint8, device=held.device)
         return self._across(held, out, accumulate, reduce_dtype, reduce_dtype, workspace)
 
     def drop_held(self) -> None:
         self._held.clear()
+
+    def _compressed_across(self, chunk, out, accumulate: bool, divide: bool, workspace) -> Pending:
+        """inter_node_reduce_dtype: encode the chunk's R slices, one all-to-all of the messages, then the decoded
+        messages added in fp32 in replica order (compress.py's error model) into ``out``. The encoding runs when
+        the collective is issued: on CPU when the second level starts, on CUDA queued on the replicas' stream
+        behind the first level's event."""
+        codec, replicate = self.codec, self.replicate
+        send, received, decoded, total = codec.split(workspace, chunk.numel(), self.replicas)
+        target = out if not accumulate and out.dtype == torch.float32 else total
+        replicate.counts.add("reduce_scatter", send.view(-1))
+
+        def collective():
+            codec.encode(chunk, send)
+            return dist.all_to_all_single(received.view(-1), send.view(-1), group=replicate.group, async_op=True)
+
+        def epilogue() -> None:
+            codec.sum_into(received, decoded, target, divide)
+            if accumulate:
+                accumulate_into(out, target)
+            elif target is not out:
+                out.copy_(target)
+
+        tensors = (send, chunk, out, workspace)
+        return replicate._on_stream(replicate.reduce_scatter_stream, "reduce_scatter", collective, epilogue, tensors)
 
     def _all_reduce_chunk(self, chunk, out, accumulate: bool, divide: bool) -> Pending:
         """replicate_state: sum the shard group's reduced slice over the replicas, into ``out``."""

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .base import Communicator
+from .compress import check_inter_node_reduce_dtype, inter_node_dtype
 from .hsdp import MeshCommunicator
 
 WHERE = "zero_ext.ZeroAdamW"
@@ -70,10 +71,14 @@ def _is_device_mesh(mesh) -> bool:
     return isinstance(mesh, DeviceMesh)
 
 
-def check_mesh(mesh, process_group, communicator, replicate_state, where: str = WHERE) -> None:
-    """The local checks of ``mesh=`` and ``replicate_state=`` (before anything is built): a clear ValueError."""
+def check_mesh(
+    mesh, process_group, communicator, replicate_state, where: str = WHERE, inter_node_reduce_dtype=None
+) -> None:
+    """The local checks of ``mesh=``, ``replicate_state=`` and ``inter_node_reduce_dtype=`` (before anything is
+    built): a clear ValueError."""
     if not isinstance(replicate_state, bool):
         raise ValueError(f"{where}: `replicate_state` must be True or False, got {replicate_state!r}")
+    check_inter_node_reduce_dtype(inter_node_reduce_dtype, mesh, replicate_state, where)
     if mesh is None:
         if replicate_state:
             raise ValueError(f"{where}: `replicate_state=True` is for a 2-D `mesh` (its replicas); no mesh was given")
@@ -139,8 +144,11 @@ def grid_of(mesh) -> list[list[int]]:
     return mesh.mesh.tolist()
 
 
-def mesh_communicator(mesh, replicate_state: bool, device: torch.device, communicator_for) -> Communicator:
-    """The communicator of ``mesh`` (checked by :func:`check_mesh`) for tensors on ``device``."""
+def mesh_communicator(
+    mesh, replicate_state: bool, device: torch.device, communicator_for, inter_node_reduce_dtype=None
+) -> Communicator:
+    """The communicator of ``mesh`` (checked by :func:`check_mesh`) for tensors on ``device``; a mesh of one
+    replica is the 1-D layout (``inter_node_reduce_dtype`` has nothing to compress there)."""
     if isinstance(mesh, str):
         mesh = auto_mesh(device)
         if mesh is None:
@@ -152,4 +160,6 @@ def mesh_communicator(mesh, replicate_state: bool, device: torch.device, communi
     shard = communicator_for(mesh.get_group("shard"), device)
     replicate = communicator_for(mesh.get_group("replicate"), device)
     world = communicator_for(None, device)
-    return MeshCommunicator(shard, replicate, world, replicate_state, grid_of(mesh))
+    return MeshCommunicator(
+        shard, replicate, world, replicate_state, grid_of(mesh), inter_node_dtype(inter_node_reduce_dtype)
+    )

@@ -44,7 +44,9 @@ class StateBuilder:
         if options.communicator is not None:
             self.comm = options.communicator
         elif options.mesh is not None:
-            self.comm = mesh_communicator(options.mesh, options.replicate_state, self.device, communicator_for)
+            self.comm = mesh_communicator(
+                options.mesh, options.replicate_state, self.device, communicator_for, options.inter_node_reduce_dtype
+            )
         else:
             self.comm = communicator_for(options.process_group, self.device)
         trainable = sum(p.numel() for _, members in self.plan.groups for _, p in members)
@@ -110,7 +112,7 @@ class StateBuilder:
         o = self.options
         settings = (
             f"stage={o.stage} mesh={Mesh(self.comm).shape} {getattr(self.comm, 'grid', '')} "
-            f"replicate_state={o.replicate_state} reduce={o.reduce_dtype} bucket={self.bucket_size} offload={o.offload} "
+            f"replicate_state={o.replicate_state} inter={o.inter_node_reduce_dtype} reduce={o.reduce_dtype} bucket={self.bucket_size} offload={o.offload} "
             f"{o.offload_window} rules={[r.describe() for r in self.rules]} "
             f"sync_module_states={o.sync_module_states} {describe(self.to_sync)}"  # the broadcast in build() matches
         )

@@ -149,6 +149,12 @@ class EngineConfig:
         "nodes (FSDP2's HSDP: the replicas all-reduce the reduced gradient shard, one collective latency fewer "
         "per bucket, ``R`` copies of master and moments). Default False: sharded over all ranks.",
     )
+    inter_node_reduce_dtype: Optional[torch.dtype] = option(
+        None,
+        "with a 2-D ``mesh``: the node sums cross nodes as ``torch.bfloat16`` or as ``torch.int8`` blocks of 64 "
+        "with an fp32 scale each, added in fp32 on arrival (the reduction inside the node stays fp32). Default "
+        "None: fp32. Error model: ``docs/hsdp.md``, :mod:`zero_ext.comm.compress`.",
+    )
     offload: Optional[str] = option(
         None,
         "where the optimizer state (the fp32 master and the moments) lives: None (default: on the params' "
@@ -231,7 +237,7 @@ class EngineConfig:
                              where)  # fmt: skip
         check_gather_units(o.gather_units, where)
         check_process_group(o.process_group, o.communicator, where)
-        check_mesh(o.mesh, o.process_group, o.communicator, o.replicate_state, where)
+        check_mesh(o.mesh, o.process_group, o.communicator, o.replicate_state, where, o.inter_node_reduce_dtype)
         check_collective_timeout(o.collective_timeout, where)
         if o.defer_all_gather_to is not None and o.module is not None and o.defer_all_gather_to is not o.module:
             raise ValueError(f"{where}: `defer_all_gather_to` and `module` must be the same model")
