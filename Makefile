@@ -8,7 +8,7 @@ BUILD ?= build/cmake
 SCRIPTS := $(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_path('scripts'))")
 CLANG_FORMAT ?= $(SCRIPTS)/clang-format
 
-.PHONY: install reinstall run test test-fast test-cuda ctest lint format cuda-link
+.PHONY: install reinstall run test test-fast test-unit test-cuda coverage ctest lint format cuda-link
 
 # The install is skipped when nothing it depends on changed since the last one for this interpreter: the stamp
 # records the interpreter's prefix and is older than no build input, and zero_ext imported from outside the tree is
@@ -46,8 +46,21 @@ test: install
 test-fast: install
 	$(PYTHON) -m pytest -q -m "not slow and not cuda"
 
+# The single-process unit tests alone (kernels, checkpoint format, docs and tooling checks): no gloo rank is launched.
+test-unit: install
+	$(PYTHON) -m pytest -q -m "not multirank and not cuda"
+
 test-cuda: install
 	$(PYTHON) -m pytest -q -m cuda
+
+# zero_ext's line coverage over the CPU suite (.coveragerc: spawned gloo ranks, torchrun scripts and benchmark
+# subprocesses measured too); the report lands in build/coverage/. Before/after of changed test files, old against
+# new: tests/coverage/compare_lines.py.
+coverage: install
+	$(PYTHON) -m coverage erase
+	$(PYTHON) -m coverage run -m pytest -q
+	$(PYTHON) -m coverage combine -q
+	$(PYTHON) -m coverage report | tee build/coverage/report.txt | tail -3
 
 # Torch-free core: CPU kernel unit tests (ctest) and the nvcc compile check of every .cu file.
 ctest:

@@ -101,6 +101,7 @@ setup(
             "clang-format>=18",
             "import-linter>=2.16",
             "expecttest>=0.2",
+            "coverage>=7.10",  # `make coverage`: .coveragerc's patch = subprocess, _exit (spawned ranks measured)
         ]
         + BENCH_REQUIRES
         + HF_REQUIRES

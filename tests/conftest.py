@@ -23,6 +23,13 @@ def runs_triton_on_cpu(item) -> bool:
     return item.path.name in TRITON_CPU_MODULES or "triton_ops" in getattr(item, "fixturenames", ())
 
 
+def launches_ranks(item) -> bool:
+    """A test of a module that imports the rank launchers (tests/helpers: run_on_ranks' gloo pool, torchrun scripts)
+    may run on several processes; the rest are single-process unit tests (`make test-unit`)."""
+    module = getattr(item, "module", None)
+    return module is not None and any(hasattr(module, n) for n in ("run_on_ranks", "torchrun"))
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m selects: `-m triton_cpu` picks these
 def pytest_collection_modifyitems(config, items):
     gpu = torch.cuda.is_available()
@@ -32,6 +39,8 @@ def pytest_collection_modifyitems(config, items):
         "tests/kernels/test_triton_interpreted.py runs these in a subprocess of their own"
     )
     for item in items:
+        if launches_ranks(item):
+            item.add_marker(pytest.mark.multirank)
         if runs_triton_on_cpu(item):
             item.add_marker(pytest.mark.triton_cpu)
         if not gpu and "cuda" in item.keywords:

@@ -5,6 +5,7 @@ from fractions import Fraction
 import pytest
 import torch
 from distributed import run_on_ranks
+from pairwise import pairwise_params
 from tiny_transformer import batch, build, loss_fn
 
 from zero_ext import ZeroAdamW, memory
@@ -137,11 +138,16 @@ def _report(rank, world, stage, dtype_name, fp32_accumulation=False, remainders=
     return report.formula, report.owned_numel, report.num_params, report.widths, report.estimate, kept
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
-@pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize(
-    "dtype", ["bfloat16", "float32", "bfloat16-remainders", "bfloat16-bf16moments", "bfloat16-remainders-bf16moments"]
-)
+# World size, stage and the dtype settings act independently on the report: every pair of their values (15 runs of
+# the 45 combinations, tests/helpers/pairwise.py).
+REPORT_AXES = {
+    "world": [1, 2, 3],
+    "stage": [1, 2, 3],
+    "dtype": ["bfloat16", "float32", "bfloat16-remainders", "bfloat16-bf16moments", "bfloat16-remainders-bf16moments"],
+}
+
+
+@pytest.mark.parametrize("world,stage,dtype", pairwise_params(REPORT_AXES))
 def test_memory_report_byte_for_byte(world, stage, dtype):
     remainders = "-remainders" in dtype
     moments = torch.bfloat16 if dtype.endswith("-bf16moments") else torch.float32

@@ -9,6 +9,7 @@ import pytest
 import torch
 from distributed import run_on_ranks
 from engine_reference import mean_grads, offload_kwargs, params_digest, rank_grads
+from pairwise import marked_slow, pairwise
 from safetensors import safe_open
 from tiny_transformer import batch, build, loss_fn
 
@@ -124,9 +125,14 @@ def _trains(rank, world, stage, offload, dtype_name, root):
 WORLDS = [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("offload", [None, "cpu", "nvme"])
-@pytest.mark.parametrize("stage", [1, 2, 3])
+# World size, offload and stage act independently: every one-rank combination (the quick loop's), then every pair of
+# values with 2 and 3 ranks (tests/helpers/pairwise.py): 15 runs instead of 27.
+AXES = {"world": [1, 2, 3], "offload": [None, "cpu", "nvme"], "stage": [1, 2, 3]}
+ONE_RANK = [(1, o, s) for o in AXES["offload"] for s in AXES["stage"]]
+CASES = ONE_RANK + pairwise(AXES, covered=ONE_RANK)
+
+
+@pytest.mark.parametrize("world,offload,stage", marked_slow(CASES, lambda row: row[0] > 1))
 def test_rule_from_outside_trains_bitwise(tmp_path, stage, offload, world):
     digests = run_on_ranks(world, _trains, stage, offload, "bfloat16", str(tmp_path))
     assert len(set(digests)) == 1, "params differ between ranks"

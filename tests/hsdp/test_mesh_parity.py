@@ -9,6 +9,7 @@ import pytest
 import torch
 from distributed import run_on_ranks
 from mesh_runs import train_kw
+from pairwise import pairwise_params
 
 slow = pytest.mark.slow
 
@@ -22,10 +23,13 @@ def test_stages_on_a_2x2_mesh_are_bitwise_the_reference_and_each_other(replicate
     assert len(digests) == 1, "stages (or ranks) disagree"
 
 
+# Mesh shape, stage and replicate_state act independently: every pair of their values, 6 runs of the 12 combinations
+# (tests/helpers/pairwise.py).
+SIX_RANKS = {"shape": [(2, 3), (3, 2)], "stage": [1, 2, 3], "replicate_state": [False, True]}
+
+
 @slow
-@pytest.mark.parametrize("shape", [(2, 3), (3, 2)])
-@pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("replicate_state", [False, True])
+@pytest.mark.parametrize("shape,stage,replicate_state", pairwise_params(SIX_RANKS, ids={"shape": ["2x3", "3x2"]}))
 def test_six_ranks(shape, stage, replicate_state):
     out = run_on_ranks(6, train_kw, shape, stage, dict(replicate_state=replicate_state))
     assert len({digest for digest, _ in out}) == 1

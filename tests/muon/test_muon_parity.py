@@ -8,6 +8,7 @@ import torch
 from distributed import run_on_ranks
 from engine_reference import mean_grads, offload_kwargs, params_digest, rank_grads
 from muon_reference import MUON, MuonReference, freeze, zero_muon_groups
+from pairwise import marked_slow, pairwise
 from tiny_transformer import batch, build, loss_fn
 
 from zero_ext import ZeroMuon
@@ -56,12 +57,14 @@ def train(rank, world, stage, offload, dtype_name, root, steps=3, muon=None):
     return digest, owners
 
 
-WORLDS = [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)]
+# World size, offload and stage act independently: every one-rank combination (the quick loop's), then every pair of
+# values with 2 and 3 ranks (tests/helpers/pairwise.py): 15 runs instead of 27.
+AXES = {"world": [1, 2, 3], "offload": [None, "cpu", "nvme"], "stage": [1, 2, 3]}
+ONE_RANK = [(1, o, s) for o in AXES["offload"] for s in AXES["stage"]]
+CASES = ONE_RANK + pairwise(AXES, covered=ONE_RANK)
 
 
-@pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("offload", [None, "cpu", "nvme"])
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("world,offload,stage", marked_slow(CASES, lambda row: row[0] > 1))
 def test_zero_muon_is_torch_muon(tmp_path, stage, offload, world):
     out = run_on_ranks(world, train, stage, offload, "float32", str(tmp_path))
     assert len({digest for digest, _ in out}) == 1, "params differ between ranks"

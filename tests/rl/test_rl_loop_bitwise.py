@@ -2,7 +2,8 @@
 model with ``named_full_params()``, "generation" with the copy, ``reload_states()``, steps) ends bitwise where the
 same loop without the detour ends: parameters, every byte of the optimizer's state (``state_dict()``), the counters,
 and a checkpoint saved at the end (file by file, byte by byte). Stages 1-3, offload None / cpu / nvme, the precision
-settings (bf16 and int8 moments, bf16 parameter + remainder as the master, amsgrad), ZeroMuon, 1-3 gloo ranks."""
+settings (bf16 and int8 moments, bf16 parameter + remainder as the master, amsgrad), ZeroMuon, 1-3 gloo ranks; the
+slow grids run every pair of their axes' values, not every combination."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 from distributed import run_on_ranks
 from engine_reference import offload_kwargs
+from pairwise import missing_pairs, pairwise
 from tiny_transformer import batch, build, loss_fn
 
 from zero_ext import ZeroAdamW, ZeroMuon, checkpoint
@@ -94,12 +96,16 @@ def _check(world, stage, offload, precision, tmp_path, include=None):
         assert all(len(g) == len(DETOURS) for g in generated)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+TWO_RANKS_STAGES = [1, 2, 3]
+OFFLOADS_ONE_RANK = ["cpu", "nvme"]
+
+
+@pytest.mark.parametrize("stage", TWO_RANKS_STAGES)
 def test_detour_is_invisible_two_ranks(stage, tmp_path):
     _check(2, stage, None, "fp32_moments", tmp_path)
 
 
-@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+@pytest.mark.parametrize("offload", OFFLOADS_ONE_RANK)
 def test_detour_with_offload(offload, tmp_path):
     _check(1, 2, offload, "fp32_moments", tmp_path)
 
@@ -119,17 +125,28 @@ def test_detour_partial_include(include, tmp_path):
     _check(2, 1, None, "fp32_moments", tmp_path, include=include)
 
 
+# World size, offload and stage act independently on the detour: the slow grid runs every pair of their values (with
+# the rows the quick tests above run), not all 27 combinations (tests/helpers/pairwise.py).
+MATRIX_AXES = {"world": [1, 2, 3], "offload": [None, "cpu", "nvme"], "stage": [1, 2, 3]}
+MATRIX_QUICK = [(2, None, s) for s in TWO_RANKS_STAGES] + [(1, o, 2) for o in OFFLOADS_ONE_RANK]
+MATRIX = pairwise(MATRIX_AXES, covered=MATRIX_QUICK)
+# Precision, offload and stage likewise, on 2 ranks: every pair of the 5 x 2 x 3 grid (15 rows of 30).
+PRECISION_AXES = {"precision": list(PRECISIONS), "offload": [None, "cpu"], "stage": [1, 2, 3]}
+PRECISION_MATRIX = pairwise(PRECISION_AXES)
+
+
+def test_the_grids_run_every_pair():
+    assert not missing_pairs(MATRIX_AXES, MATRIX + MATRIX_QUICK)
+    assert not missing_pairs(PRECISION_AXES, PRECISION_MATRIX)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [1, 2, 3])
-@pytest.mark.parametrize("offload", [None, "cpu", "nvme"])
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("world,offload,stage", MATRIX)
 def test_detour_matrix(world, offload, stage, tmp_path):
     _check(world, stage, offload, "fp32_moments", tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", list(PRECISIONS))
-@pytest.mark.parametrize("offload", [None, "cpu"])
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("precision,offload,stage", PRECISION_MATRIX)
 def test_detour_precision_matrix(precision, offload, stage, tmp_path):
     _check(2, stage, offload, precision, tmp_path)

@@ -19,6 +19,7 @@ from engine_reference import (
     set_mean_grads,
     state_shards,
 )
+from pairwise import pairwise_params
 from tiny_transformer import SEQ, batch, build
 from torch.utils.checkpoint import checkpoint
 
@@ -123,11 +124,16 @@ def test_stage3_equals_stage2(world, case):
     assert len(set(run_on_ranks(world, _compare, case, "bfloat16", True, 1))) == 1
 
 
+# World size, the (reshard, prefetch) settings and the dtype act independently: every pair of their values, 6 runs of
+# the 12 combinations (tests/helpers/pairwise.py).
+SETTINGS_AXES = {"world": [2, 3], "settings": [(True, 0), (True, 2), (False, 1)], "dtype": ["bfloat16", "float32"]}
+SETTINGS_IDS = {"settings": ["reshard-prefetch0", "reshard-prefetch2", "keep-prefetch1"]}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("reshard,prefetch", [(True, 0), (True, 2), (False, 1)])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_stage3_settings_and_dtypes(world, reshard, prefetch, dtype):
+@pytest.mark.parametrize("world,settings,dtype", pairwise_params(SETTINGS_AXES, ids=SETTINGS_IDS))
+def test_stage3_settings_and_dtypes(world, settings, dtype):
+    reshard, prefetch = settings
     assert len(set(run_on_ranks(world, _compare, "plain", dtype, reshard, prefetch))) == 1
 
 

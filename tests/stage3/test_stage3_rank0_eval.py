@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from distributed import run_on_ranks
 from engine_reference import params_digest
+from pairwise import pairwise_params
 from tiny_transformer import SEQ, batch, build, loss_fn
 
 from zero_ext import ZeroAdamW
@@ -79,9 +80,12 @@ def _with_and_without(rank, world, reshard, prefetch):
     return _run(rank, world, reshard, prefetch, True), _run(rank, world, reshard, prefetch, False)
 
 
-@pytest.mark.parametrize("prefetch", [0, 1, 2])
-@pytest.mark.parametrize("reshard", [True, False])
-@pytest.mark.parametrize("world", [2, 3])
+# World size, reshard and prefetch act independently: every pair of their values, 6 runs of the 12 combinations
+# (tests/helpers/pairwise.py).
+AXES = {"world": [2, 3], "reshard": [True, False], "prefetch": [0, 1, 2]}
+
+
+@pytest.mark.parametrize("world,reshard,prefetch", pairwise_params(AXES))
 def test_rank0_evaluation_inside_gathered_params_changes_nothing(world, reshard, prefetch):
     results = run_on_ranks(world, _with_and_without, reshard, prefetch, timeout=90)
     for rank, (evaluated, plain) in enumerate(results):

@@ -4,9 +4,9 @@ empty bench/results, a fake built extension): each step must start its tools wit
 its outcome in summary.txt, so that the script cannot rot unseen between GPU sessions (it once handed shell functions
 to `timeout`, which starts only programs: every function step failed with rc 127 and the build stopped the session).
 
-The session's two device calls fit 15 minutes of device time: `call1` runs exactly build, ops, bench and engine_one,
-`call2` overlap and memcheck, each under its budget (8 and 4 minutes); a step that no longer fits is recorded SKIPPED;
-the results come back packed."""
+The session's two device calls fit 15 minutes of device time: `call1` runs exactly build, ops and engine, `call2`
+bench and memcheck, each under its budget (9.5 and 2.7 minutes); the pytest commands of the plan, collected here,
+select every test marked cuda; a step that no longer fits is recorded SKIPPED; the results come back packed."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ SCRIPT = ROOT / "scripts" / "gpu_session.sh"
 TOOLS = ("python3", "python", "nvidia-smi", "nvcc", "ncu", "compute-sanitizer", "cmake", "ctest")
 STEPS = ("build", "ops", "engine", "engine_one", "suite", "memcheck", "memcheck_engine", "racecheck", "bench",
          "overlap", "ncu", "ctest")  # fmt: skip
-PLANS = {"call1": (("build", "ops", "bench", "engine_one"), 8 * 60), "call2": (("overlap", "memcheck"), 4 * 60)}
+PLANS = {"call1": (("build", "ops", "engine"), 570), "call2": (("bench", "memcheck"), 160)}
+DEVICE_S = 15 * 60  # a session's device time: one machine start (~90 s), the calls, 30 s of idling between them
 SO = "_C.cpython-312-x86_64-linux-gnu.so"  # the GPU image's Python 3.12
 
 # Each stub appends one line to $STUB_CALLS: its name and arguments, then the first line of its stdin when it is
@@ -135,8 +136,14 @@ def _files(pattern_list: str) -> list[str]:
     return sorted({str(p.relative_to(ROOT)) for pat in pattern_list.split() for p in ROOT.glob(pat)})
 
 
+def _pytest_args(call: str) -> list[str]:
+    """A stub's record of a pytest call, from `-m pytest` on (the plan's pytest calls have no -k with spaces)."""
+    args = call.split()
+    return args[args.index("pytest") + 1 :]
+
+
 @needs_bash
-def test_call1_builds_for_this_gpu_then_runs_ops_bench_and_one_engine_test(tmp_path):
+def test_call1_builds_for_this_gpu_then_runs_every_cuda_test(tmp_path):
     proc, summary, calls, out = _run(tmp_path, "call1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps, budget = PLANS["call1"]
@@ -146,36 +153,36 @@ def test_call1_builds_for_this_gpu_then_runs_ops_bench_and_one_engine_test(tmp_p
     timeouts = _timeouts(proc.stdout)
     assert list(timeouts) == list(steps) and sum(timeouts.values()) <= budget, timeouts  # each step fits whole
     py = [c for c in _calls_of(calls, "python3") if "-m pip" in c or "-m pytest" in c or "bench/" in c]
-    assert len(py) == 4, py
+    assert len(py) == 3, py
     assert py[0] == "python3 -m pip install --no-build-isolation --no-deps -v -e .", py
-    ops, bench, engine_one = py[1].split(), py[2], py[3].split()
+    ops, engine = py[1].split(), py[2].split()
     assert ops[:5] == ["python3", "-m", "pytest", "-q", "-ra"] and "cuda" in ops, ops
     kernel_files = _files(_var("KERNEL_TESTS"))
     assert sorted(a for a in ops if a.startswith("tests/")) == kernel_files, ops
     assert not [f for f in kernel_files if "engine" in f]
-    assert bench == "python3 bench/bench_fused_adamw.py --device cuda --precision"
-    assert ["tests/engine/test_engine_cuda.py", "tests/engine/test_engine_cuda_multi_gpu.py"] == [
-        a for a in engine_one if a.startswith("tests/")
-    ], engine_one
-    assert py[3].endswith(" -k " + _var("ENGINE_ONE_K")), py[3]
+    # engine: every test file but the kernel files, the cuda ones only.
+    assert engine[:5] == ["python3", "-m", "pytest", "-q", "-ra"], engine
+    assert engine[engine.index("-m", 3) + 1] == "cuda", engine
+    ignored = sorted(a.removeprefix("--ignore=") for a in engine if a.startswith("--ignore="))
+    assert ignored == kernel_files and engine[-1] == "tests", engine
     assert not _calls_of(calls, "python") and not _calls_of(calls, "compute-sanitizer") and not _calls_of(calls, "ncu")
     assert "TORCH_CUDA_ARCH_LIST=9.0" in (tmp_path / "logs" / "build.log").read_text()  # this GPU's only
     # The multi-GPU tests' skip reasons and pytest's tally show in the summary.
-    assert "engine_one: rc=0" in summary and "(1 passed, 2 skipped, 13 deselected in 21.07s)" in summary, summary
+    assert "engine: rc=0" in summary and "(1 passed, 2 skipped, 13 deselected in 21.07s)" in summary, summary
     assert "    SKIPPED [1] tests/engine/test_engine_cuda_multi_gpu.py:125: needs 3 GPUs, found 1" in summary, summary
     # Packed: the built extension to carry, every log, the result files written and this call's record.
     assert (out / SO).read_bytes() == b"\x7fELF"
     files = [p.name for p in out.iterdir() if p.is_file()]
     assert len(files) <= 8 and {"summary.txt", "env.txt", "logs.tar.gz", SO} <= set(files), files
     names = _packed(out)
-    assert {"build.log", "ops.log", "bench.log", "engine_one.log", "env.txt"} <= {Path(n).name for n in names}
-    assert {"bench/results/stub_bench_fused_adamw.txt", "bench/results/gpu_session_call1.md"} <= names, names
+    assert {"build.log", "ops.log", "engine.log", "env.txt"} <= {Path(n).name for n in names}
+    assert "bench/results/gpu_session_call1.md" in names, names
     record = (tmp_path / "repo" / "bench" / "results" / "gpu_session_call1.md").read_text()
-    assert "engine_one: rc=0" in record and "nvidia-smi" not in record  # env.txt and the summary, not commands
+    assert "engine: rc=0" in record and "nvidia-smi" not in record  # env.txt and the summary, not commands
 
 
 @needs_bash
-def test_call2_profiles_overlap_and_memchecks_the_kernels_with_the_carried_build(tmp_path):
+def test_call2_benches_and_memchecks_the_kernels_with_the_carried_build(tmp_path):
     proc, summary, calls, out = _run(tmp_path, "call2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps, budget = PLANS["call2"]
@@ -184,29 +191,52 @@ def test_call2_profiles_overlap_and_memchecks_the_kernels_with_the_carried_build
     assert list(timeouts) == list(steps) and sum(timeouts.values()) <= budget, timeouts
     assert int(re.search(r"call budget (\d+)s", summary).group(1)) <= budget, summary
     assert not [c for c in calls if "pip install" in c], "the carried extension is used, not rebuilt"
-    py = _calls_of(calls, "python3")
-    assert "python3 bench/profile_overlap.py" in py, py
-    assert "python3 bench/profile_overlap.py --stage 3 --name profile_overlap_cuda_stage3" in py, py
+    assert "python3 bench/bench_fused_adamw.py --device cuda --precision" in _calls_of(calls, "python3"), calls
     (memcheck,) = _calls_of(calls, "compute-sanitizer")
     assert memcheck.startswith("compute-sanitizer --tool memcheck --error-exitcode 1"), memcheck
     for path in _var("MEMCHECK_TESTS").split():
         assert f" {path} " in memcheck, memcheck
     assert " -k (test_cuda_matches_cpu and " in memcheck, memcheck
-    assert {"bench/results/stub_profile_overlap.txt", "bench/results/gpu_session_call2.md"} <= _packed(out)
+    assert {"bench/results/stub_bench_fused_adamw.txt", "bench/results/gpu_session_call2.md"} <= _packed(out)
+
+
+def test_the_two_calls_fit_the_sessions_device_time():
+    """At every step's time limit: a machine start, call 1, the idle wait, call 2 on the warm machine."""
+    start_s, idle_s = 90, 30
+    assert start_s + PLANS["call1"][1] + idle_s + PLANS["call2"][1] <= DEVICE_S
+    assert PLANS["call1"][1] <= 600 - 30 and PLANS["call2"][1] <= 600 - 30  # one run() lasts at most 600 s
+
+
+@pytest.mark.slow
+@needs_bash
+def test_the_plan_runs_every_test_marked_cuda(tmp_path):
+    """The pytest commands the two calls issue, collected here as the GPU machine would (-m cuda), select every test
+    marked cuda in tests/: a CUDA test written ahead cannot miss the session (a new file, a -k that drops one)."""
+    planned = set()
+    for call in PLANS:
+        (tmp_path / call).mkdir()
+        _, _, calls, _ = _run(tmp_path / call, call)
+        for c in calls:
+            if c.startswith("python3 -m pytest"):
+                report = ("-q", "-ra") + tuple(a for a in _pytest_args(c) if a.startswith(("--junitxml=", "--dur")))
+                args = [a for a in _pytest_args(c) if a not in report]  # what selects, not what reports
+                planned |= set(_collect_args(args))
+    every = set(_collect_args(["-m", "cuda", "tests"]))
+    assert len(every) > 100 and every - planned == set(), sorted(every - planned)[:20]
 
 
 @pytest.mark.slow
 @needs_bash
 def test_a_step_past_the_call_budget_is_skipped_and_reported(tmp_path):
-    """bench takes 7 s of a 10 s budget: engine_one, left with less than MIN_STEP_S, is not started."""
-    env = dict(MIN_STEP_S="5", STUB_SLEEP="bench_fused_adamw=7")
+    """ops takes 7 s of a 10 s budget: engine, left with less than MIN_STEP_S, is not started."""
+    env = dict(MIN_STEP_S="5", STUB_SLEEP="test_cuda_ops.py=7")
     proc, summary, calls, out = _run(tmp_path, "call1", budget=10, env_extra=env)
     rc = _rc(summary)
-    assert list(rc) == list(PLANS["call1"][0]) and rc["build"] == rc["ops"] == 0 and rc["bench"] in (0, 124), summary
-    assert rc["engine_one"] == 125 and re.search(r"^engine_one: rc=125 0s SKIPPED", summary, re.M), summary
+    assert list(rc) == list(PLANS["call1"][0]) and rc["build"] == 0 and rc["ops"] in (0, 124), summary
+    assert rc["engine"] == 125 and re.search(r"^engine: rc=125 0s SKIPPED", summary, re.M), summary
     assert proc.returncode == 1
-    assert not [c for c in calls if "test_engine_cuda" in c], calls
-    assert "engine_one: rc=125" in (out / "summary.txt").read_text() and "bench.log" in str(_packed(out))
+    assert not [c for c in calls if "--ignore=" in c], calls
+    assert "engine: rc=125" in (out / "summary.txt").read_text() and "ops.log" in str(_packed(out))
 
 
 @needs_bash
@@ -273,11 +303,15 @@ def test_the_header_plans_two_calls_and_names_every_step():
             assert list(ROOT.glob(pattern)), f"{name} names {pattern}, which matches no file"
 
 
-def _collect(files: str, k: str, marks: str) -> list[str]:
-    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", marks,
-           *files.split(), "-k", k]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+def _collect_args(args: list[str]) -> list[str]:
+    """The test ids pytest collects here with these arguments, from the repository root."""
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     return [line for line in proc.stdout.splitlines() if "::" in line]
+
+
+def _collect(files: str, k: str, marks: str) -> list[str]:
+    return _collect_args(["-m", marks, *files.split(), "-k", k])
 
 
 @pytest.mark.slow

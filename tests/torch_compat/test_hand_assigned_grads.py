@@ -7,6 +7,7 @@ import pytest
 import torch
 from distributed import run_on_ranks
 from engine_reference import mean_grads
+from pairwise import pairwise_params
 
 from zero_ext import ZeroAdamW
 
@@ -114,9 +115,13 @@ def _scenario(rank, world, stage, scenario):
     return True
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
-@pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("scenario", ["alone", "before_backward", "after_backward", "replace", "some_ranks"])
+# World size, stage and scenario act independently: every pair of their values (15 runs of the 45 combinations,
+# tests/helpers/pairwise.py).
+AXES = {"world": [1, 2, 3], "stage": [1, 2, 3],
+        "scenario": ["alone", "before_backward", "after_backward", "replace", "some_ranks"]}  # fmt: skip
+
+
+@pytest.mark.parametrize("world,stage,scenario", pairwise_params(AXES))
 def test_hand_assigned_gradients_are_applied_as_their_mean(world, stage, scenario):
     assert run_on_ranks(world, _scenario, stage, scenario) == [True] * world
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from distributed import run_on_ranks
 from engine_reference import check_against_reference, rank_grads, reference, set_mean_grads
+from pairwise import pairwise_params
 from tiny_transformer import batch, build, loss_fn
 
 from zero_ext import ZeroAdamW
@@ -66,9 +67,12 @@ def _train(rank, world, stage, kwargs):
     return True
 
 
-@pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("case", INPUTS, ids=[c.desc for c in INPUTS])
+# Every input at every stage, each pair of (input, world size) and (stage, world size) once: 21 runs of the 42
+# combinations (tests/helpers/pairwise.py).
+AXES = {"case": INPUTS, "stage": [1, 2, 3], "world": [1, 2]}
+
+
+@pytest.mark.parametrize("case,stage,world", pairwise_params(AXES, ids={"case": [c.desc for c in INPUTS]}))
 def test_every_torch_configuration_input_trains_as_torch(case, stage, world):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no input of torch's list makes ZeroAdamW warn

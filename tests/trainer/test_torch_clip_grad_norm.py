@@ -16,6 +16,7 @@ from engine_reference import (
     reference,
     state_shards,
 )
+from pairwise import pairwise_params
 from tiny_transformer import batch, build, loss_fn
 
 from zero_ext import ZeroAdamW
@@ -128,9 +129,10 @@ def _nonfinite(rank, world, stage, foreach):
     return True
 
 
-@pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("foreach", [None, True])
+# World size, stage and foreach act independently: every pair of their values (tests/helpers/pairwise.py).
+@pytest.mark.parametrize(
+    "world,stage,foreach", pairwise_params({"world": [1, 2], "stage": [1, 2, 3], "foreach": [None, True]})
+)
 def test_error_if_nonfinite_raises_on_every_rank(world, stage, foreach):
     assert all(run_on_ranks(world, _nonfinite, stage, foreach))
 
@@ -223,9 +225,10 @@ def _accumulation(rank, world, stage, clip_between):
     return True
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
-@pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("clip_between", [False, True])
+# World size, stage and clip_between act independently: every pair of their values (tests/helpers/pairwise.py).
+@pytest.mark.parametrize(
+    "world,stage,clip_between", pairwise_params({"world": [1, 2, 3], "stage": [1, 2, 3], "clip_between": [False, True]})
+)
 def test_accumulation_then_clip_and_zero_grad(world, stage, clip_between):
     assert all(run_on_ranks(world, _accumulation, stage, clip_between))
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from distributed import run_on_ranks
 from engine_reference import check_against_reference, full_params, mean_grads, params_digest
+from pairwise import pairwise_params
 from tiny_transformer import batch, build, loss_fn
 
 from zero_ext import ZeroAdamW
@@ -85,9 +86,12 @@ def _run(rank, world, stage, how, set_to_none, accum=None, clear="opt"):
     return digest
 
 
-@pytest.mark.parametrize("set_to_none", [True, False])
-@pytest.mark.parametrize("how", ["model", "opt", "some"])
-@pytest.mark.parametrize("stage", [1, 2, 3])
+# Stage, how and set_to_none act independently: every pair of their values, 9 runs of the 18 combinations
+# (tests/helpers/pairwise.py).
+DROP_AXES = {"stage": [1, 2, 3], "how": ["model", "opt", "some"], "set_to_none": [True, False]}
+
+
+@pytest.mark.parametrize("stage,how,set_to_none", pairwise_params(DROP_AXES))
 def test_a_gradient_dropped_between_backward_and_step_is_dropped_as_torch_drops_it(stage, how, set_to_none):
     assert len(set(run_on_ranks(2, _run, stage, how, set_to_none))) == 1
 
