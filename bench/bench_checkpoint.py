@@ -156,10 +156,12 @@ def _main_dcp(args, m) -> None:
     body = (
         "fp32 params, ZeroAdamW stage 2. zero_ext.save writes master + exp_avg + exp_avg_sq (12 B/param); dcp.save / "
         "dcp.async_save write zero_ext.checkpoint.get_state_dict (the fp32 master as the model's weights, exp_avg, "
-        "exp_avg_sq, step: 12 B/param) with FileSystemWriter; async on its own gloo group. blocking = until the call "
-        "returns (for DCP including get_state_dict's snapshot); total = until the files are written. Times: slowest "
-        f"rank, median (min-max) of {args.reps} interleaved repetitions; peak RSS: above the level before the call.\n\n"
-        + markdown_table(HEADERS, table)
+        "exp_avg_sq, step: 12 B/param; views of the state, no copy) with FileSystemWriter; async on its own gloo "
+        "group, with DCP's default stager (a fresh host copy per save) or one zero_ext.checkpoint.CachedStager for the "
+        "run (its buffers reused; allocated by one untimed staging first). blocking = until the call returns "
+        "(get_state_dict included, also shown apart); total = until the files are written. Times: slowest rank, "
+        f"median (min-max) of {args.reps} interleaved repetitions; peak RSS: above the level before the call; load "
+        "avg: the 1-minute load average at each repetition (min-max).\n\n" + markdown_table(HEADERS, table)
     )
     stem = args.out if args.out != "checkpoint" else "checkpoint_dcp"
     paths = write_results(stem, m, {"rows": raw}, body, args.out_dir)

@@ -14,7 +14,8 @@ consolidate offline.
 - :func:`get_state_dict` / :func:`set_state_dict` (``dcp_state_dict.py``): the state in
   ``torch.distributed.checkpoint.state_dict``'s layout (FSDP2 + torch.optim keys), each value this rank's pieces of
   the global tensor, for ``dcp.save`` / ``dcp.async_save`` / ``dcp.load``; :class:`AppState` (a DCP ``Stateful``) and
-  :func:`load_dcp` (a strict ``dcp.load``) in ``dcp_app.py``; consolidation of a DCP checkpoint: ``dcp_export.py``.
+  :func:`load_dcp` (a strict ``dcp.load``) in ``dcp_app.py``; :class:`CachedStager` (``dcp.async_save`` staging into
+  reused host buffers) in ``dcp_staging.py``; consolidation of a DCP checkpoint: ``dcp_export.py``.
 
 :func:`save` and :func:`load` write and read files, not a torch state dict: torch.optim's state-dict hooks
 (``register_state_dict_pre_hook`` and the three others) run around ``opt.state_dict()`` / ``opt.load_state_dict()``
@@ -23,6 +24,7 @@ only (:mod:`zero_ext.torch_compat.state_dict_hooks`); state of your own goes in 
 
 from .consolidate import adamw_state_dict, consolidate, torch_state_dicts
 from .dcp_app import AppState, load_dcp
+from .dcp_staging import CachedStager
 from .dcp_state_dict import get_state_dict, set_state_dict
 from .format import FORMAT_VERSION, CheckpointError
 from .loading import load
@@ -35,6 +37,7 @@ __all__ = [
     "set_state_dict",
     "load_dcp",
     "AppState",
+    "CachedStager",
     "load",
     "read_extra",
     "consolidate",

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
+from ..engine.sleep import asleep
 from .agreement import agree, sharded_state_of
 from .dcp_state_dict import get_state_dict, set_state_dict
 from .format import CheckpointError
@@ -93,6 +94,9 @@ def load_dcp(checkpoint_id: str | os.PathLike, model, optimizer, *, key: Optiona
     state = sharded_state_of(optimizer, "load_dcp")
     error, sd = None, None
     try:
+        sleeping = asleep(state)
+        if sleeping is not None:  # (get_state_dict reads parked state; loading would write it)
+            raise sleeping.refusal("zero_ext.checkpoint.load_dcp")
         model_sd, optim_sd = get_state_dict(model, optimizer)
         sd = {MODEL: model_sd, OPTIM: optim_sd}
         if key is not None:

@@ -9,9 +9,18 @@ row, recursively inside the partial rows), so every box is a plain view of the r
 this rank's runs, answering DCP's checkpoint hooks (``__create_write_items__``, ``__create_chunk_list__``,
 ``__get_tensor_shard__``, the hooks DTensor implements), so that ``dcp.save`` writes this rank's boxes without
 gathering anything and ``dcp.load`` reads into them from a checkpoint of any sharding (an FSDP2 one included).
-DCP's async stager copies a tensor subclass by ``new_empty`` and its ``__dict__``: the values travel in a
-:class:`HostSnapshot`, which a host copy does not copy again (the values are a snapshot already: nothing but the
-state dict refers to them).
+
+Its values (:class:`RunValues`, one 1-D tensor per run) are *live* where the optimizer keeps them as fp32 memory: views
+of the state itself (``get_state_dict`` copies nothing, so ``dcp.save`` costs no memory), like the DTensors torch's
+own ``get_state_dict`` returns. They are copied exactly once, where a copy is needed:
+
+- staging (``dcp.async_save``): DCP's stager deep-copies the state dict; a live :class:`RunValues` copies itself to
+  host memory then (values already copied, decoded from bf16 / int8 or read from disk, are a snapshot nothing else
+  refers to and are not copied again). :class:`~zero_ext.checkpoint.dcp_staging.CachedStager` copies into buffers
+  reused from one save to the next instead (no page faults: the async blocking time is one memcpy);
+- loading: DCP asks for the chunk list (``__create_chunk_list__``) only to plan a load; the values are detached from
+  the state there (copied), so ``dcp.load`` writes into the copy and the optimizer changes only in ``set_state_dict``,
+  after its checks.
 """
 
 from __future__ import annotations
@@ -58,17 +67,28 @@ def flat_boxes(start: int, end: int, shape: Sequence[int]) -> list[Box]:
     return out
 
 
-class HostSnapshot:
-    """A rank's values of one state-dict entry, a snapshot nothing else refers to. A deep copy (DCP's async stager
-    copying the state dict to host memory) keeps host values as they are: they are staged already."""
+class RunValues:
+    """A rank's values of one state-dict entry: one 1-D tensor per run. ``live``: some are views of the optimizer's
+    state (they change as it trains); else they are a snapshot nothing else refers to."""
 
-    def __init__(self, values: torch.Tensor):
-        self.flat_values = values
+    def __init__(self, parts: Sequence[torch.Tensor], live: bool):
+        self.parts, self.live = list(parts), live
+
+    def copied(self, into: Optional[Sequence[torch.Tensor]] = None) -> "RunValues":
+        """A snapshot of the values in host memory (into ``into``, buffers of the parts' sizes, where given)."""
+        with torch.no_grad():
+            if into is None:
+                return RunValues([p.to("cpu", copy=True) for p in self.parts], live=False)
+            for dst, src in zip(into, self.parts):
+                dst.copy_(src)
+            return RunValues(into, live=False)
 
     def __deepcopy__(self, memo):
-        if self.flat_values.device.type == "cpu":
-            return self
-        return HostSnapshot(self.flat_values.to("cpu", copy=True))
+        # DCP's stager deep-copies the state dict (dcp.async_save): live values are copied to host memory once;
+        # a host snapshot is staged already
+        if self.live or any(p.device.type != "cpu" for p in self.parts):
+            return self.copied()
+        return self
 
 
 _NOT_A_TENSOR = (
@@ -79,15 +99,18 @@ _NOT_A_TENSOR = (
 
 
 class FlatPieces(torch.Tensor):
-    """This rank's runs ``[(start, end), ...]`` of a flattened tensor of ``shape``: ``values`` holds them one after the
-    other (1-D). ``name`` only makes messages clear."""
+    """This rank's runs ``[(start, end), ...]`` of a flattened tensor of ``shape``. ``values``: one 1-D tensor holding
+    the runs one after the other, or a :class:`RunValues` (a tensor per run). ``name`` only makes messages clear."""
 
     @staticmethod
-    def __new__(cls, shape, dtype, runs: Sequence[tuple[int, int]], values: Optional[torch.Tensor], name: str = ""):
-        device = values.device if values is not None else torch.device("cpu")
+    def __new__(cls, shape, dtype, runs: Sequence[tuple[int, int]], values, name: str = ""):
+        runs = [Range(int(a), int(b)) for a, b in runs]
+        if isinstance(values, torch.Tensor):
+            values = RunValues(_split(values, runs), live=False)
+        device = values.parts[0].device if values is not None and values.parts else torch.device("cpu")
         self = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype, device=device)
-        self._runs = [Range(int(a), int(b)) for a, b in runs]
-        self._snapshot = HostSnapshot(values) if values is not None else None
+        self._runs = runs
+        self._values = values
         self._name = name
         return self
 
@@ -99,27 +122,36 @@ class FlatPieces(torch.Tensor):
         return list(self._runs)
 
     @property
+    def live(self) -> bool:
+        """Whether some values are views of the optimizer's state (they change as it trains)."""
+        return self._values.live
+
+    @property
     def flat_values(self) -> torch.Tensor:
-        """This rank's elements, the runs one after the other (1-D)."""
-        return self._snapshot.flat_values
+        """This rank's elements, the runs one after the other (1-D; a copy where there are several runs)."""
+        parts = self._values.parts
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:
+            return torch.zeros(0, dtype=self.dtype)
+        return torch.cat(parts)
 
     def pieces(self) -> list[tuple[Range, torch.Tensor]]:
         """[(run, its values)] in order."""
-        out, at = [], 0
-        for run in self._runs:
-            out.append((run, self.flat_values[at : at + run.numel]))
-            at += run.numel
-        return out
+        return list(zip(self._runs, self._values.parts))
 
     def _boxes(self) -> list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]]:
-        out, at = [], 0
-        for run in self._runs:
+        out = []
+        for run, values in zip(self._runs, self._values.parts):
             for offsets, sizes, first in flat_boxes(run.start, run.end, self.shape):
-                n = math.prod(sizes)
-                local = at + first - run.start
-                out.append((offsets, sizes, self.flat_values[local : local + n].view(sizes)))
-            at += run.numel
+                local = first - run.start
+                out.append((offsets, sizes, values[local : local + math.prod(sizes)].view(sizes)))
         return out
+
+    def staged(self, into: Optional[Sequence[torch.Tensor]] = None) -> "FlatPieces":
+        """A copy in host memory (into ``into``, one buffer per run, where given), for a save running while training
+        goes on."""
+        return FlatPieces(self.shape, self.dtype, self._runs, self._values.copied(into), self._name)
 
     # -- DCP's hooks (torch.distributed.checkpoint.planner_helpers / utils) --------------------------------------
     def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
@@ -138,6 +170,9 @@ class FlatPieces(torch.Tensor):
         ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        # Asked only to plan a load (planner_helpers._create_read_items): the load writes into a copy, not the state
+        if self._values.live:
+            self._values = RunValues([p.clone() for p in self._values.parts], live=False)
         return [
             ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
             for offsets, sizes, _ in self._boxes()
@@ -171,3 +206,12 @@ class FlatPieces(torch.Tensor):
             FlatPieces,
             (tuple(self.shape), self.dtype, [tuple(r) for r in self._runs], self.flat_values, self._name),
         )
+
+
+def _split(values: torch.Tensor, runs: Sequence[Range]) -> list[torch.Tensor]:
+    """1-D ``values`` holding ``runs`` one after the other, as one view per run."""
+    out, at = [], 0
+    for run in runs:
+        out.append(values[at : at + run.numel])
+        at += run.numel
+    return out

@@ -13,10 +13,19 @@ for ``dcp.save`` / ``dcp.async_save`` / ``dcp.load``.
   (bf16 and int8 moments decoded to their canonical fp32 values), as pieces of the global tensors; ``param_groups``
   with ``params`` as fqns.
 
-Every value is a snapshot (copies made here): training may go on while ``dcp.async_save`` writes them, and
-``dcp.load`` into them changes nothing until ``set_state_dict``, which checks every key, shape and value on every
-rank, agrees, and only then writes; a failure raises on every rank and leaves the model and optimizer bitwise as
-they were.
+Nothing is copied here (``dcp_chunks.py``): where the optimizer keeps a value as fp32 memory, the dict holds a view
+of it (as torch's own ``get_state_dict`` does), so ``dcp.save`` costs no memory; take the dicts right before saving
+(an ``AppState`` does). ``dcp.async_save`` copies them to host memory once, while it stages, before it returns (into
+reused buffers with :class:`~zero_ext.checkpoint.dcp_staging.CachedStager`); values decoded from bf16 / int8 moments,
+read from disk, or joined from several runs are fresh already and are not copied again. ``dcp.load`` writes into a
+copy (made when DCP plans the load) and changes nothing until ``set_state_dict``, which checks every key, shape and
+value on every rank, agrees, and only then writes; a failure raises on every rank and leaves the model and optimizer
+bitwise as they were.
+
+While ``offload_states()`` has parked the state, ``get_state_dict`` reads the host copies the parking holds
+(``dcp_parked.py``: nothing moved back to the device, nothing staged twice), the same values as before the offload;
+``set_state_dict`` (and :func:`~zero_ext.checkpoint.load_dcp`) is refused on every rank, naming ``reload_states()``,
+and changes nothing: loading would have to write the parked bytes.
 """
 
 from __future__ import annotations
@@ -31,10 +40,11 @@ from ..update.protocol import MASTER
 from ..update.registry import rule_name_of
 from .agreement import agree, sharded_state_of
 from .dcp_checks import plan_writes
-from .dcp_chunks import FlatPieces
+from .dcp_chunks import FlatPieces, RunValues
 from .dcp_names import ModelNames, torch_param_group
+from .dcp_parked import host_mirror
 from .format import CheckpointError
-from .local_state_dict import owned_runs, read_piece
+from .local_state_dict import owned_runs
 
 _NOT_GROUP_KEYS = ("params", "param_names")
 
@@ -48,25 +58,39 @@ def _settled(optimizer, what: str):
     return state
 
 
-def _pieces(state, gidx: int, p: torch.Tensor, kind: str, owned: dict, name: str) -> FlatPieces:
-    if gidx in owned:
+def _readers(optimizer) -> tuple[Any, dict]:
+    """The sharded state, and what reads each flat group's state: the placement itself, or while parked
+    (``offload_states()``) its host mirror (nothing in flight then: the offload settled everything)."""
+    state = sharded_state_of(optimizer, "get_state_dict")
+    sleeping = asleep(state)
+    if sleeping is None:
+        optimizer.finish_sync()
+        return state, {id(g): g.state for g in state.groups}
+    return state, {id(g): host_mirror(g.state, sleeping.lot) for g in state.groups}
+
+
+def _pieces(readers: dict, gidx: int, p: torch.Tensor, kind: str, owned: dict, name: str) -> FlatPieces:
+    """This rank's runs of ``kind`` of parameter ``gidx``: views of the state where it keeps them as fp32 memory
+    (a read of one run), else the fresh values the read made (decoded, read from disk, joined)."""
+    parts = []
+    if gidx in owned:  # else this rank holds no element of it: no chunk (every rank still has the key)
         ref, runs = owned[gidx]
-        values = read_piece(ref, runs, kind).float()
-        ranges = [tuple(r) for r, _ in runs]
-    else:  # this rank holds no element of it: no chunk (every rank still has the key)
-        values, ranges = torch.zeros(0, dtype=torch.float32, device=state.device), []
-    return FlatPieces(p.shape, torch.float32, ranges, values, name)
+        reader = readers[id(ref.group)]
+        parts = [reader.read(kind, shard).float() for _, shard in runs]
+    live = any(t._is_view() for t in parts)  # (a view of a fresh decoded tensor too: copied once more if staged)
+    return FlatPieces(p.shape, torch.float32, [tuple(r) for r, _ in owned.get(gidx, (None, []))[1]],
+                      RunValues(parts, live), name)  # fmt: skip
 
 
 def get_state_dict(model: torch.nn.Module, optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(model_state_dict, optim_state_dict)`` in torch's layout (module docstring). Every rank calls it (no
     communication)."""
-    state = _settled(optimizer, "get_state_dict")
+    state, readers = _readers(optimizer)
     names = ModelNames(model, state)
     owned = owned_runs(state)
     members = {gidx: p for _, gidx, p in state.members()}
     groups = {gidx: group for group, gidx, _ in state.members()}
-    masters = {gidx: _pieces(state, gidx, p, MASTER, owned, names.managed[gidx]) for gidx, p in members.items()}
+    masters = {gidx: _pieces(readers, gidx, p, MASTER, owned, names.managed[gidx]) for gidx, p in members.items()}
     model_sd: dict[str, Any] = {}
     index_of = {id(p): gidx for gidx, p in members.items()}
     for key, t in names.tensors.items():
@@ -80,7 +104,7 @@ def get_state_dict(model: torch.nn.Module, optimizer) -> tuple[dict[str, Any], d
         if rule.counts_steps:
             entry["step"] = torch.tensor(float(steps[gidx]), dtype=torch.float32)
         for kind in rule.moment_names:
-            entry[kind] = _pieces(state, gidx, p, kind, owned, fqn)
+            entry[kind] = _pieces(readers, gidx, p, kind, owned, fqn)
         optim_state[fqn] = entry
     param_groups = []
     rules = {group.group_index: group.rule.name for group in state.groups}
