@@ -27,16 +27,30 @@ class Plan:
     step: float = 0.0
 
 
+def _joined(pieces: list) -> list[tuple[tuple[int, int], torch.Tensor]]:
+    """``pieces`` with adjacent runs joined (get_state_dict cuts a run where the memory is: at bucket boundaries),
+    so they compare with the runs this rank owns."""
+    out: list = []
+    for r, v in pieces:
+        if out and out[-1][0][1] == r[0]:
+            (start, _), parts = out[-1]
+            out[-1] = ((start, r[1]), parts + [v])
+        else:
+            out.append(((r[0], r[1]), [v]))
+    return [(r, parts[0] if len(parts) == 1 else torch.cat(parts)) for r, parts in out]
+
+
 def _flat_values(value: Any, key: str, shape: torch.Size, runs: list) -> list[torch.Tensor]:
     """This rank's runs of ``value`` (this rank's pieces of the global tensor, or the whole tensor)."""
     if isinstance(value, FlatPieces):
         if tuple(value.shape) != tuple(shape):
             raise ValueError(f"{_WHERE}: {key!r} has shape {tuple(value.shape)}, the model's is {tuple(shape)}")
-        if value.runs != [r for r, _ in runs]:
+        joined = _joined(value.pieces())
+        if [r for r, _ in joined] != [tuple(r) for r, _ in runs]:
             raise ValueError(f"{_WHERE}: {key!r} holds the elements {value.runs} of the flattened tensor, this rank "
                              f"owns {[tuple(r) for r, _ in runs]}: fill a dict from get_state_dict of this model and "
                              "optimizer (dcp.load into it)")  # fmt: skip
-        return [v for _, v in value.pieces()]
+        return [v for _, v in joined]
     if type(value) is torch.Tensor or isinstance(value, torch.nn.Parameter):
         if tuple(value.shape) != tuple(shape):
             raise ValueError(f"{_WHERE}: {key!r} has shape {tuple(value.shape)}, the model's is {tuple(shape)}")

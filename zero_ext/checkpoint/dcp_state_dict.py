@@ -17,7 +17,7 @@ Nothing is copied here (``dcp_chunks.py``): where the optimizer keeps a value as
 of it (as torch's own ``get_state_dict`` does), so ``dcp.save`` costs no memory; take the dicts right before saving
 (an ``AppState`` does). ``dcp.async_save`` copies them to host memory once, while it stages, before it returns (into
 reused buffers with :class:`~zero_ext.checkpoint.dcp_staging.CachedStager`); values decoded from bf16 / int8 moments,
-read from disk, or joined from several runs are fresh already and are not copied again. ``dcp.load`` writes into a
+or read from disk are fresh already and are not copied again. ``dcp.load`` writes into a
 copy (made when DCP plans the load) and changes nothing until ``set_state_dict``, which checks every key, shape and
 value on every rank, agrees, and only then writes; a failure raises on every rank and leaves the model and optimizer
 bitwise as they were.
@@ -71,15 +71,19 @@ def _readers(optimizer) -> tuple[Any, dict]:
 
 def _pieces(readers: dict, gidx: int, p: torch.Tensor, kind: str, owned: dict, name: str) -> FlatPieces:
     """This rank's runs of ``kind`` of parameter ``gidx``: views of the state where it keeps them as fp32 memory
-    (a read of one run), else the fresh values the read made (decoded, read from disk, joined)."""
-    parts = []
+    (one per run of memory: a run across two buckets of fp32 parameters is two pieces, never joined into a copy),
+    else the fresh values the read made (decoded, read from disk)."""
+    ranges, parts = [], []
     if gidx in owned:  # else this rank holds no element of it: no chunk (every rank still has the key)
         ref, runs = owned[gidx]
         reader = readers[id(ref.group)]
-        parts = [reader.read(kind, shard).float() for _, shard in runs]
+        for param_range, shard in runs:  # cut where the memory is (a run across buckets: a view of each bucket's)
+            for sub, values in reader.read_runs(kind, shard):
+                at = param_range.start + sub.start - shard.start
+                ranges.append((at, at + sub.numel))
+                parts.append(values.float())
     live = any(t._is_view() for t in parts)  # (a view of a fresh decoded tensor too: copied once more if staged)
-    return FlatPieces(p.shape, torch.float32, [tuple(r) for r, _ in owned.get(gidx, (None, []))[1]],
-                      RunValues(parts, live), name)  # fmt: skip
+    return FlatPieces(p.shape, torch.float32, ranges, RunValues(parts, live), name)
 
 
 def get_state_dict(model: torch.nn.Module, optimizer) -> tuple[dict[str, Any], dict[str, Any]]:

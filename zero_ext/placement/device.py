@@ -29,7 +29,7 @@ import torch
 
 from ..layout import Bucket, Layout, Range
 from ..update.adamw import MASTER, REMAINDER, UpdateRule
-from .codecs import StateCodec
+from .codecs import StateCodec, widened
 
 
 class BucketState(NamedTuple):
@@ -202,6 +202,15 @@ class DeviceState:
         """``shard_range`` of ``kind`` (fp32, on the state's device): a view where the range is one run of fp32
         memory, else a copy (converted by the codec). Do not modify it: :meth:`write` changes the state."""
         return self.codec.read(self, kind, shard_range)
+
+    def read_runs(self, kind: str, shard_range: Range) -> list[tuple[Range, torch.Tensor]]:
+        """:meth:`read`, cut where the memory is: ``(sub-range, fp32 values)`` runs covering ``shard_range`` in
+        order, each a view where its kind is kept as fp32 memory (fp32 parameters' master: one run per bucket the
+        range crosses), so a reader that takes pieces (DCP) copies nothing that :meth:`read` would join; one run of
+        fresh values where the codec converts. Do not modify them."""
+        if self.codec.converts(kind) or self.rule.blocks.get(kind, 1) != 1:
+            return [(shard_range, self.read(kind, shard_range))]
+        return [(part, widened(view)) for part, view in self._views(kind, shard_range)]
 
     def host_view(self, kind: str, shard_range: Range) -> Optional[torch.Tensor]:
         """A writable view of ``shard_range`` of ``kind`` when it is one run of fp32 host memory (a loader can

@@ -259,6 +259,10 @@ class DiskState(HostGradients):
 
     # ---------------------------------------------------------------- serialisers
     # DeviceState's codec converts (the joined master, the tie bits of param_remainders) over these two.
+    def read_runs(self, kind: str, shard_range: Range) -> list[tuple[Range, torch.Tensor]]:
+        """One run of fresh values: the kinds on disk are read into new memory whatever the cut."""
+        return [(shard_range, self.read(kind, shard_range))]
+
     def stored(self, kind: str, shard_range: Range) -> torch.Tensor:
         if kind == "grad":
             return shard_range.of(self.grad)

@@ -1,0 +1,129 @@
+"""ZeroMuon's DCP checkpoints across settings, as ZeroAdamW's are tested in test_dcp_settings.py: offload none / cpu /
+nvme, 1-D and HSDP meshes (state sharded over every rank, or replicated over the replicas), stages 1-3, saved on 2
+ranks and resumed on 3 and back, each resumed run bitwise the uninterrupted one (fp32 parameters and moments, the
+gradients of dcp_runs.py, whose means are exact at any world size); and ``moment_dtype=torch.bfloat16`` (the Muon
+momentum and the AdamW moments in bf16): saved as canonical fp32 values, loaded into fp32 exactly, and fp32 loaded
+into it as it encodes them (round to nearest even)."""
+
+import pytest
+import torch
+from dcp_runs import BUCKET, grad_for, read_whole, zero_full, zero_load, zero_save
+from distributed import run_on_ranks
+from engine_reference import offload_kwargs
+from mesh_runs import make_mesh
+from muon_reference import MUON, freeze, zero_muon_groups
+from tiny_transformer import build
+
+from zero_ext import ZeroMuon
+
+# (offload, mesh shape or None, stage, replicate_state) at 2 ranks and at 3 ranks
+AT_2 = [("cpu", None, 3, False), ("none", (2, 1), 2, True), ("nvme", (1, 2), 1, False)]
+AT_3 = [("none", (3, 1), 3, False), ("cpu", (1, 3), 2, False), ("none", None, 1, False)]
+SAVED_AT, STOP = 2, 4
+
+
+def _model():
+    model = build(torch.float32)
+    freeze(model)
+    return model
+
+
+def _optimizer(model, setting, root, rank, tag, **kw):
+    offload, shape, stage, replicated = setting
+    extra = offload_kwargs(offload, root, rank, tag, 3 * 12 * 4096) if offload != "none" else {}
+    if shape is not None:
+        extra.update(mesh=make_mesh(shape), replicate_state=replicated)
+    return ZeroMuon(zero_muon_groups(model), **MUON, stage=stage, module=model, bucket_size=BUCKET, **extra, **kw)
+
+
+def _steps(model, opt, start, stop):
+    for step in range(start, stop):
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.grad = grad_for(name, p.shape, step)
+        opt.step()
+        opt.zero_grad()
+
+
+def _save_all(rank, world, root, settings):
+    finals = {}
+    for i, setting in enumerate(settings):
+        model = _model()
+        opt = _optimizer(model, setting, root, rank, f"save-w{world}-{i}")
+        _steps(model, opt, 0, SAVED_AT)
+        zero_save(model, opt, f"{root}/w{world}-{i}")
+        _steps(model, opt, SAVED_AT, STOP)
+        finals[f"w{world}-{i}"] = zero_full(model, opt)
+        opt.close()
+    return finals
+
+
+def _resume_all(rank, world, root, settings, sources):
+    out = {}
+    for i, setting in enumerate(settings):
+        for source in sources:
+            model = _model()
+            opt = _optimizer(model, setting, root, rank, f"load-w{world}-{i}-{source}")
+            zero_load(model, opt, f"{root}/{source}")
+            _steps(model, opt, SAVED_AT, STOP)
+            out[(source, i)] = zero_full(model, opt)
+            opt.close()
+    return out
+
+
+@pytest.mark.slow
+def test_zero_muon_offload_meshes_stages_across_world_sizes_bitwise(tmp_path):
+    root = str(tmp_path)
+    finals = {**run_on_ranks(2, _save_all, root, AT_2)[0], **run_on_ranks(3, _save_all, root, AT_3)[0]}
+    first = next(iter(finals.values()))
+    for name, params in finals.items():  # the uninterrupted runs: one result whatever the setting
+        for key, value in params.items():
+            assert torch.equal(value, first[key]), f"uninterrupted {name}: {key}"
+    for world, settings, sources in (
+        (3, AT_3, [f"w2-{i}" for i in range(3)]),
+        (2, AT_2, [f"w3-{i}" for i in range(3)]),
+    ):
+        for (source, i), params in run_on_ranks(world, _resume_all, root, settings, sources)[0].items():
+            for key, value in params.items():
+                assert torch.equal(value, first[key]), f"{source} -> {settings[i]} on {world} ranks: {key}"
+
+
+def _precision_run(rank, world, root, bf16, source):
+    """``source`` None: train and save; else load ``source`` and save again at once (what the setting holds)."""
+    model = _model()
+    kw = dict(moment_dtype=torch.bfloat16) if bf16 else {}
+    opt = _optimizer(model, ("none", None, 2 if source is None else 3, False), root, rank, "p", **kw)
+    name = "bf16" if bf16 else "fp32"
+    if source is None:
+        _steps(model, opt, 0, SAVED_AT)
+        zero_save(model, opt, f"{root}/{name}")
+    else:
+        zero_load(model, opt, f"{root}/{source}")
+        zero_save(model, opt, f"{root}/{source}-into-{name}")
+    opt.close()
+    return True
+
+
+@pytest.mark.slow
+def test_zero_muon_bf16_momentum_saves_canonical_fp32_and_loads_both_ways(tmp_path):
+    root = str(tmp_path)
+    run_on_ranks(2, _precision_run, root, True, None)
+    run_on_ranks(2, _precision_run, root, False, None)
+    run_on_ranks(3, _precision_run, root, False, "bf16")  # bf16 -> fp32: the canonical values exactly
+    saved, loaded = read_whole(f"{root}/bf16"), read_whole(f"{root}/bf16-into-fp32")
+    assert saved.keys() == loaded.keys()
+    moments = [k for k in saved if k.endswith(("momentum_buffer", "exp_avg", "exp_avg_sq"))]
+    assert any(k.endswith("momentum_buffer") for k in moments) and any(k.endswith("exp_avg") for k in moments)
+    for key, value in saved.items():
+        if isinstance(value, torch.Tensor):
+            assert value.dtype == torch.float32, key
+            assert torch.equal(value, loaded[key]), f"bf16 -> fp32: {key}"
+    for key in moments:  # what bf16 storage holds: values a bf16 represents exactly
+        assert torch.equal(saved[key], saved[key].bfloat16().float()), key
+    run_on_ranks(3, _precision_run, root, True, "fp32")  # fp32 -> bf16: each moment rounded to nearest even
+    fp32, into = read_whole(f"{root}/fp32"), read_whole(f"{root}/fp32-into-bf16")
+    for key, value in fp32.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        expected = value.bfloat16().float() if key in moments else value
+        assert torch.equal(into[key], expected), f"fp32 -> bf16: {key}"
