@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import tracemalloc
 
 import pytest
@@ -429,20 +430,27 @@ def test_load_failing_on_one_rank_fails_on_every_rank(tmp_path, world):
     assert all(run_on_ranks(world, _load_fails_on_one_rank, str(tmp_path / "ck"), timeout=60))
 
 
-def _save_on_rank_zero_only(rank, world, path):
+def _save_on_rank_zero_only(rank, world, path, given):
     """The torch habit of saving on rank 0 only: the calling rank gets a clear error after the timeout instead of
-    hanging until the process group's own timeout (30 min)."""
-    model, opt = _build("bfloat16", 2)
+    hanging until the process group's own timeout (30 min). ``given``: save's ``timeout=``; else the optimizer's
+    ``collective_timeout`` is the deadline (300 s by default would outlast this test's 60)."""
+    torch.manual_seed(0)
+    model = Net(torch.bfloat16, HID)
+    opt = zero_ext.ZeroAdamW(model.parameters(), **HYPER, stage=2, collective_timeout=None if given else 2.0)
     if rank == 0:
+        start = time.monotonic()
         with pytest.raises(CheckpointError, match="collective: call them on every rank"):
-            checkpoint.save(path, opt, timeout=1.0)
-    return True
+            checkpoint.save(path, opt, timeout=1.0 if given else None)
+        return time.monotonic() - start
+    return 0.0
 
 
-def test_save_called_on_one_rank_only_fails_instead_of_hanging(tmp_path):
+@pytest.mark.parametrize("given", [True, False], ids=["timeout", "collective_timeout"])
+def test_save_called_on_one_rank_only_fails_instead_of_hanging(tmp_path, given):
     from distributed import discard_pool
 
     try:
-        assert all(run_on_ranks(2, _save_on_rank_zero_only, str(tmp_path / "ck"), timeout=60))
+        waited = run_on_ranks(2, _save_on_rank_zero_only, str(tmp_path / "ck"), given, timeout=60)[0]
+        assert waited < 30, waited
     finally:
         discard_pool(2)  # the abandoned collective leaves this group unusable

@@ -16,8 +16,15 @@ def sharded_state_of(optimizer, what: str) -> ShardedState:
     return state
 
 
-def arrive(comm: Communicator, value: int, timeout: float, what: str) -> list[int]:
-    """Collective with a deadline: every rank's ``value``, or a CheckpointError when not every rank calls."""
+DEFAULT_TIMEOUT = 300.0  # seconds, where the optimizer has no collective_timeout (None: never check)
+
+
+def arrive(comm: Communicator, value: int, timeout: float | None, what: str) -> list[int]:
+    """Collective with a deadline: every rank's ``value``, or a CheckpointError when not every rank calls.
+    ``timeout`` None: the optimizer's ``collective_timeout`` (a rank-0-only save fails as soon as a rank-0-only
+    ``step()`` would), else 300 s."""
+    if timeout is None:
+        timeout = comm.watch.timeout if comm.watch is not None else DEFAULT_TIMEOUT
     try:
         return comm.agree(value, timeout=timeout)
     except CollectiveTimeout as e:

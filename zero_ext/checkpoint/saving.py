@@ -157,10 +157,11 @@ def _write_marker(tmp: str, world: int, crcs: list[int], meta_crc: int, side_crc
     fsync_dir(tmp)
 
 
-def save(path: str | os.PathLike, optimizer, *, extra: Any = None, timeout: float = 300.0) -> None:
+def save(path: str | os.PathLike, optimizer, *, extra: Any = None, timeout: float | None = None) -> None:
     """Collective: every rank of the optimizer's group must call it (each writes its own shards to ``path``, a
     directory replaced atomically when complete). A call on some ranks only raises a ``CheckpointError`` on the
-    calling ranks after ``timeout`` seconds instead of hanging.
+    calling ranks after ``timeout`` seconds instead of hanging (default: the optimizer's ``collective_timeout``,
+    or 300 s where it is None).
 
     With ``module=`` on the optimizer the checkpoint also holds the model's own state (frozen parameters, buffers,
     the names of tied weights, a transformers config). ``extra``: your own state saved beside it, taken from rank 0
