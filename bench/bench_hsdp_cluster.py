@@ -407,12 +407,13 @@ def chart(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    rows = [r for r in result["rows"] if r["rate_bps"] is not None and r["contender"].startswith("zero")]
+    fig, ax = plt.subplots(figsize=(10.5, 5.2))
+    rows = [r for r in result["rows"] if r["rate_bps"] is not None and r["contender"].startswith(("zero", "fsdp2"))]
     for name in dict.fromkeys(r["contender"] for r in rows):
         pts = sorted((r for r in rows if r["contender"] == name), key=lambda r: r["rate_bps"])
         xs = [r["rate_bps"] / 1e6 for r in pts]
-        (line,) = ax.plot(xs, [r["seconds"] for r in pts], "o-", label=f"{name}, measured")
+        style = dict(color="black") if name.startswith("fsdp2") else {}  # FSDP2: measured only (no fit)
+        (line,) = ax.plot(xs, [r["seconds"] for r in pts], "o-", label=f"{name}, measured", **style)
         for key, style, what in (("fit_s", "--", "fit, flat model's bytes"), ("fit_veth_s", ":", "fit, veth bytes")):
             if all(key in r for r in pts):
                 ax.plot(xs, [r[key] for r in pts], style, color=line.get_color(), label=f"{name}, {what}")
@@ -421,9 +422,9 @@ def chart(result: dict, path: str) -> None:
     ax.set_xlabel("inter-node link (Mbit/s, tc tbf on the veth)")
     ax.set_ylabel("step time (s, median)")
     stage = result.get("stage", "?")
-    ax.set_title(f"2 emulated nodes x 2 gloo ranks, stage {stage}: 1-D layout vs HSDP mesh")
+    ax.set_title(f"2 emulated nodes x 2 gloo ranks, stage {stage}: zero_ext 1-D vs mesh vs FSDP2 HSDP")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes: no line hidden
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
