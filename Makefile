@@ -41,8 +41,9 @@ test: install
 	@echo "== pytest: the CPU suite; tests marked cuda are deselected here (make test-cuda runs them on a GPU machine)"
 	$(PYTHON) -m pytest -q
 
-# The quick loop: everything but the tests marked slow (multi-process runs over ~3 s each, the 67M-parameter offload
-# memory test, the benchmark smoke runs). Both markers are named: a -m given here replaces pyproject's -m 'not cuda'.
+# The quick loop, 2 minutes on 2 cores: everything but the tests marked slow (the 67M-parameter offload memory test,
+# the benchmark smoke runs, and every multi-rank test but the first quick one of its module: tests/conftest.py).
+# Both markers are named: a -m given here replaces pyproject's -m 'not cuda'.
 test-fast: install
 	$(PYTHON) -m pytest -q -m "not slow and not cuda"
 

@@ -30,6 +30,9 @@ def launches_ranks(item) -> bool:
     return module is not None and any(hasattr(module, n) for n in ("run_on_ranks", "torchrun"))
 
 
+# `make test-fast` (-m "not slow") fits in 2 minutes on 2 cores (issue 47) with the single-process tests and ONE test
+# of each module that launches ranks: its first test not marked slow or cuda, a smoke of every multi-rank file. Its
+# other multi-rank tests are marked slow here (`make test` runs them all).
 @pytest.hookimpl(tryfirst=True)  # before -m selects: `-m triton_cpu` picks these
 def pytest_collection_modifyitems(config, items):
     gpu = torch.cuda.is_available()
@@ -38,9 +41,15 @@ def pytest_collection_modifyitems(config, items):
         reason="runs Triton on CPU tensors, which needs TRITON_INTERPRET=1 for the whole process; on a GPU machine "
         "tests/kernels/test_triton_interpreted.py runs these in a subprocess of their own"
     )
+    smoked = set()  # modules whose multi-rank smoke test (`make test-fast`) is picked
     for item in items:
         if launches_ranks(item):
             item.add_marker(pytest.mark.multirank)
+            quick = not any(m in item.keywords for m in ("slow", "cuda"))
+            if quick and item.path in smoked:
+                item.add_marker(pytest.mark.slow)
+            elif quick:
+                smoked.add(item.path)
         if runs_triton_on_cpu(item):
             item.add_marker(pytest.mark.triton_cpu)
         if not gpu and "cuda" in item.keywords:

@@ -247,14 +247,17 @@ def _ties_side_by_side(rank, world, offloads, root, stages, ckpt_root, options):
 
 
 def _load_tie_checkpoints(rank, world, root, ckpt_root, offloads, stages, options):
-    """Every tie checkpoint into the fp32-master run and a remainder run per offload, at this world size: all hold
-    the saved state bitwise, ties included."""
+    """Every tie checkpoint into the fp32-master run and a remainder run, at this world size: both hold the saved
+    state bitwise, ties included. The remainder run's offload turns with the checkpoint and the world size, as the
+    stage loaded into does (issue 47: every placement loads checkpoints of several stages and runs, not every
+    checkpoint loads into every placement)."""
     for saved_stage in stages:
         for i in range(1 + len(offloads)):
             path = os.path.join(ckpt_root, f"stage{saved_stage}-run{i}")
             stage = stages[(saved_stage + i) % len(stages)]  # another stage than saved, where there is one
+            off = offloads[(saved_stage + i + world) % len(offloads)]
             runs = [_build(stage, None, root, rank, f"l{saved_stage}{i}-fp32", False, **options)]
-            runs += [_build(stage, off, root, rank, f"l{saved_stage}{i}-{off}", True, **options) for off in offloads]
+            runs += [_build(stage, off, root, rank, f"l{saved_stage}{i}-{off}", True, **options)]
             for _, opt, _ in runs:
                 checkpoint.load(path, opt)
             _compare(runs, rank, f"{path} loaded at world {world} stage {stage}")

@@ -142,24 +142,25 @@ SLOW = 3.0  # seconds a slow rank sleeps: past SLOW_TIMEOUT, within the 2 * SLOW
 SLOW_TIMEOUT = 2.0
 
 
-def _slow_rank(rank, world, timeout):
-    """Rank ``world - 1`` sleeps longer than the timeout before some forwards, a backward and a step."""
+def _slow_rank(rank, world, timeout, slow=SLOW):
+    """Rank ``world - 1`` sleeps ``slow`` seconds (longer than the timeout) before some forwards, a backward and a
+    step."""
     model, opt = _engine(timeout)
     for step in range(4):
         if rank == world - 1 and step in (1, 3):
-            time.sleep(SLOW)  # before the forward: the others wait in its first gather past the timeout
+            time.sleep(slow)  # before the forward: the others wait in its first gather past the timeout
         loss = loss_fn(model, batch(step, rank))
         if rank == world - 1 and step == 2:
-            time.sleep(SLOW)  # before the backward
+            time.sleep(slow)  # before the backward
         loss.backward()
         if rank == world - 1 and step == 2:
-            time.sleep(SLOW)  # before the step
+            time.sleep(slow)  # before the step
         opt.step()
         opt.zero_grad()
         if step == 3:
             with opt.gathered_params():  # entered late by the slow rank
                 if rank == 0:
-                    time.sleep(SLOW)  # a long evaluation on rank 0: the others wait at the next forward
+                    time.sleep(slow)  # a long evaluation on rank 0: the others wait at the next forward
                     model(batch(9, 0)[:, :SEQ])
     _train_step(model, opt, rank, 4)
     stats = opt.comm_stats()
@@ -169,14 +170,15 @@ def _slow_rank(rank, world, timeout):
     return digest, stats
 
 
-@pytest.mark.slow  # the slow rank sleeps 3 s five times, in both runs: ~40 s each
+@pytest.mark.slow  # the slow rank sleeps 3 s five times in the checked run: ~25 s each
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_slow_rank_is_waited_for_and_trains_as_the_plain_run(world):
     """Slow is not wrong: a rank sleeping past the timeout (less than twice it) before a forward, a backward, a step
     and inside gathered_params() makes the others compare positions and wait on; the run is bitwise the one without
-    checks (collective_timeout=None), and so are its collectives."""
+    checks (collective_timeout=None), and so are its collectives. The plain run does not sleep: with no timeout no
+    rank compares positions, and a sleep changes no number it computes."""
     checked = run_on_ranks(world, _slow_rank, SLOW_TIMEOUT, timeout=120)
-    plain = run_on_ranks(world, _slow_rank, None, timeout=120)
+    plain = run_on_ranks(world, _slow_rank, None, 0.0, timeout=120)
     assert checked == plain
     assert len({digest for digest, _ in checked}) == 1
 
