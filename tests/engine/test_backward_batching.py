@@ -143,10 +143,10 @@ class _CountCalls(TorchDispatchMode):
 
 
 def _backward_writes(rank, world, stage, twice, shuffled, accum_fp32, hold_elements=None):
-    import zero_ext.engine.grad_hold
+    import zero_ext.engine.reducer
 
     if hold_elements is not None:
-        zero_ext.engine.grad_hold.HOLD_ELEMENTS = hold_elements  # (this worker's own module; restored below)
+        zero_ext.engine.reducer.HOLD_ELEMENTS = hold_elements  # (this worker's own module; restored below)
     dtype = torch.bfloat16
     order = [0, 5, 2, 7, 4, 1, 6, 3] if shuffled else None
     model = Stack(twice=twice, order=order).to(dtype)
@@ -168,7 +168,7 @@ def _backward_writes(rank, world, stage, twice, shuffled, accum_fp32, hold_eleme
         with _CountCalls() as counted:
             model(_batch(rank, dtype)).backward()
     finally:
-        zero_ext.engine.grad_hold.HOLD_ELEMENTS = 1 << 24
+        zero_ext.engine.reducer.HOLD_ELEMENTS = 1 << 24
     leftover = [i for i, p in enumerate(params) if p.grad is not None and not isinstance(p.grad, GradPlaceholder)]
     means = mean_grads(per_rank, params)
     if twice:

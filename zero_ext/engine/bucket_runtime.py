@@ -41,10 +41,13 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING, Optional
 
+import torch
+
 from ..comm import Pending
+from ..state.sharded_params import unwatch
 
 if TYPE_CHECKING:  # types only: buffers.py imports this module
-    from ..layout import Bucket
+    from ..layout import Bucket, Slot
     from ..state.sharded_state import FlatGroup
     from .staging import StagingEntry
 
@@ -69,16 +72,6 @@ class ParamState(enum.Enum):
     GATHERED = "gathered"  # the full values are in the storage
 
 
-class Hold(enum.Enum):
-    """Stage 3: why a gathered bucket nobody is using now stays gathered (param_gather.py)."""
-
-    NONE = "none"  # nothing: released by the next trigger that finds it unused
-    AHEAD = "ahead"  # prefetched for a module about to run; not evicted
-    BACKWARD = "backward"  # kept from forward for the first modules of backward; may be evicted
-    RECOMPUTED = "recomputed"  # gathered for a forward activation checkpointing recomputes: until its backward
-    UNTIL_READY = "until_ready"  # read by backward and only its gradients' arrival (READY) says when it is done
-
-
 _GRAD_MOVES = {
     GradState.EMPTY: {GradState.EMPTY, GradState.FILLING, GradState.READY},  # EMPTY: a round with none of its grads
     GradState.FILLING: {GradState.FILLING, GradState.READY},
@@ -99,76 +92,233 @@ _FULL_PARAM_MOVES = {  # stages 1 and 2: never sharded; each update is gathered 
 }
 
 
+class Arrival(enum.Enum):
+    """How a gradient counts when it arrives (:meth:`BucketRuntime.arrive`)."""
+
+    FIRST = "first"  # the slot's first gradient this round: held, counts towards its bucket
+    AGAIN_HELD = "again_held"  # again, still held: autograd summed it into param.grad
+    AGAIN_WRITTEN = "again_written"  # again, after the first was written: added to what was written
+
+
 class BucketRuntime:
     __slots__ = (
         "group", "bucket", "key", "order", "nbytes",
-        "grad", "arrived", "staging", "grad_pending",
-        "params", "param_pending",
-        "forward_users", "backward_users", "hold", "forward_uses_left", "backward_uses_left",
+        "_grad", "_arrived", "_staging", "_grad_pending", "_wire_dtype", "_prescale", "_staged",
+        "_held", "_held_numel", "_seen", "_got", "_fragments",
+        "_params", "_param_pending", "_members",
     )  # fmt: skip
 
-    def __init__(self, group: "FlatGroup", bucket: "Bucket", order: int):
+    def __init__(self, group: "FlatGroup", bucket: "Bucket", order: int, travel: tuple):
+        """``travel``: how its gradients go on the wire, from the stage's gradient policy (``grads.py``), once:
+        (wire dtype, pre-scale, whether they go through a staging send buffer)."""
         self.group, self.bucket, self.order = group, bucket, order
         self.key: Key = (group.index, bucket.index)
         self.nbytes = bucket.numel * group.dtype.itemsize  # of the gathered storage
-        self.grad = GradState.EMPTY
-        self.arrived = 0  # gradients counted this round
-        self.staging: Optional["StagingEntry"] = None  # the pool entry it fills or sends from
-        self.grad_pending: Optional[Pending] = None  # its reduce-scatter, until finish_grad_sync
-        self.params = ParamState.SHARDED if group.flat_params.shards_params else ParamState.GATHERED
-        self.param_pending: Optional[Pending] = None  # its all-gather, until finish_param_sync
-        # Stage 3's scheduler (param_gather.py): module calls running forward / backward that use it now, why it
-        # is held otherwise, and the uses still to come this step (predicted from the previous step).
-        self.forward_users = 0
-        self.backward_users = 0
-        self.hold = Hold.NONE
-        self.forward_uses_left = 0
-        self.backward_uses_left = 0
+        self._wire_dtype, self._prescale, self._staged = travel
+        self._grad = GradState.EMPTY
+        self._arrived = 0  # gradients counted this round
+        self._staging: Optional["StagingEntry"] = None  # the pool entry it fills or sends from (its lease)
+        self._grad_pending: Optional[Pending] = None  # its reduce-scatter, until finish_grad_sync
+        # Its gradients held where autograd left them until it launches (one write per bucket, see below): (slot,
+        # parameter, its .grad), the slot indices that got one this round, and the elements held
+        self._held: list[tuple["Slot", torch.Tensor, torch.Tensor]] = []
+        self._held_numel = 0
+        self._seen: set[int] = set()  # slot indices with a gradient this round
+        self._got: set[int] = set()  # slot indices with a gradient since the policy's gradients were consumed
+        # split parameters' fragments to write at its launch: (place in the bucket, values, added or written)
+        self._fragments: list[tuple] = []
+        self._params = ParamState.SHARDED if group.flat_params.shards_params else ParamState.GATHERED
+        self._param_pending: Optional[Pending] = None  # its all-gather, until finish_param_sync
+        # Stage 3: its parameters with their two classes (own, checking) and the buckets each lies in (a split
+        # parameter is an ordinary tensor only once all of them are GATHERED)
+        self._members: list[tuple[torch.Tensor, type, type, tuple["BucketRuntime", ...]]] = []
 
     def __repr__(self) -> str:
-        return f"BucketRuntime{self.key}(grad={self.grad.name}, params={self.params.name}, hold={self.hold.name})"
+        return f"BucketRuntime{self.key}(grad={self._grad.name}, params={self._params.name})"
+
+    def reorder(self, order: int) -> None:
+        """Its place in the launch order changed (``add_param_group``: nothing in flight)."""
+        self.order = order
+
+    # ---------------------------------------------------------------- read-only views
+    @property
+    def grad(self) -> GradState:
+        return self._grad
+
+    @property
+    def params(self) -> ParamState:
+        return self._params
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        return self._wire_dtype
+
+    @property
+    def held_numel(self) -> int:
+        """Elements of gradient it holds in ``.grad`` now (the reducer bounds their sum over every bucket)."""
+        return self._held_numel
+
+    def got(self) -> list[int]:
+        """Global indices of its parameters with a gradient since the gradients were last consumed."""
+        return [self.group.param_indices[i] for i in self._got]
 
     # ---------------------------------------------------------------- transitions
-    def move_grad(self, to: GradState) -> None:
+    def _move_grad(self, to: GradState) -> None:
         self._check_grad_move(to)
-        self.grad = to
+        self._grad = to
 
     def _check_grad_move(self, to: GradState) -> None:
-        if to not in _GRAD_MOVES[self.grad]:
-            raise IllegalTransition(f"bucket {self.key}: gradients cannot go from {self.grad.name} to {to.name}")
+        if to not in _GRAD_MOVES[self._grad]:
+            raise IllegalTransition(f"bucket {self.key}: gradients cannot go from {self._grad.name} to {to.name}")
 
     def _move_params(self, to: ParamState) -> None:
-        if to not in (_PARAM_MOVES if self.group.flat_params.shards_params else _FULL_PARAM_MOVES)[self.params]:
-            raise IllegalTransition(f"bucket {self.key}: parameters cannot go from {self.params.name} to {to.name}")
-        self.params = to
+        if to not in (_PARAM_MOVES if self.group.flat_params.shards_params else _FULL_PARAM_MOVES)[self._params]:
+            raise IllegalTransition(f"bucket {self.key}: parameters cannot go from {self._params.name} to {to.name}")
+        self._params = to
 
-    # ---------------------------------------------------------------- gradients
+    # ---------------------------------------------------------------- gradients: a round
+    def begin_round(self) -> None:
+        """A backward pass begins: no gradient of it counted yet (EMPTY)."""
+        self._move_grad(GradState.EMPTY)
+        self._arrived = 0
+
+    def close(self) -> None:
+        """The round closes before all its gradients came (missing ones count as zero), or a reduction without
+        backward (``no_sync()``'s accumulation, gradients assigned by hand) needs it launched: READY."""
+        self._move_grad(GradState.READY)
+
+    def reopen(self) -> None:
+        """READY again for a reduction without backward; no gradient counted (every slot is read as it is)."""
+        self._move_grad(GradState.READY)
+        self._arrived = 0
+
+    def end_round(self) -> None:
+        """The backward pass ended: the slots seen are forgotten (nothing is held: every bucket launched)."""
+        self._seen.clear()
+
+    # ---------------------------------------------------------------- gradients: arrivals
     def grad_arrived(self) -> bool:
         """One more of its gradients arrived this round; True when that was the last (READY)."""
-        self.arrived += 1
-        self.move_grad(GradState.READY if self.arrived >= len(self.bucket.slots) else GradState.FILLING)
-        return self.grad is GradState.READY
+        self._arrived += 1
+        self._move_grad(GradState.READY if self._arrived >= len(self.bucket.slots) else GradState.FILLING)
+        return self._grad is GradState.READY
 
-    def start_grad_sync(self, comm, gradients, pool) -> None:
+    def arrive(self, slot: "Slot", param: torch.Tensor, grad: torch.Tensor) -> tuple[Arrival, bool]:
+        """``param``'s gradient (``grad``, its ``.grad``) arrived: held in ``.grad`` until the bucket launches (or
+        the reducer asks it to :meth:`let_go` earlier). Returns how it counts, and whether the bucket is READY now
+        (a first arrival counts towards it; the round is open)."""
+        self._got.add(slot.index)
+        if slot.index in self._seen:
+            for at, (s, _, _) in enumerate(self._held):
+                if s.index == slot.index:  # autograd added the second into .grad, in place or as a new tensor
+                    self._held[at] = (slot, param, grad)
+                    return Arrival.AGAIN_HELD, False
+            return Arrival.AGAIN_WRITTEN, False
+        self._seen.add(slot.index)
+        self._held.append((slot, param, grad))
+        self._held_numel += slot.numel
+        return Arrival.FIRST, self.grad_arrived()
+
+    def add_again(self, slot: "Slot", param: torch.Tensor, grad: torch.Tensor, policy, pool) -> None:
+        """A second gradient for a slot already written this round: the policy adds it to what was written; the
+        gradient is freed."""
+        policy.add_again(self.group, self.bucket, self._send_view(policy, pool), slot, grad, self._prescale)
+        param.grad = None
+
+    def arrive_split(self, slot: "Slot") -> bool:
+        """A split parameter's gradient arrived (the first of its buckets records it): whether it is its first this
+        round."""
+        self._got.add(slot.index)
+        first = slot.index not in self._seen
+        self._seen.add(slot.index)
+        return first
+
+    def take_fragment(self, slot: "Slot", flat: torch.Tensor, first: bool, policy, pool) -> None:
+        """Its fragment of a split parameter's flattened gradient ``flat``: written at its launch (staging stays
+        bucket-sized), or, a second gradient after its first was written, added now."""
+        at, values = self.bucket.slot_range(slot), self.bucket.fragment_range(slot).of(flat)
+        if first or self._fragments:
+            self._fragments.append((at, values, not first))
+        else:
+            policy.write_fragment(at.of(self._send_view(policy, pool)), values, True, self._prescale)
+
+    def let_go(self, policy, pool) -> int:
+        """Write the gradients it holds (the policy writes them, in one call) and free them; returns how many
+        elements it held."""
+        if not self._held:
+            return 0
+        slots, grads = self._take_held()
+        policy.write(self.group, self.bucket, self._send_view(policy, pool), slots, grads, self._prescale)
+        return self._released()
+
+    def _take_held(self) -> tuple[list, list]:
+        slots, grads = [], []
+        for slot, param, grad in self._held:
+            slots.append(slot)
+            grads.append(grad if grad.is_contiguous() else grad.contiguous())
+            param.grad = None
+        self._held = []
+        return slots, grads
+
+    def _released(self) -> int:
+        numel, self._held_numel = self._held_numel, 0
+        return numel
+
+    def forget(self, gidxs: set[int]) -> None:
+        """The user dropped these parameters' gradients: none for the next step."""
+        self._got.difference_update(i for i, g in enumerate(self.group.param_indices) if g in gidxs)
+
+    def consumed(self) -> None:
+        """The gradients were consumed (``step()`` at stages 2 and 3) or dropped (``zero_grad()``)."""
+        self._got.clear()
+
+    def load_hand(self, hand: dict, policy, pool) -> None:
+        """Before a reduction of gradients assigned by hand (``hand``: (group, slot) -> tensor, this rank's): READY,
+        the policy puts them where its send reads them."""
+        self.reopen()
+        policy.load_hand(self.group, self.bucket, self._send_view(policy, pool), hand, self._prescale)
+
+    def _send_view(self, policy, pool) -> Optional[torch.Tensor]:
+        """The send buffer its policy writes gradients into before the launch (a staging entry it leases, zeroed
+        when leased), or None when the policy writes elsewhere."""
+        if not policy.writes_to_staging:
+            return None
+        if self._staging is None:
+            self._staging = pool.acquire(self, self._wire_dtype, self.bucket.numel)
+            self._staging.send_view.zero_()
+        return self._staging.send_view
+
+    # ---------------------------------------------------------------- gradients: the reduce-scatter
+    def start_grad_sync(self, comm, policy, pool) -> int:
         """Launch its reduce-scatter: READY -> SYNCING. Its reduction of an earlier round, if still in flight, lands
-        first; ``gradients`` (the stage's gradient strategy, ``grads.py``) writes what goes on the wire, leasing an
-        entry of the staging ``pool`` in ``staging`` (None: nothing to send, no collective); the mean goes into its
-        grad shard, or into the landing buffer its placement gives (offload), which then takes it. The lease passes
-        back to the pool with the collective, which reuses the entry once it is waited for."""
+        first; what it holds is written and the policy says what goes on the wire (from the staging entry it
+        leases, or as it is; None: nothing to send, no collective); the mean goes into its grad shard, or into the
+        landing buffer its placement gives (offload), which then takes it. The lease passes back to the pool with
+        the collective, which reuses the entry once it is waited for. Returns the elements it held."""
         self._check_grad_move(GradState.SYNCING)  # before anything is written or launched
         self.wait_grad()
-        send = gradients.send(self)
+        held = self._take_held() if self._held else None
+        fragments, self._fragments = self._fragments, []
+        if policy.writes_to_staging:
+            view = self._send_view(policy, pool)
+        elif pool is not None and pool.used:
+            self._staging = pool.acquire(self, self._wire_dtype if self._staged else None, self.bucket.numel)
+            view = self._staging.send_view
+        else:
+            view = None
+        complete = self._arrived >= len(self.bucket.slots)
+        send = policy.send(self.group, self.bucket, view, held, fragments, complete, self._prescale)
         pending = None
         if send is not None:
             placement = self.group.state
             target, direct = placement.grad_target(self.bucket)  # the grad shard, or a landing buffer (offload)
             comm.position.bucket = self.key  # labels the collective (divergence.py)
-            entry = self.staging
-            accumulate = gradients.accumulate
+            entry = self._staging
+            accumulate = policy.accumulate
             pending = comm.start_reduce_scatter(
                 send,
                 target,
-                reduce_dtype=gradients.reduce_dtype,
+                reduce_dtype=policy.reduce_dtype,
                 accumulate=accumulate and direct,
                 workspace=None if entry is None else entry.workspace,
             )
@@ -176,9 +326,10 @@ class BucketRuntime:
                 placement.landed(self.bucket, target, pending, accumulate)
             if entry is not None:
                 pool.launched(entry, pending)
-        self.move_grad(GradState.SYNCING)
-        self.grad_pending = pending
-        self.staging = None
+        self._move_grad(GradState.SYNCING)
+        self._grad_pending = pending
+        self._staging = None
+        return self._released()
 
     def release_held(self, comm) -> None:
         """A mesh under ``no_sync()`` held its node-reduced gradients (``comm.hsdp``): send them across nodes into its
@@ -190,37 +341,64 @@ class BucketRuntime:
         pending = comm.start_release(self.key, target, accumulate=direct)
         if not direct:
             placement.landed(self.bucket, target, pending, True)
-        self.move_grad(GradState.SYNCING)
-        self.grad_pending = pending
+        self._move_grad(GradState.SYNCING)
+        self._grad_pending = pending
 
     def finish_grad_sync(self) -> None:
         """Wait for its reduce-scatter (the grad shard then holds the mean): SYNCING -> SYNCED."""
         self.wait_grad()
-        self.move_grad(GradState.SYNCED)
+        self._move_grad(GradState.SYNCED)
 
     def wait_grad(self) -> None:
         """Wait for a reduce-scatter still in flight, whatever round launched it (a new launch must follow it)."""
-        if self.grad_pending is not None:
-            self.grad_pending.wait()
-            self.grad_pending = None
+        if self._grad_pending is not None:
+            self._grad_pending.wait()
+            self._grad_pending = None
 
     # ---------------------------------------------------------------- parameters
+    def add_member(self, param: torch.Tensor, original: type, checking: type, buckets: tuple) -> None:
+        """Stage 3: ``param`` (its class now ``checking``) lies in this bucket (and in ``buckets``, all of them):
+        it takes its ``original`` class while every one of them is GATHERED."""
+        self._members.append((param, original, checking, buckets))
+
     def start_param_sync(self, comm) -> None:
         """Start gathering every rank's slice into the gathered storage (stage 3: its bytes come back first)."""
         self._move_params(ParamState.GATHERING)
         flat = self.group.flat_params
         full = flat.unshard(self.bucket)
         comm.position.bucket = self.key  # labels the collective (divergence.py)
-        self.param_pending = comm.start_all_gather(full, flat.gather_input(self.bucket, full))
+        self._param_pending = comm.start_all_gather(full, flat.gather_input(self.bucket, full))
 
     def finish_param_sync(self) -> None:
-        """Wait for the all-gather (the current stream, on CUDA): GATHERING -> GATHERED."""
+        """Wait for the all-gather (the current stream, on CUDA): GATHERING -> GATHERED. Stage 3: its parameters
+        become ordinary tensors (a split one once all its buckets are GATHERED): the ops of forward and backward on
+        them pay nothing for the checks."""
         self._move_params(ParamState.GATHERED)
-        self.param_pending.wait()
-        self.param_pending = None
+        self._param_pending.wait()
+        self._param_pending = None
+        for p, original, _, buckets in self._members:
+            if len(buckets) == 1 or all(b._params is ParamState.GATHERED for b in buckets):
+                p.__class__ = original
 
     def reshard(self) -> None:
         """Stage 3: free the full values (the storage shrinks to zero bytes, for every view of it): GATHERED ->
-        SHARDED. Never while the all-gather writes into it (GATHERING raises), nor at stages 1 and 2."""
+        SHARDED; its parameters check their reads again. Never while the all-gather writes into it (GATHERING
+        raises), nor at stages 1 and 2."""
         self._move_params(ParamState.SHARDED)
+        for p, _, checking, _ in self._members:
+            p.__class__ = checking
         self.group.flat_params.release(self.bucket)
+
+    def unshard_params(self, done: set[int]) -> None:
+        """Stage 3, undoing the engine (every bucket GATHERED): each of its parameters not in ``done`` (ids) gets a
+        full tensor of its own and its original class back, and is no longer watched; it keeps no member."""
+        for p, original, _, _ in self._members:
+            if id(p) in done:  # a split parameter is in each of its buckets
+                continue
+            done.add(id(p))
+            with torch._C.DisableTorchFunctionSubclass():
+                full = p.data.clone()
+            p.data = full
+            p.__class__ = original
+            unwatch(p)
+        self._members = []

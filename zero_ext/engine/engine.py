@@ -41,8 +41,8 @@ class Engine:
         self.config, self.state, self.stage = config, state, config.strategy
         self.stepped = False  # a step() has applied an update (grad_norm reads it)
         self.closed = False
-        self.runtimes = BucketRuntimes(state, config.staging_buffers)
-        strategy = self.stage.grads(state, self.runtimes.staging, config)
+        strategy = self.stage.grads(state, config)
+        self.runtimes = BucketRuntimes(state, config.staging_buffers, strategy)
         self.grad_sync = GradSync(state, self.runtimes, strategy, self.stage)
         self.param_sync = self.stage.param_sync(state, self.runtimes, self.grad_sync, config)
         self.stepper = Stepper(state, self.grad_sync, self.param_sync, config.max_grad_norm)

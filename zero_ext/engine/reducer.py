@@ -20,16 +20,21 @@ from typing import Sequence
 import torch
 
 from ..state.sharded_state import FlatGroup, ShardedState
-from .bucket_runtime import BucketRuntime, GradState
+from .bucket_runtime import Arrival, BucketRuntime, GradState
 from .grad_placeholders import GradPlaceholders
-from .grads import GradStrategy
+from .grads import GradStrategy, dense_grad
 from .runtime import BucketRuntimes
 from .sleep import ASLEEP, refuse_if_asleep
 from .weak_hooks import remove_all, remove_with, weak_call
 
+# NOTE: 2^24 elements (32 MiB of bf16): writing once per 16M elements is one call per many parameters for any model,
+# while the hold stays small next to a large model's buckets (the NCCL default cuts the model in 8).
+HOLD_ELEMENTS = 1 << 24
+
 
 class GradSync:
-    """Hooks, rounds and the bucket launch order; what a gradient does on arrival is the strategy's business."""
+    """Hooks, rounds, the bucket launch order and the bound on held gradients; what a gradient does on arrival is
+    its bucket's business, with the stage's policy (``grads.py``) that the bucket calls."""
 
     def __init__(self, state: ShardedState, runtimes: BucketRuntimes, strategy: GradStrategy, stage):
         """``stage``: the stage object (``engine.stages``), which the placeholders ask what ``.grad`` is."""
@@ -43,6 +48,11 @@ class GradSync:
         self.epoch = 0  # changes whenever the gradients may have: the step's agreement is cached per epoch
         self._round_open = False
         self._next = 0  # position in launch order of the next bucket to launch this round
+        # The buckets holding gradients in .grad, oldest first (order -> bucket), and the elements they hold: at
+        # most HOLD_ELEMENTS, beyond which the oldest bucket writes its own (see below)
+        self._holding: dict[int, BucketRuntime] = {}
+        self._held = 0
+        self._arrived = False  # a gradient arrived since the last step() or zero_grad() (the policy's shards moved)
         self._hooks = []
         self._hook(state.groups, runtimes)
         remove_with(self, self._hooks)  # dropped without close(): the model's hooks go with it (added ones too)
@@ -70,7 +80,7 @@ class GradSync:
             workspace = max(
                 (
                     self.comm.workspace_bytes(
-                        gb.bucket.numel, strategy.wire_dtype(gb.group), strategy.reduce_dtype, strategy.accumulate
+                        gb.bucket.numel, gb.wire_dtype, strategy.reduce_dtype, strategy.accumulate
                     )
                     for gb in self.buckets
                 ),
@@ -94,17 +104,40 @@ class GradSync:
         remove_all(self._hooks)
 
     # ---------------------------------------------------------------- backward
-    @torch.compiler.disable
-    def _on_grad(self, gb: BucketRuntime, slot, param: torch.Tensor) -> None:
+    def _arriving(self) -> None:
+        """Every gradient hook first: refused while asleep; the placeholders go before the first gradient changes."""
         if self.state in ASLEEP:  # offload_states() parked the state (sleep.py)
             refuse_if_asleep(self.state, "a backward reached the gradient hooks")
         self.epoch += 1
-        if self.placeholders.active:  # the gradients change from here: the placeholders go first
+        # (inside an open round the first gradient's hook did this already: nothing records scaling in backward)
+        if not self._round_open and self.placeholders.active:  # the gradients change from here: they go first
             self.placeholders.on_backward()
-        if not self.strategy.on_grad(gb, slot, param, self.sync_enabled):
-            return
-        self._open_round()
-        if gb.grad_arrived():  # READY
+
+    @torch.compiler.disable
+    def _on_grad(self, gb: BucketRuntime, slot, param: torch.Tensor) -> None:
+        self._arriving()
+        strategy = self.strategy
+        if not strategy.holds:  # (stage 1's buffer: .grad is its slot)
+            if not strategy.on_grad(gb.group, slot, param, self.sync_enabled):
+                return
+            self._open_round()
+            ready = gb.grad_arrived()
+        else:
+            grad = param.grad
+            if grad.layout is not torch.strided:
+                dense_grad(param, gb.group.names[slot.index], self.state.optimizer_name)
+            if not self.sync_enabled and strategy.keeps_unsynced:  # inside no_sync() no launch comes to write it
+                self._let_go_all()
+                strategy.keep_unsynced(gb.group, slot, param)
+                return
+            self._arrived = True
+            self._open_round()
+            arrival, ready = gb.arrive(slot, param, grad)
+            if arrival is Arrival.FIRST:
+                self._hold(gb, slot.numel)
+            elif arrival is Arrival.AGAIN_WRITTEN:
+                gb.add_again(slot, param, grad, strategy, self.pool)
+        if ready:  # READY
             if self.on_ready is not None:
                 self.on_ready(gb)
             self._launch_ready()
@@ -112,19 +145,73 @@ class GradSync:
     @torch.compiler.disable
     def _on_split_grad(self, gbs: tuple[BucketRuntime, ...], slot, param: torch.Tensor) -> None:
         """The gradient of a parameter split across ``gbs``: one fragment arrives in each (each bucket counts its
-        fragments); the strategy writes a fragment when its bucket launches, so staging stays bucket-sized."""
-        if self.state in ASLEEP:  # offload_states() parked the state (sleep.py)
-            refuse_if_asleep(self.state, "a backward reached the gradient hooks")
-        self.epoch += 1
-        if self.placeholders.active:
-            self.placeholders.on_backward()
-        if not self.strategy.on_split_grad(gbs, slot, param, self.sync_enabled):
-            return
-        self._open_round()
-        for gb in gbs:
-            if gb.grad_arrived() and self.on_ready is not None:
+        fragments); each bucket writes its fragment when it launches, so staging stays bucket-sized. A policy that
+        keeps gradients whole (stage 1's buffer) takes it with the first bucket, which launches before the others."""
+        strategy = self.strategy
+        if not strategy.consumes:
+            self._arriving()
+            head = gbs[0]
+            if not strategy.holds:
+                if not strategy.on_grad(head.group, slot, param, self.sync_enabled):
+                    return
+                self._open_round()
+                counted = True
+                head.grad_arrived()  # (the others below)
+            else:
+                grad = param.grad
+                if grad.layout is not torch.strided:
+                    dense_grad(param, head.group.names[slot.index], self.state.optimizer_name)
+                if not self.sync_enabled:  # keeps_unsynced
+                    self._let_go_all()
+                    strategy.keep_unsynced(head.group, slot, param)
+                    return
+                self._arrived = True
+                self._open_round()
+                arrival, _ = head.arrive(slot, param, grad)
+                if arrival is Arrival.FIRST:
+                    self._hold(head, slot.numel)
+                elif arrival is Arrival.AGAIN_WRITTEN:
+                    head.add_again(slot, param, grad, strategy, self.pool)
+                counted = arrival is Arrival.FIRST
+            if not counted:
+                return
+            for gb in gbs[1:]:
+                gb.grad_arrived()
+            ready = [gb for gb in gbs if gb.grad is GradState.READY]
+        else:
+            self._arriving()
+            grad = dense_grad(param, gbs[0].group.names[slot.index], self.state.optimizer_name)
+            self._arrived = True
+            first = gbs[0].arrive_split(slot)
+            param.grad = None  # kept here until written: a second gradient this round arrives on its own
+            flat = grad.reshape(-1) if grad.is_contiguous() else grad.contiguous().view(-1)
+            if strategy.fragments:
+                for gb in gbs:
+                    gb.take_fragment(slot, flat, first, strategy, self.pool)
+            else:
+                strategy.add_split(gbs[0].group, slot, flat)
+            if not first:
+                return
+            self._open_round()
+            ready = [gb for gb in gbs if gb.grad_arrived()]
+        if self.on_ready is not None:
+            for gb in ready:
                 self.on_ready(gb)
         self._launch_ready()
+
+    def _hold(self, gb: BucketRuntime, numel: int) -> None:
+        """``gb`` holds ``numel`` more elements in .grad: beyond ``HOLD_ELEMENTS`` in all, the oldest buckets write
+        theirs now (into a staging entry, held until they launch). When buckets fill one after another that is one
+        bucket's gradients; a parameter larger than that is written at once (autograd produced it whole anyway)."""
+        self._holding.setdefault(gb.order, gb)
+        self._held += numel
+        while self._held >= HOLD_ELEMENTS:
+            self._held -= self._holding.pop(next(iter(self._holding))).let_go(self.strategy, self.pool)
+
+    def _let_go_all(self) -> None:
+        """Every held gradient written, oldest bucket first."""
+        while self._holding:
+            self._held -= self._holding.pop(next(iter(self._holding))).let_go(self.strategy, self.pool)
 
     def _open_round(self) -> None:
         if self._round_open:
@@ -133,8 +220,7 @@ class GradSync:
         if not self.comm.position.phase.startswith("backward"):  # stages 1, 2 (stage 3's hooks name the module)
             self.comm.position.at("backward")
         for gb in self.buckets:
-            gb.move_grad(GradState.EMPTY)
-            gb.arrived = 0
+            gb.begin_round()
         self._next = 0
         torch.autograd.Variable._execution_engine.queue_callback(self._close_round)
 
@@ -143,24 +229,34 @@ class GradSync:
             self.start_grad_sync(self.buckets[self._next])
             self._next += 1
 
+    def _end_round(self) -> None:
+        """The round's reductions were all launched: what is still held is written (nothing: every bucket launched;
+        kept for safety), the buckets forget the slots they saw, then the policy."""
+        self._let_go_all()
+        for gb in self.buckets:
+            gb.end_round()
+        self.strategy.end_round()
+
     @torch.compiler.disable
     def _close_round(self) -> None:
         """End of a backward pass: launch every bucket not launched yet (missing gradients are zero)."""
         for gb in self.buckets[self._next :]:
             if gb.grad is not GradState.READY:
-                gb.move_grad(GradState.READY)
+                gb.close()
         self._launch_ready()
         self._round_open = False
-        self.strategy.end_round()
+        self._end_round()
         if self.on_round_end is not None:
             self.on_round_end()
-        if getattr(self.strategy, "waits_at_round_end", False):
+        if self.strategy.waits_at_round_end:
             self.wait_inflight()
         self.placeholders.install()
 
     def start_grad_sync(self, gb: BucketRuntime) -> None:
-        """Launch ``gb``'s reduce-scatter into its grad shard: the bucket does it all (the strategy writes what goes
-        on the wire, the pool lends the staging); the reducer only chose when."""
+        """Launch ``gb``'s reduce-scatter into its grad shard: the bucket does it all (its policy says what goes on
+        the wire, the pool lends the staging); the reducer only chose when."""
+        if self._holding.pop(gb.order, None) is not None:
+            self._held -= gb.held_numel
         gb.start_grad_sync(self.comm, self.strategy, self.pool)
 
     def finish_grad_sync(self) -> None:
@@ -182,11 +278,10 @@ class GradSync:
 
     def _open_round_without_backward(self) -> None:
         for gb in self.buckets:
-            gb.move_grad(GradState.READY)
-            gb.arrived = 0
+            gb.reopen()
         self._next = 0
         self._launch_ready()
-        self.strategy.end_round()
+        self._end_round()
 
     def reduce_hand_grads(self, hand: dict, union: set[int]) -> None:
         """Collective: reduce the gradients assigned by hand (``hand``: this rank's, (group, slot) -> tensor; ``union``:
@@ -194,11 +289,10 @@ class GradSync:
         holding one in launch order (``hand_grads.py``). Nothing is in flight (the step finished every sync)."""
         chosen = [gb for gb in self.buckets if any(gb.group.param_indices[i] in union for i in gb.bucket.slots)]
         for gb in chosen:
-            gb.move_grad(GradState.READY)
-            self.strategy.load_hand(gb, hand)
+            gb.load_hand(hand, self.strategy, self.pool)
             self.start_grad_sync(gb)
         self.wait_inflight()
-        self.strategy.end_round()
+        self._end_round()
         self.epoch += 1
 
     def wait_inflight(self) -> None:
@@ -211,14 +305,38 @@ class GradSync:
         for group in self.state.groups:
             group.state.finish_landing()
 
+    # ---------------------------------------------------------------- which parameters have a gradient
+    def got_grads(self) -> set[int]:
+        """Global indices of the parameters with a gradient on this rank for the next ``step()``: those the buckets
+        saw arrive since the gradients were last consumed, and those the policy keeps otherwise."""
+        got = self.strategy.got_grads()
+        for gb in self.buckets:
+            got.update(gb.got())
+        return got
+
+    def forget(self, gidxs: list[int]) -> None:
+        """The user dropped these parameters' gradients: none for the next ``step()``."""
+        self.strategy.forget(gidxs)
+        gone = set(gidxs)
+        for gb in self.buckets:
+            gb.forget(gone)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.comm.drop_held()  # gradients held inside the node (a mesh's no_sync) are dropped with the others
         self.placeholders.zero_grad()
         self.finish_grad_sync()
-        self.strategy.zero_grad(set_to_none)
+        self.strategy.zero_grad(set_to_none, self._arrived)
+        self._arrived = False
+        if set_to_none:  # (zeroed in place, a gradient is still applied, as zero)
+            for gb in self.buckets:
+                gb.consumed()
         self.epoch += 1
 
     def after_step(self) -> None:
         self.strategy.after_step()
+        self._arrived = False
+        if self.strategy.consumes:
+            for gb in self.buckets:
+                gb.consumed()
         self.placeholders.after_step()
         self.epoch += 1

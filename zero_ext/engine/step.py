@@ -81,7 +81,7 @@ class Stepper:
         # parameters edited in place (1) plus, reduced gradients dropped (`model.zero_grad()`, `p.grad = None` or a
         # `.grad` replaced between backward and step: grad_placeholders.py), `hand_unit`: both rank counts in one
         values[1] = float(edited) + hand_unit * float(self.grad_sync.placeholders.dropped)
-        for gidx in self.grad_sync.strategy.got_grads():
+        for gidx in self.grad_sync.got_grads():
             values[2 + self._flag_of[gidx]] = 1.0
         for group_index, slot_index in hand:
             values[2 + self._flag_of[state.groups[group_index].param_indices[slot_index]]] += hand_unit
