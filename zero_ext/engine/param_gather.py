@@ -76,7 +76,7 @@ import torch
 
 from ..state.sharded_params import original_class, shard_class, watch
 from ..state.sharded_state import ShardedState
-from .backward_hooks import Call, hook_outputs, in_backward, refuse_backward, wrap_inputs
+from .backward_hooks import BackwardSignals, Call, in_backward, refuse_backward
 from .bucket_runtime import BucketRuntime, Key, ParamState
 from .gather_units import hooked_modules, own_params
 from .model_state import wrapping_in_ddp
@@ -136,6 +136,7 @@ class ParamGather:
         self._manual = 0  # gathered_params() depth
         self.gather_units = gather_units
         self.use: dict[Key, _Use] = {}  # the schedule's facts about each bucket
+        self._signals = BackwardSignals()  # a module call's backward starts / is done
         # A bucket's run (the buckets of one split parameter, or itself) shares one gathered storage: its bytes,
         # which the window counts once for all the run's buckets that are not SHARDED.
         self.run_of: dict[Key, tuple[int, int]] = {}
@@ -394,7 +395,7 @@ class ParamGather:
         self._prefetch_after(module)
         if torch.is_grad_enabled() and self.keys[id(module)]:
             # keyword inputs too: attn(h, key=h, value=h) must still see one tensor (backward_hooks.wrap_inputs)
-            return wrap_inputs(module, (args, kwargs), self._post_backward)
+            return self._signals.wrap_inputs(module, (args, kwargs), self._post_backward)
         return None
 
     @torch.compiler.disable
@@ -411,7 +412,7 @@ class ParamGather:
         for rt in runtimes:
             self.use[rt.key].forward_users -= 1
         training = torch.is_grad_enabled()
-        if training and keys and not hook_outputs(module, output, self._pre_backward):
+        if training and keys and not self._signals.hook_outputs(module, output, self._pre_backward):
             for rt in runtimes:  # nothing will tell us when its backward starts: hold until READY
                 self.use[rt.key].hold = Hold.UNTIL_READY
         if self.reshard_after_forward or not training:
