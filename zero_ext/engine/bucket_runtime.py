@@ -1,24 +1,34 @@
-"""One bucket at run time: everything in flight or alive for it, in one object with an explicit state.
+"""One bucket at run time: everything in flight or alive for it, in one object that alone writes its state.
 
 A :class:`BucketRuntime` is made once per (flat group, bucket) by :class:`zero_ext.engine.runtime.BucketRuntimes`,
-which owns them for the engine's whole life (``add_param_group`` adds those of its buckets); the reducer, the parameter all-gathers (stages 1 and 2) and stage 3's gather scheduler all act on these
-objects, never on private lists of their own. It owns both directions of its communication, as Megatron's bucket
-group does: ``start_grad_sync`` has the stage's gradient strategy write what goes on the wire (into the staging
-entry it leases) and launches its reduce-scatter (into the grad shard, or the landing buffer its placement gives),
-and ``finish_grad_sync`` waits for it; ``start_param_sync`` launches its all-gather and
-``finish_param_sync`` waits for it. The object holds
+which owns them for the engine's whole life (``add_param_group`` adds those of its buckets). The reducer
+(:class:`zero_ext.engine.reducer.GradSync`: hooks, rounds, launch order), the parameter all-gathers (stages 1 and
+2) and stage 3's gather schedule call its verbs; it never calls them back, and no other module assigns its fields
+(others read them through read-only properties). It owns both directions of its communication, as Megatron's
+bucket group does. The object holds
 
-- its gradients: how many arrived this round, the staging-pool entry it leases (``staging``), its reduce-scatter
-  in flight (``grad_pending``), and the phase :class:`GradState`;
-- its parameters: the all-gather in flight (``param_pending``) into the bucket's gathered storage (stage 3: the
-  one storage that is resized to zero bytes when released, :mod:`zero_ext.state.sharded_params`), and the phase
-  :class:`ParamState`;
-- stage 3's scheduling facts about it (who uses it now, why it is held): read and written by
-  :mod:`zero_ext.engine.param_gather` only.
+- its gradients: the phase :class:`GradState`, how many arrived this round and which slots, the gradients it holds
+  in ``.grad`` until it launches and the fragments of split parameters (one write per bucket, see below), the wire
+  dtype and pre-scale (asked of the stage's gradient policy once, at construction), the staging entry it leases,
+  its reduce-scatter in flight and where it lands (its placement's grad target);
+- its parameters: the phase :class:`ParamState`, the all-gather in flight into the bucket's gathered storage
+  (stage 3: the one storage that is resized to zero bytes when released, :mod:`zero_ext.state.sharded_params`), and
+  stage 3's class swaps (its parameters are ordinary tensors while GATHERED, checking ones otherwise).
+
+What varies by stage is the gradient policy (``grads.py``), which the bucket calls with values (its group, layout,
+send buffer, held gradients) and which returns values (what goes on the wire); it never calls the bucket back.
+
+One write per bucket: a kernel launch costs the host a few microseconds in C++ and tens through a Python Triton
+launcher, whatever the tensor's size; a model has hundreds of small parameters, so writing each gradient the moment
+it arrives made backward launch-bound (bench/results/backward_hooks_cpu.md). A bucket holds its gradients where
+autograd left them and has them written with one multi-tensor call when it launches, then frees them. The reducer
+bounds what all buckets hold together (``HOLD_ELEMENTS``: beyond it the oldest bucket writes its own early, into
+its staging lease). A gradient that arrives twice in one backward pass (reentrant activation checkpointing) is
+summed by autograd into ``.grad`` while held, and added to what was written otherwise (:attr:`Arrival.AGAIN_WRITTEN`).
 
 The two phases are separate enums because they overlap in time: at stage 3 a bucket is GATHERED while its
 gradients are FILLING (its backward runs). Each moves through a table of legal transitions, and every move goes
-through the paired verbs below (``start_grad_sync`` / ``finish_grad_sync``, ``start_param_sync`` /
+through the paired verbs below (``arrive``, ``start_grad_sync`` / ``finish_grad_sync``, ``start_param_sync`` /
 ``finish_param_sync`` / ``reshard``), which do what they say; a move the table does not list raises
 :class:`IllegalTransition` (a bucket gathered twice, freed while its all-gather is in flight, reduced twice).
 

@@ -6,18 +6,20 @@
   staging buffer; the mean overwrites the bucket's grad shard. Inside ``no_sync()`` nothing is reduced; the
   next synchronised backward (or ``step()``) reduces the accumulated sum.
 - :class:`StagedGrads` (stages 2 and 3): no full-size buffer. A bucket's gradients are cast and pre-scaled into
-  its staging buffer, all in one call when the bucket launches (``grad_hold.py``: the gradients of the buckets
-  not launched yet wait in ``param.grad``), then freed (``param.grad = None``); the mean is added to the grad shard in fp32, so
-  several backward passes before ``step()`` accumulate. There is no buffer to accumulate a full gradient in, so
-  ``no_sync()`` still reduces every backward pass (as DeepSpeed's ZeRO-2).
+  its staging buffer, all in one call when the bucket launches (the bucket holds them in ``param.grad`` until then),
+  then freed (``param.grad = None``); the mean is added to the grad shard in fp32, so several backward passes before
+  ``step()`` accumulate. There is no buffer to accumulate a full gradient in, so ``no_sync()`` still reduces every
+  backward pass (as DeepSpeed's ZeRO-2).
 - :class:`ShardGrads` (stages 2 and 3 on one process): nothing to communicate, so a bucket's gradients are added
   straight into their places in the grad shard, in one call when it launches.
 
-A strategy answers three things: what to do when a gradient arrives (:meth:`on_grad`, asked by the reducer,
-:class:`zero_ext.engine.reducer.GradSync`), what to send when a bucket launches (:meth:`send`, asked by the bucket's
-:class:`~zero_ext.engine.bucket_runtime.BucketRuntime` as it launches), and whether the result overwrites or is
-added to the grad shard (``accumulate``). The strategies that hold a bucket's gradients (``grad_hold.py``) write
-what the hold lets go, which it returns.
+A policy is chosen once per engine (``stages.py``) and called by the buckets
+(:class:`~zero_ext.engine.bucket_runtime.BucketRuntime`) with values: a group, a bucket's layout, its send buffer,
+the gradients it held; it writes them where the stage keeps gradients and returns what goes on the wire
+(:meth:`GradStrategy.send`). It never calls a bucket back and keeps no bucket's state: which gradients a bucket holds,
+its fragments and its lease are the bucket's; the reducer (:class:`zero_ext.engine.reducer.GradSync`) asks the policy
+only what a stage decides for every bucket (``holds``, ``keeps_unsynced``, ``fragments``, ...). Which parameters have
+a gradient for the next ``step()`` is the buckets' record plus what the policy keeps outside them (stage 1).
 """
 
 from __future__ import annotations
