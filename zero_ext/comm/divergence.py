@@ -8,7 +8,7 @@ loop whose length differs per rank, a module run on one rank only, a rank skippi
 the collectives pair up wrongly and the job waits forever (DeepSpeed #860, #7844): rank 0 in a parameter gather,
 rank 1 in a staging acquire. Here:
 
-- Each rank keeps its :class:`Position`: how many zero_ext collectives it issued and, for the last :data:`RING`,
+- Each rank keeps its :class:`~zero_ext.comm.base.Position` (its communicator's): how many zero_ext collectives it issued and, for the last :data:`RING`,
   what each was (kind, elements, bucket, phase, module, step). The hooks set the phase and module, the callers
   the bucket: a few attribute writes per collective, no communication.
 - A wait (:class:`DivergenceWatch`, through :meth:`zero_ext.comm.Pending.wait`) blocks on the collective with a
@@ -85,31 +85,6 @@ def describe(entry) -> str:
     where = f"bucket {tuple(bucket)}" if bucket is not None else "no bucket"
     module = f" of module {module!r}" if module else ""
     return f"#{count} {kind} of {numel} elements ({where}), {phase}{module}, step {step}"
-
-
-class Position:
-    """Where this rank is in zero_ext's collectives (see the module docstring). ``phase``/``module`` are set by
-    the hooks, ``bucket`` by whoever issues the next collective (it labels that one only)."""
-
-    __slots__ = ("count", "ring", "phase", "module", "bucket", "step")
-
-    def __init__(self):
-        self.count = 0
-        self.ring: list = [None] * RING
-        self.phase, self.module, self.bucket, self.step = "construction", "", None, 0
-
-    def at(self, phase: str, module: str = "") -> None:
-        self.phase, self.module = phase, module
-
-    def issued(self, kind: str, numel: int) -> int:
-        """One more collective; returns its count."""
-        self.count += 1
-        self.ring[self.count % RING] = (self.count, kind, numel, self.bucket, self.phase, self.module, self.step)
-        self.bucket = None
-        return self.count
-
-    def recent(self) -> list:
-        return sorted((e for e in self.ring if e is not None), key=lambda e: e[0])
 
 
 def _timed_out(error: RuntimeError) -> bool:

@@ -229,6 +229,22 @@ class BucketRuntime:
         self._held_numel += slot.numel
         return Arrival.FIRST, self.grad_arrived()
 
+    def take(
+        self, slot: "Slot", param: torch.Tensor, grad: torch.Tensor, policy, pool, comm=None
+    ) -> tuple[bool, bool, Optional[int]]:
+        """``param``'s gradient arrived (``grad``, its ``.grad``): :meth:`arrive` (a second one after the first was
+        written is added now), and with ``comm`` (its turn in the launch order has come) a bucket it completes
+        launches in the same call (:meth:`start_grad_sync`). Returns whether it was the slot's first this round (now
+        held, counted), whether the bucket is READY (or launched), and the elements its launch released (None: not
+        launched): the reducer keeps its bound and launch order with these, without asking again."""
+        arrival, ready = self.arrive(slot, param, grad)
+        if arrival is Arrival.AGAIN_WRITTEN:
+            self.add_again(slot, param, grad, policy, pool)
+        first = arrival is Arrival.FIRST
+        if ready and comm is not None:
+            return first, True, self.start_grad_sync(comm, policy, pool)
+        return first, ready, None
+
     def add_again(self, slot: "Slot", param: torch.Tensor, grad: torch.Tensor, policy, pool) -> None:
         """A second gradient for a slot already written this round: the policy adds it to what was written; the
         gradient is freed."""
@@ -322,7 +338,6 @@ class BucketRuntime:
         if send is not None:
             placement = self.group.state
             target, direct = placement.grad_target(self.bucket)  # the grad shard, or a landing buffer (offload)
-            comm.position.bucket = self.key  # labels the collective (divergence.py)
             entry = self._staging
             accumulate = policy.accumulate
             pending = comm.start_reduce_scatter(
@@ -331,6 +346,7 @@ class BucketRuntime:
                 reduce_dtype=policy.reduce_dtype,
                 accumulate=accumulate and direct,
                 workspace=None if entry is None else entry.workspace,
+                bucket=self.key,
             )
             if not direct:
                 placement.landed(self.bucket, target, pending, accumulate)
@@ -347,7 +363,6 @@ class BucketRuntime:
         self._check_grad_move(GradState.SYNCING)
         placement = self.group.state
         target, direct = placement.grad_target(self.bucket)
-        comm.position.bucket = self.key
         pending = comm.start_release(self.key, target, accumulate=direct)
         if not direct:
             placement.landed(self.bucket, target, pending, True)
@@ -376,8 +391,7 @@ class BucketRuntime:
         self._move_params(ParamState.GATHERING)
         flat = self.group.flat_params
         full = flat.unshard(self.bucket)
-        comm.position.bucket = self.key  # labels the collective (divergence.py)
-        self._param_pending = comm.start_all_gather(full, flat.gather_input(self.bucket, full))
+        self._param_pending = comm.start_all_gather(full, flat.gather_input(self.bucket, full), self.key)
 
     def finish_param_sync(self) -> None:
         """Wait for the all-gather (the current stream, on CUDA): GATHERING -> GATHERED. Stage 3: its parameters

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from ..state.sharded_state import FlatGroup, ShardedState
-from .bucket_runtime import Arrival, BucketRuntime, GradState
+from .bucket_runtime import BucketRuntime, GradState
 from .grad_placeholders import GradPlaceholders
 from .grads import GradStrategy, dense_grad
 from .runtime import BucketRuntimes
@@ -52,6 +52,7 @@ class GradSync:
         # most HOLD_ELEMENTS, beyond which the oldest bucket writes its own (see below)
         self._holding: dict[int, BucketRuntime] = {}
         self._held = 0
+        self._ready: set[int] = set()  # launch positions of the buckets that reported READY this round
         self._arrived = False  # a gradient arrived since the last step() or zero_grad() (the policy's shards moved)
         self._hooks = []
         self._hook(state.groups, runtimes)
@@ -121,26 +122,28 @@ class GradSync:
             if not strategy.on_grad(gb.group, slot, param, self.sync_enabled):
                 return
             self._open_round()
-            ready = gb.grad_arrived()
-        else:
-            grad = param.grad
-            if grad.layout is not torch.strided:
-                dense_grad(param, gb.group.names[slot.index], self.state.optimizer_name)
-            if not self.sync_enabled and strategy.keeps_unsynced:  # inside no_sync() no launch comes to write it
-                self._let_go_all()
-                strategy.keep_unsynced(gb.group, slot, param)
-                return
-            self._arrived = True
-            self._open_round()
-            arrival, ready = gb.arrive(slot, param, grad)
-            if arrival is Arrival.FIRST:
-                self._hold(gb, slot.numel)
-            elif arrival is Arrival.AGAIN_WRITTEN:
-                gb.add_again(slot, param, grad, strategy, self.pool)
-        if ready:  # READY
-            if self.on_ready is not None:
-                self.on_ready(gb)
-            self._launch_ready()
+            if gb.grad_arrived():
+                self._ready_now((gb,))
+            return
+        grad = param.grad
+        if grad.layout is not torch.strided:
+            dense_grad(param, gb.group.names[slot.index], self.state.optimizer_name)
+        if not self.sync_enabled and strategy.keeps_unsynced:  # inside no_sync() no launch comes to write it
+            self._let_go_all()
+            strategy.keep_unsynced(gb.group, slot, param)
+            return
+        self._arrived = True
+        self._open_round()
+        # Its turn in the launch order: a gradient that completes it launches it in the same call (and stage 3's
+        # on_ready frees its parameters right after)
+        turn = self.comm if gb.order == self._next else None
+        first, ready, released = gb.take(slot, param, grad, strategy, self.pool, turn)
+        if released is not None:  # (the bound counted what it held before this one)
+            self._launched(gb, released - (slot.numel if first else 0))
+        elif first:
+            self._hold(gb, slot.numel)
+        if ready:
+            self._ready_now((gb,), launched=released is not None)
 
     @torch.compiler.disable
     def _on_split_grad(self, gbs: tuple[BucketRuntime, ...], slot, param: torch.Tensor) -> None:
@@ -148,15 +151,14 @@ class GradSync:
         fragments); each bucket writes its fragment when it launches, so staging stays bucket-sized. A policy that
         keeps gradients whole (stage 1's buffer) takes it with the first bucket, which launches before the others."""
         strategy = self.strategy
+        self._arriving()
         if not strategy.consumes:
-            self._arriving()
             head = gbs[0]
             if not strategy.holds:
                 if not strategy.on_grad(head.group, slot, param, self.sync_enabled):
                     return
                 self._open_round()
-                counted = True
-                head.grad_arrived()  # (the others below)
+                ready = [head] if head.grad_arrived() else []  # (the others below)
             else:
                 grad = param.grad
                 if grad.layout is not torch.strided:
@@ -167,19 +169,13 @@ class GradSync:
                     return
                 self._arrived = True
                 self._open_round()
-                arrival, _ = head.arrive(slot, param, grad)
-                if arrival is Arrival.FIRST:
-                    self._hold(head, slot.numel)
-                elif arrival is Arrival.AGAIN_WRITTEN:
-                    head.add_again(slot, param, grad, strategy, self.pool)
-                counted = arrival is Arrival.FIRST
-            if not counted:
-                return
-            for gb in gbs[1:]:
-                gb.grad_arrived()
-            ready = [gb for gb in gbs if gb.grad is GradState.READY]
+                first, head_ready, _ = head.take(slot, param, grad, strategy, self.pool)
+                if not first:  # a second gradient this round: counted already
+                    return
+                self._hold(head, slot.numel)
+                ready = [head] if head_ready else []
+            ready += [gb for gb in gbs[1:] if gb.grad_arrived()]
         else:
-            self._arriving()
             grad = dense_grad(param, gbs[0].group.names[slot.index], self.state.optimizer_name)
             self._arrived = True
             first = gbs[0].arrive_split(slot)
@@ -194,6 +190,14 @@ class GradSync:
                 return
             self._open_round()
             ready = [gb for gb in gbs if gb.grad_arrived()]
+        self._ready_now(ready)
+
+    def _ready_now(self, ready, launched: bool = False) -> None:
+        """Buckets ``ready`` reported READY (``launched``: the one of them whose turn it was launched already):
+        stage 3 frees their parameters, and the READY buckets whose turn has come launch."""
+        self._ready.update(gb.order for gb in ready)
+        if launched:
+            self._next += 1
         if self.on_ready is not None:
             for gb in ready:
                 self.on_ready(gb)
@@ -222,10 +226,11 @@ class GradSync:
         for gb in self.buckets:
             gb.begin_round()
         self._next = 0
+        self._ready.clear()
         torch.autograd.Variable._execution_engine.queue_callback(self._close_round)
 
     def _launch_ready(self) -> None:
-        while self._next < len(self.buckets) and self.buckets[self._next].grad is GradState.READY:
+        while self._next in self._ready:
             self.start_grad_sync(self.buckets[self._next])
             self._next += 1
 
@@ -241,8 +246,9 @@ class GradSync:
     def _close_round(self) -> None:
         """End of a backward pass: launch every bucket not launched yet (missing gradients are zero)."""
         for gb in self.buckets[self._next :]:
-            if gb.grad is not GradState.READY:
+            if gb.order not in self._ready:
                 gb.close()
+                self._ready.add(gb.order)
         self._launch_ready()
         self._round_open = False
         self._end_round()
@@ -255,9 +261,12 @@ class GradSync:
     def start_grad_sync(self, gb: BucketRuntime) -> None:
         """Launch ``gb``'s reduce-scatter into its grad shard: the bucket does it all (its policy says what goes on
         the wire, the pool lends the staging); the reducer only chose when."""
+        self._launched(gb, gb.start_grad_sync(self.comm, self.strategy, self.pool))
+
+    def _launched(self, gb: BucketRuntime, released: int) -> None:
+        """``gb`` launched, releasing ``released`` elements it held in .grad (counted in the bound)."""
         if self._holding.pop(gb.order, None) is not None:
-            self._held -= gb.held_numel
-        gb.start_grad_sync(self.comm, self.strategy, self.pool)
+            self._held -= released
 
     def finish_grad_sync(self) -> None:
         """Make every reduction of the gradients so far visible in the grad shards (the current stream waits)."""
@@ -280,6 +289,7 @@ class GradSync:
         for gb in self.buckets:
             gb.reopen()
         self._next = 0
+        self._ready = set(range(len(self.buckets)))
         self._launch_ready()
         self._end_round()
 
