@@ -70,7 +70,10 @@ class Pending:
                 if self._watch is None:
                     self._work.wait()
                 else:  # with a deadline; past it, the ranks' positions are compared (divergence.py)
-                    self._watch.wait(self._work, self._seq)
+                    try:
+                        self._work.wait(self._watch.limit)
+                    except RuntimeError as e:
+                        self._watch.waited_past_deadline(e, self._work, self._seq)
             if self._epilogue is not None:
                 self._epilogue()
         self._done = True

@@ -112,7 +112,7 @@ class DivergenceWatch:
 
     def __init__(self, comm, timeout: float):
         self.comm, self.timeout = comm, float(timeout)
-        self._limit = datetime.timedelta(seconds=self.timeout)
+        self.limit = datetime.timedelta(seconds=self.timeout)  # the deadline of every wait (Pending.wait's own)
         self._poll = min(2.0, max(0.05, self.timeout / 20))
         name = self._group().group_name
         number = DivergenceWatch._instances[name] = DivergenceWatch._instances.get(name, 0) + 1
@@ -124,11 +124,16 @@ class DivergenceWatch:
     def wait(self, work, seq: int) -> None:
         """Wait for collective ``seq``'s ``work``; raises :class:`RanksDiverged` where the ranks parted."""
         try:
-            work.wait(self._limit)  # fast path: the ordinary wait, with a deadline
-            return
+            work.wait(self.limit)  # fast path: the ordinary wait, with a deadline
         except RuntimeError as e:
-            if not _timed_out(e):
-                raise
+            self.waited_past_deadline(e, work, seq)
+
+    def waited_past_deadline(self, error: RuntimeError, work, seq: int) -> None:
+        """A wait for collective ``seq``'s ``work`` with :attr:`limit` raised ``error``: anything but the deadline is
+        raised again; past the deadline the ranks' positions are compared (the slow path; the fast path is
+        :meth:`zero_ext.comm.Pending.wait`'s own wait with the deadline, or :meth:`wait`)."""
+        if not _timed_out(error):
+            raise error
         self._diagnose(lambda seconds: wait_for(work, seconds), {"in": "collective", "seq": seq})
 
     def enter_gathered(self) -> None:

@@ -26,88 +26,34 @@ bounds what all buckets hold together (``HOLD_ELEMENTS``: beyond it the oldest b
 its staging lease). A gradient that arrives twice in one backward pass (reentrant activation checkpointing) is
 summed by autograd into ``.grad`` while held, and added to what was written otherwise (:attr:`Arrival.AGAIN_WRITTEN`).
 
-The two phases are separate enums because they overlap in time: at stage 3 a bucket is GATHERED while its
-gradients are FILLING (its backward runs). Each moves through a table of legal transitions, and every move goes
-through the paired verbs below (``arrive``, ``start_grad_sync`` / ``finish_grad_sync``, ``start_param_sync`` /
-``finish_param_sync`` / ``reshard``), which do what they say; a move the table does not list raises
-:class:`IllegalTransition` (a bucket gathered twice, freed while its all-gather is in flight, reduced twice).
-
-Gradients (one round = one synchronised backward pass)::
-
-    EMPTY --grad--> FILLING --last grad--> READY --its turn: start_grad_sync--> SYNCING --finish_grad_sync--> SYNCED
-      |___________ end of backward (missing gradients count as zero) ____^        |
-    a new round starts from SYNCED (or SYNCING: the previous reduction is waited for at the next launch); on a mesh
-    under no_sync() SYNCED --release_held--> SYNCING sends the node-held sums across nodes (comm/hsdp.py)
-
-Parameters::
-
-    stage 3:     SHARDED --start_param_sync--> GATHERING --finish_param_sync--> GATHERED --reshard--> SHARDED
-    stages 1, 2:                               GATHERING --finish_param_sync--> GATHERED --start_param_sync (after
-                                                                                          the step's update)--^
+Its two phases, their legal moves and the diagrams: :mod:`zero_ext.engine.bucket_states`. The staging pool it
+leases its send buffer from (:class:`StagingPool`) is here too: a lease is taken once per launch and handed back with
+the collective that reads it, both inside the bucket's own verbs.
 """
 
 from __future__ import annotations
 
-import enum
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from ..comm import Pending
 from ..state.sharded_params import unwatch
+from .bucket_states import (
+    FULL_PARAM_MOVES,
+    GRAD_MOVES,
+    PARAM_MOVES,
+    Arrival,
+    GradState,
+    IllegalTransition,
+    ParamState,
+)
 
 if TYPE_CHECKING:  # types only: buffers.py imports this module
     from ..layout import Bucket, Slot
     from ..state.sharded_state import FlatGroup
-    from .staging import StagingEntry
 
 Key = tuple[int, int]  # (flat group index, bucket index)
-
-
-class IllegalTransition(RuntimeError):
-    """A bucket was asked to move to a state it cannot reach from where it is: an engine bug, never a user's."""
-
-
-class GradState(enum.Enum):
-    EMPTY = "empty"  # no gradient of this round has arrived
-    FILLING = "filling"  # some have
-    READY = "ready"  # all have (or the round is closing); launched when every bucket before it in order is
-    SYNCING = "syncing"  # its reduce-scatter is in flight
-    SYNCED = "synced"  # its mean is in the grad shard
-
-
-class ParamState(enum.Enum):
-    SHARDED = "sharded"  # stage 3: only this rank's slice exists; the gathered storage holds zero bytes
-    GATHERING = "gathering"  # the all-gather into the gathered storage is in flight
-    GATHERED = "gathered"  # the full values are in the storage
-
-
-_GRAD_MOVES = {
-    GradState.EMPTY: {GradState.EMPTY, GradState.FILLING, GradState.READY},  # EMPTY: a round with none of its grads
-    GradState.FILLING: {GradState.FILLING, GradState.READY},
-    GradState.READY: {GradState.SYNCING},
-    GradState.SYNCING: {GradState.SYNCED, GradState.EMPTY, GradState.READY},  # a new round while in flight
-    # READY: step() reduces what no_sync() accumulated; SYNCING: a mesh sends its held gradients (release_held)
-    GradState.SYNCED: {GradState.EMPTY, GradState.READY, GradState.SYNCING},
-}
-_PARAM_MOVES = {  # stage 3: a present bucket is never gathered again
-    ParamState.SHARDED: {ParamState.GATHERING},
-    ParamState.GATHERING: {ParamState.GATHERED},
-    ParamState.GATHERED: {ParamState.SHARDED},
-}
-_FULL_PARAM_MOVES = {  # stages 1 and 2: never sharded; each update is gathered in place
-    ParamState.SHARDED: set(),
-    ParamState.GATHERING: {ParamState.GATHERED},
-    ParamState.GATHERED: {ParamState.GATHERING},
-}
-
-
-class Arrival(enum.Enum):
-    """How a gradient counts when it arrives (:meth:`BucketRuntime.arrive`)."""
-
-    FIRST = "first"  # the slot's first gradient this round: held, counts towards its bucket
-    AGAIN_HELD = "again_held"  # again, still held: autograd summed it into param.grad
-    AGAIN_WRITTEN = "again_written"  # again, after the first was written: added to what was written
 
 
 class BucketRuntime:
@@ -178,11 +124,11 @@ class BucketRuntime:
         self._grad = to
 
     def _check_grad_move(self, to: GradState) -> None:
-        if to not in _GRAD_MOVES[self._grad]:
+        if to not in GRAD_MOVES[self._grad]:
             raise IllegalTransition(f"bucket {self.key}: gradients cannot go from {self._grad.name} to {to.name}")
 
     def _move_params(self, to: ParamState) -> None:
-        if to not in (_PARAM_MOVES if self.group.flat_params.shards_params else _FULL_PARAM_MOVES)[self._params]:
+        if to not in (PARAM_MOVES if self.group.flat_params.shards_params else FULL_PARAM_MOVES)[self._params]:
             raise IllegalTransition(f"bucket {self.key}: parameters cannot go from {self._params.name} to {to.name}")
         self._params = to
 
@@ -426,3 +372,109 @@ class BucketRuntime:
             p.__class__ = original
             unwatch(p)
         self._members = []
+
+
+# ---------------------------------------------------------------------------------------------------- staging
+# The staging pool: byte buffers that carry buckets of gradients onto the wire.
+#
+# The staging pool: byte buffers that carry buckets of gradients onto the wire.
+#
+# An entry holds what one bucket's reduce-scatter needs while it is in flight: the send buffer (the gradients cast
+# to the wire dtype and pre-scaled, when the gradient strategy stages them) followed by the communicator's
+# workspace (gloo's receive buffer, NCCL's output shard). Entries are sized once, for the largest bucket, and
+# viewed in whatever dtype a bucket travels in, so fp32 and bf16 flat groups share one pool.
+#
+# The pool is made with the sharded state and sized by the reducer (:meth:`StagingPool.size`), which knows the
+# wire dtypes: at construction, and again when ``add_param_group`` adds buckets. It then holds ``capacity`` entries and reuses them in launch order: a bucket that needs an entry takes a
+# free one, else waits for the oldest in flight (whose collective then has to finish first). Only when every entry
+# is held by a bucket still filling (gradients arriving far out of layout order) does the pool grow by one; it
+# never shrinks, so that happens in the first steps only, and ``nbytes`` is what the ledger reports.
+
+
+class StagingEntry:
+    """One byte buffer of the pool: ``send_bytes`` of send buffer, then the workspace."""
+
+    __slots__ = ("buffer", "send_bytes", "workspace", "send_view", "holder", "pending")
+
+    def __init__(self, send_bytes: int, workspace_bytes: int, device: torch.device):
+        total = send_bytes + workspace_bytes
+        self.buffer = torch.zeros(total, dtype=torch.uint8, device=device) if total else None
+        self.send_bytes = send_bytes
+        # Views made once (offload_states() resizes the storage in place, which every view follows): the
+        # communicator's workspace, and the send buffer as the holder's bucket travels (set by acquire)
+        self.workspace: Optional[torch.Tensor] = None if self.buffer is None else self.buffer[send_bytes:]
+        self.send_view: Optional[torch.Tensor] = None
+        self.holder: Optional[object] = None  # the bucket filling or sending from this entry
+        self.pending: Optional[Pending] = None  # the collective reading/writing it
+
+    def send(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The send buffer as ``numel`` elements of ``dtype``."""
+        return self.buffer[: numel * dtype.itemsize].view(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel()
+
+
+class StagingPool:
+    def __init__(self, capacity: int, device: torch.device):
+        self.capacity, self.device = capacity, device
+        self.send_bytes = self.workspace_bytes = 0
+        self.used = False
+        self.entries: list[StagingEntry] = []
+        self._inflight: list[StagingEntry] = []  # launched entries, oldest first
+
+    def size(self, send_bytes: int, workspace_bytes: int) -> None:
+        """Entries of ``send_bytes`` of send buffer and ``workspace_bytes`` of workspace each (the largest bucket's),
+        ``capacity`` of them at least: before the first bucket is staged, and again when ``add_param_group`` added
+        buckets (nothing in flight then). Entries of that size already here are kept; a larger size replaces them."""
+        if self._inflight or any(e.holder is not None for e in self.entries):
+            raise RuntimeError("StagingPool.size: entries are in use")
+        if (send_bytes, workspace_bytes) != (self.send_bytes, self.workspace_bytes):
+            self.entries = []
+        self.send_bytes, self.workspace_bytes = send_bytes, workspace_bytes
+        self.used = send_bytes + workspace_bytes > 0
+        if not self.used:
+            self.entries = []
+        missing = max(0, self.capacity - len(self.entries)) if self.used else 0
+        self.entries += [StagingEntry(send_bytes, workspace_bytes, self.device) for _ in range(missing)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [e.buffer for e in self.entries if e.buffer is not None]
+
+    def acquire(self, holder: object, dtype: Optional[torch.dtype] = None, numel: int = 0) -> Optional[StagingEntry]:
+        """An entry for ``holder``: a free one, else the oldest in flight (the current stream waits for its
+        collective), else a new one. None when nothing needs staging. With ``dtype``, its ``send_view`` is the send
+        buffer as ``numel`` elements of it (the holder's bucket as it travels)."""
+        if not self.used:
+            return None
+        entry = next((e for e in self.entries if e.holder is None and e.pending is None), None)
+        if entry is None and self._inflight:
+            entry = self._inflight.pop(0)
+            entry.pending.wait()
+            entry.pending = None
+        if entry is None:
+            entry = StagingEntry(self.send_bytes, self.workspace_bytes, self.device)
+            self.entries.append(entry)
+        entry.holder = holder
+        entry.send_view = None if dtype is None else entry.send(dtype, numel)
+        return entry
+
+    def launched(self, entry: Optional[StagingEntry], pending: Pending) -> None:
+        """``entry``'s bucket is on the wire: it is busy until ``pending`` is waited for."""
+        if entry is None:
+            return
+        entry.holder = None
+        entry.pending = pending
+        self._inflight.append(entry)
+
+    def wait_all(self) -> None:
+        """The current stream waits for every collective still using an entry."""
+        for entry in self._inflight:
+            entry.pending.wait()
+            entry.pending = None
+        self._inflight.clear()

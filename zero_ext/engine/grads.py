@@ -32,7 +32,6 @@ import torch
 from ..kernels.dispatch import accumulate_into, add_flattened, cast_scale_into, flatten_into
 from ..layout import Slot
 from ..state.sharded_state import FlatGroup, ShardedState
-from .hand_grads import zero_hand_grads
 
 
 class GradStrategy:
@@ -131,7 +130,7 @@ class GradStrategy:
 
     def owns_grad(self, group: FlatGroup, slot: Slot, grad: torch.Tensor) -> bool:
         """Whether ``grad``, the parameter's ``.grad`` outside backward, is the engine's own (else it was assigned by
-        hand: ``hand_grads.py``). Stages 2 and 3 free every gradient they take: any ``.grad`` there is the user's."""
+        hand: ``reducer.py``). Stages 2 and 3 free every gradient they take: any ``.grad`` there is the user's."""
         return False
 
     def load_hand(self, group: FlatGroup, bucket, send, hand: dict, prescale) -> None:
@@ -152,7 +151,8 @@ class GradStrategy:
         ``grad_placeholders.py``), whose pieces are being zeroed: they have no gradient for the next ``step()``."""
 
     def zero_grad(self, set_to_none: bool, arrived: bool) -> None:
-        """``arrived``: a gradient arrived since the last step() or zero_grad()."""
+        """``arrived``: a gradient arrived since the last step() or zero_grad(). (A ``.grad`` assigned by hand was
+        zeroed first, by the reducer.)"""
         for group in self.state.groups:
             group.state.grad.zero_()
 
@@ -184,7 +184,6 @@ class ShardedGradStrategy(GradStrategy):
         _drop_early_grads(added, self.state.stage, "their param group was added", self.state.optimizer_name)
 
     def zero_grad(self, set_to_none: bool, arrived: bool) -> None:
-        zero_hand_grads(self.state, self, set_to_none)  # a .grad assigned by hand, as torch zeroes it
         if arrived or not self._clean:  # after step() there is nothing to zero: no second pass over the shards
             super().zero_grad(set_to_none, arrived)
             self._clean = True
@@ -289,7 +288,7 @@ class BufferedGrads(GradStrategy):
         if not complete:
             # Launched before all its parameters got a gradient this round: the slots of those parameters may hold
             # old gradients; make each hold what its .grad says (None: zero; a gradient assigned by hand is copied,
-            # and stays the user's .grad: hand_grads.py).
+            # and stays the user's .grad: reducer.py).
             for i in bucket.slots:
                 self._adopt(group, group.layout.slots[i], group.params[i], group.params[i].grad, keep=True)
         return self._stage(bucket.bucket_range.of(group.grad_buffer), view, prescale)
@@ -315,7 +314,7 @@ class BufferedGrads(GradStrategy):
     def check_no_foreign_grads(self) -> None:
         """A .grad changed in place after backward had reduced it (through a reference kept from before: ``.grad``
         itself is then a placeholder, grad_placeholders.py) would be silently ignored: the step applies the
-        reduction. (A ``.grad`` replaced by another tensor is a gradient assigned by hand: hand_grads.py.)"""
+        reduction. (A ``.grad`` replaced by another tensor is a gradient assigned by hand: reducer.py.)"""
         if self._reduced_at is None:
             return
         for group, version in zip(self.state.groups, self._reduced_at):
@@ -358,7 +357,6 @@ class BufferedGrads(GradStrategy):
         pass  # the bucket counts no gradient: send() copies every slot's .grad, hand-assigned ones included
 
     def zero_grad(self, set_to_none: bool, arrived: bool) -> None:
-        zero_hand_grads(self.state, self, set_to_none)  # a .grad assigned by hand, as torch zeroes it
         super().zero_grad(set_to_none, arrived)
         self._reduced_at = None
         self._forgotten.clear()
@@ -425,7 +423,6 @@ class Fp32GradBuffer(BufferedGrads):
         return self._stage(bucket.bucket_range.of(group.grad_buffer), view, prescale)
 
     def zero_grad(self, set_to_none: bool, arrived: bool) -> None:
-        zero_hand_grads(self.state, self, set_to_none)
         GradStrategy.zero_grad(self, set_to_none, arrived)
         if set_to_none:  # (zeroed in place, a gradient is still applied, as zero)
             self._got.clear()

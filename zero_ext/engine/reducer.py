@@ -1,16 +1,36 @@
 """Gradient reduction during backward: from autograd's gradients to this rank's fp32 grad shard, bucket by bucket.
 
 A post-accumulate-grad hook on every parameter hands the gradient to the stage's strategy (``grads.py``) and
-counts it against its bucket (a parameter split across buckets, ``zero_ext/layout.py``: a fragment against each). A bucket
-whose gradients have all arrived is READY; READY buckets are launched (``start_grad_sync``) in one fixed global order on every rank (a bucket that completes early waits for its
-predecessors), so the collectives of all ranks always pair up, whatever order gradients arrive in. At the end of
+counts it against its bucket (a parameter split across buckets, ``zero_ext/layout.py``: a fragment against each). A
+bucket whose gradients have all arrived is READY; READY buckets are launched (``start_grad_sync``) in one fixed global
+order on every rank (a bucket that completes early waits for its predecessors), so the collectives of all ranks always pair up, whatever order gradients arrive in. At the end of
 each backward pass (autograd's final callback) the buckets still open are launched too, their missing gradients
 counting as zero. ``finish_grad_sync`` makes every reduction so far visible in the grad shards.
 
 Each bucket's gradient phase is its :class:`zero_ext.engine.bucket_runtime.BucketRuntime`'s ``grad`` (one round = one
-synchronised backward pass; the diagram and the legal moves are there): EMPTY, FILLING, READY, SYNCING (its
-reduce-scatter in flight, held by the bucket), SYNCED. A reduction of an earlier round still in flight when the
-bucket launches again is waited for first, so each bucket's reductions land in order.
+synchronised backward pass; the diagram and the legal moves: ``bucket_states.py``): EMPTY, FILLING, READY, SYNCING
+(its reduce-scatter in flight, held by the bucket), SYNCED. A reduction of an earlier round still in flight when the
+bucket launches again is waited for first, so each bucket's reductions land in order. The reducer learns what it
+needs from what the bucket's verbs return (READY, launched, the elements released): a gradient that completes the
+bucket whose turn it is launches it in the same call (``take``), and nothing asks a bucket its phase again.
+
+Gradients assigned by hand (``p.grad = tensor``, no backward), which torch's AdamW applies as it finds them. The
+engine's own gradients reach it through autograd's hooks; a ``.grad`` the user assigned never passes one. At
+``step()`` every rank looks for them (:func:`find_hand_grads`: a ``.grad`` that is not the engine's: at stages 2 and 3
+any, since the engine frees every gradient it reduces; at stage 1 one that is not the parameter's view of the flat
+grad buffer) and says which parameters have one in the step's flag collective, so every rank learns the union
+without a collective of its own. When the union is not empty every rank reduces, bucket by bucket in launch order,
+the buckets holding one (:meth:`GradSync.reduce_hand_grads`), through the same bucket runtimes as backward's:
+
+- stage 1: the hand gradient's values are copied into the parameter's slot of the flat buffer (``.grad`` stays the
+  user's tensor) and the whole bucket is reduced again, overwriting its grad shard as every stage-1 reduction does;
+- stages 2 and 3: the hand gradients alone are written into the bucket's staging buffer (zeros elsewhere) and their
+  mean is added to the grad shard, to what backward reduced for the other parameters.
+
+So the step applies the mean over the ranks, a rank without a hand gradient for the parameter counting as zero, as a
+rank on which a parameter got no gradient in backward does (DDP with ``find_unused_parameters`` averages the same way):
+no rank waits for another. The user's tensor is never replaced nor written into, and stays ``.grad`` until
+``zero_grad()``, as in torch (so the next ``step()`` applies it again, as torch would).
 """
 
 from __future__ import annotations
@@ -296,7 +316,7 @@ class GradSync:
     def reduce_hand_grads(self, hand: dict, union: set[int]) -> None:
         """Collective: reduce the gradients assigned by hand (``hand``: this rank's, (group, slot) -> tensor; ``union``:
         the global indices of the parameters with one on some rank, agreed) into the grad shards, every bucket
-        holding one in launch order (``hand_grads.py``). Nothing is in flight (the step finished every sync)."""
+        holding one in launch order (:func:`find_hand_grads`). Nothing is in flight (the step finished every sync)."""
         chosen = [gb for gb in self.buckets if any(gb.group.param_indices[i] in union for i in gb.bucket.slots)]
         for gb in chosen:
             gb.load_hand(hand, self.strategy, self.pool)
@@ -304,6 +324,10 @@ class GradSync:
         self.wait_inflight()
         self._end_round()
         self.epoch += 1
+
+    def find_hand_grads(self) -> "HandGrads":
+        """This rank's gradients assigned by hand, for the step's agreement (:func:`find_hand_grads`)."""
+        return find_hand_grads(self.state, self.strategy)
 
     def wait_inflight(self) -> None:
         self.pool.wait_all()  # in launch order: each entry is reused only once its collective is done
@@ -335,6 +359,7 @@ class GradSync:
         self.comm.drop_held()  # gradients held inside the node (a mesh's no_sync) are dropped with the others
         self.placeholders.zero_grad()
         self.finish_grad_sync()
+        zero_hand_grads(self.state, self.strategy, set_to_none)  # a .grad assigned by hand, as torch zeroes it
         self.strategy.zero_grad(set_to_none, self._arrived)
         self._arrived = False
         if set_to_none:  # (zeroed in place, a gradient is still applied, as zero)
@@ -350,3 +375,50 @@ class GradSync:
                 gb.consumed()
         self.placeholders.after_step()
         self.epoch += 1
+
+
+# (flat group index, slot index) -> the hand-assigned gradient
+HandGrads = dict[tuple[int, int], torch.Tensor]
+
+
+def plain_params():
+    """Stage 3's parameters read ``.grad`` without their ``__torch_function__`` (metadata only here)."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+def _user_grads(state: ShardedState, strategy):
+    """``(group, slot, param, grad)`` for every ``.grad`` the engine does not own (``strategy.owns_grad`` tells its
+    own apart); the caller holds :func:`plain_params`."""
+    for group in state.groups:
+        for slot, p in zip(group.layout.slots, group.params):
+            grad = p.grad
+            if grad is not None and not strategy.owns_grad(group, slot, grad):
+                yield group, slot, p, grad
+
+
+def find_hand_grads(state: ShardedState, strategy) -> HandGrads:
+    """This rank's hand-assigned gradients (``step()`` looks for them, see the module docstring)."""
+    found: HandGrads = {}
+    with plain_params():
+        for group, slot, _, grad in _user_grads(state, strategy):
+            if grad.layout is not torch.strided:
+                raise RuntimeError(
+                    f"zero_ext.ZeroAdamW: parameter {group.names[slot.index]!r} has a {grad.layout} gradient; only "
+                    "dense gradients are supported"
+                )
+            found[(group.index, slot.index)] = grad
+    return found
+
+
+def zero_hand_grads(state: ShardedState, strategy, set_to_none: bool) -> None:
+    """``zero_grad()`` on the gradients the engine does not own, as torch's: None, or zeroed in place."""
+    with plain_params():
+        for _, _, p, grad in _user_grads(state, strategy):
+            if set_to_none:
+                p.grad = None
+            else:  # torch.optim.Optimizer.zero_grad's in-place branch
+                if grad.grad_fn is not None:
+                    grad.detach_()
+                else:
+                    grad.requires_grad_(False)
+                grad.zero_()

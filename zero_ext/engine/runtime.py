@@ -13,9 +13,8 @@ from __future__ import annotations
 from typing import Iterator
 
 from ..state.sharded_state import ShardedState
-from .bucket_runtime import BucketRuntime, Key
+from .bucket_runtime import BucketRuntime, Key, StagingPool
 from .grads import GradStrategy
-from .staging import StagingPool
 
 
 class BucketRuntimes:
