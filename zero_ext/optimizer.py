@@ -20,7 +20,7 @@ from .construction.state_builder import StateBuilder
 from .engine.config import OPTION_DEFAULTS, EngineConfig, option_parameters, options_doc, unknown_option
 from .engine.engine import Engine
 from .engine.runtime import BucketRuntimes
-from .engine.sleep import Sleep, asleep, check_flag, check_include
+from .engine.sleep import Sleep, check_flag, check_include
 from .placement.offload import warn_if_one_thread
 from .state.sharded_state import ShardedState
 from .torch_compat import no_copy
@@ -281,13 +281,11 @@ class ZeroAdamW(torch.optim.Optimizer):
         gradient at all does nothing. A ``.grad`` assigned by hand (``p.grad = g``, with or without a backward) is
         applied as torch applies it, as the mean over the ranks like any gradient: assign it on every rank (a rank
         that assigns none for that parameter counts as zero, as a rank whose backward gave it none); the tensor stays
-        ``.grad``, unwritten, until ``zero_grad()`` (:mod:`zero_ext.engine.hand_grads`). Every rank fails together: a check that fails on one rank (e.g. a bad ``lr``)
+        ``.grad``, unwritten, until ``zero_grad()`` (:mod:`zero_ext.engine.reducer`). Every rank fails together: a check that fails on one rank (e.g. a bad ``lr``)
         raises on every rank before anything changes anywhere (see :mod:`zero_ext.engine.step`). ``grad_scaler`` is what
         ``torch.amp.GradScaler.step`` passes: fp16 loss scaling is not supported (bf16 needs none), so it raises."""
         self._check_open()
-        sleeping = asleep(self.sharded_state)
-        if sleeping is not None:  # offload_states(): every rank raises (the step's agreement carries it)
-            sleeping.refuse_step("step()", is_step=True)
+        self._engine.refuse_step_if_asleep("step()", is_step=True)  # offload_states(): every rank raises
         if grad_scaler is not None:
             raise ValueError(
                 f"{self._name()}.step: torch.amp.GradScaler (fp16 loss scaling) is not supported; train with bf16 "
@@ -317,9 +315,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         every stage (also collective): after a synchronised backward each ``.grad`` is a placeholder of the sharded
         mean gradient whose norm and in-place scaling the engine implements (:mod:`zero_ext.engine.grad_placeholders`)."""
         self._check_open()
-        sleeping = asleep(self.sharded_state)
-        if sleeping is not None:
-            sleeping.refuse_step("clip_grad_norm_()", is_step=False)
+        self._engine.refuse_step_if_asleep("clip_grad_norm_()", is_step=False)
         if norm_type != 2.0:
             raise ValueError(f"{self._name()}.clip_grad_norm_: only `norm_type=2.0` is supported, got {norm_type!r}")
         if not (isinstance(max_norm, (int, float)) and max_norm > 0):

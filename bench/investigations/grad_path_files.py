@@ -54,7 +54,7 @@ def _files(rank: int, world: int, port: int, stage: int, queue) -> None:
     # One segment per entry from outside zero_ext (a gradient hook, the end-of-backward callback, step()): the files
     # it visits in order, each file's entries and each layer's, and the collectives it starts
     segments: list[dict] = []
-    depth = [0]  # zero_ext frames on the stack: a call at depth 0 starts a segment
+    stack: list[str] = []  # the files of the zero_ext frames on the stack: a call on an empty stack starts a segment
 
     def zero_ext_caller(frame):
         """The zero_ext file that called ``frame``, looking through a few frames of torch's own wrappers (a hook
@@ -80,16 +80,19 @@ def _files(rank: int, world: int, port: int, stage: int, queue) -> None:
         if here is None:
             return
         if event == "return":
-            depth[0] -= 1
+            stack.pop()
             return
-        if depth[0] == 0:
+        if not stack:
             segments.append({"entry": f"{here}:{frame.f_code.co_name}", "files": collections.Counter(),
-                             "order": [], "layers": collections.Counter(), "collectives": []})  # fmt: skip
-        depth[0] += 1
+                             "order": [], "layers": collections.Counter(), "collectives": [],
+                             "called_back": collections.Counter()})  # fmt: skip
         seg = segments[-1]
         if frame.f_code.co_name.startswith("start_") and here.startswith("comm/"):
             seg["collectives"].append(frame.f_code.co_name)
         caller = zero_ext_caller(frame)
+        if caller != here and here in stack:  # control came back into a file that called down: a callback
+            seg["called_back"][here] += 1
+        stack.append(here)
         if caller != here:
             entries[here] += 1
             seg["files"][here] += 1
@@ -167,6 +170,48 @@ def main() -> None:
             f"**{len(path)} files** ({len(launching[0]['order'])} in the hook, {len(gathering[0]['order'])} in "
             f"`step()`): " + ", ".join(f"`{f}`" for f in path) + "."
         )
+    hooks = [seg for seg in segments if seg["entry"].startswith("engine/weak_hooks.py")]
+    held = [seg for seg in hooks if "start_reduce_scatter" not in seg["collectives"]]
+    steps = [seg for seg in segments if seg["entry"].endswith(":step")]
+    cuts = {
+        "held_gradient_files": max((len(seg["files"]) for seg in held), default=0),
+        "launching_hook_files": len(launching[0]["files"]) if launching else 0,
+        "launching_hook_files_entered_twice": sorted(f for f, n in launching[0]["files"].items() if n > 1)
+        if launching
+        else [],
+        "launching_hook_files_called_back": sorted(launching[0]["called_back"]) if launching else [],
+        "step_files": len(steps[0]["files"]) if steps else 0,
+        "backward_and_step_files": len(order),
+        "files_called_back": sorted({f for seg in segments for f in seg["called_back"]}),
+    }
+    body += (
+        "\n\nThe cuts the layering targets name (issue 47: a held gradient <= 3 files; the hook that launches a bucket "
+        "<= 10 files, none entered twice; one backward + `step()` <= 18 files). *Entered twice*: a file control "
+        "enters more than once in the cut (from another file, as counted above, e.g. the owner calling two verbs of "
+        "one object); *called back*: a file entered again while one of its own calls is still running (control "
+        "going back up, the ping-pong the issue names):\n\n"
+        + markdown_table(
+            ["cut", "value"],
+            [
+                ("a held gradient (a hook that launches nothing): most files", cuts["held_gradient_files"]),
+                ("the hook that launches a bucket: files", cuts["launching_hook_files"]),
+                (
+                    "... files entered twice",
+                    ", ".join(f"`{f}`" for f in cuts["launching_hook_files_entered_twice"]) or "none",
+                ),
+                (
+                    "... files called back",
+                    ", ".join(f"`{f}`" for f in cuts["launching_hook_files_called_back"]) or "none",
+                ),
+                ("`step()`: files", cuts["step_files"]),
+                ("one backward + `step()`: files", cuts["backward_and_step_files"]),
+                (
+                    "files called back anywhere in the run",
+                    ", ".join(f"`{f}`" for f in cuts["files_called_back"]) or "none",
+                ),
+            ],
+        )
+    )
     name = "grad_path_files" + ("" if args.stage == 2 else f"_stage{args.stage}")
     kw = {"out_dir": args.out_dir} if args.out_dir else {}
     for path in write_results(
@@ -178,6 +223,7 @@ def main() -> None:
             "entries": entries,
             "layer_entries": layer_entries,
             "segments": segments,
+            "cuts": cuts,
         },  # fmt: skip
         body,
         **kw,

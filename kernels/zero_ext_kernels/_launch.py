@@ -10,7 +10,7 @@ from typing import Callable, Iterable, Optional, Union
 
 import torch
 
-from ..ops.hyperparams import Scalar, split_scalar
+from ..ops import Scalar, split_scalar
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -32,7 +32,7 @@ def to_fp32(value: float) -> float:
 
 def split_scale(op: str, scale: Scalar, device: torch.device) -> tuple[float, Optional[torch.Tensor]]:
     """``(fp32 value, None)`` for a Python number, ``(1.0, tensor)`` for a one-element fp32 tensor on ``device``
-    (read by the kernel). The number-or-tensor split is ``zero_ext.ops.hyperparams.split_scalar``'s, as for the C++
+    (read by the kernel). The number-or-tensor split is ``zero_ext.ops.split_scalar``'s, as for the C++
     ops; the fp32 rounding and the tensor checks are the Triton kernels' own."""
     value, tensor = split_scalar(op, "scale", scale)
     if tensor is None:

@@ -373,10 +373,10 @@ def _engine_objects():
     import collections
     import gc
 
+    from zero_ext.engine.bucket_runtime import StagingPool
     from zero_ext.engine.engine import Engine
     from zero_ext.engine.reducer import GradSync
     from zero_ext.engine.runtime import BucketRuntimes
-    from zero_ext.engine.staging import StagingPool
     from zero_ext.state.sharded_state import ShardedState
 
     gc.collect()

@@ -1,4 +1,4 @@
-"""Backward writes a bucket's gradients in one call (zero_ext/grad_hold.py): the many-tensor kernels against
+"""Backward writes a bucket's gradients in one call (zero_ext/engine/bucket_runtime.py): the many-tensor kernels against
 PyTorch, one write per bucket, the gradients held bounded, a gradient arriving twice (reentrant
 activation checkpointing) summed, and out-of-order arrival, on 1 and 2 gloo ranks."""
 
@@ -143,10 +143,10 @@ class _CountCalls(TorchDispatchMode):
 
 
 def _backward_writes(rank, world, stage, twice, shuffled, accum_fp32, hold_elements=None):
-    import zero_ext.engine.grad_hold
+    import zero_ext.engine.reducer
 
     if hold_elements is not None:
-        zero_ext.engine.grad_hold.HOLD_ELEMENTS = hold_elements  # (this worker's own module; restored below)
+        zero_ext.engine.reducer.HOLD_ELEMENTS = hold_elements  # (this worker's own module; restored below)
     dtype = torch.bfloat16
     order = [0, 5, 2, 7, 4, 1, 6, 3] if shuffled else None
     model = Stack(twice=twice, order=order).to(dtype)
@@ -168,7 +168,7 @@ def _backward_writes(rank, world, stage, twice, shuffled, accum_fp32, hold_eleme
         with _CountCalls() as counted:
             model(_batch(rank, dtype)).backward()
     finally:
-        zero_ext.engine.grad_hold.HOLD_ELEMENTS = 1 << 24
+        zero_ext.engine.reducer.HOLD_ELEMENTS = 1 << 24
     leftover = [i for i, p in enumerate(params) if p.grad is not None and not isinstance(p.grad, GradPlaceholder)]
     means = mean_grads(per_rank, params)
     if twice:
@@ -187,7 +187,7 @@ def _backward_writes(rank, world, stage, twice, shuffled, accum_fp32, hold_eleme
 def test_one_write_per_bucket_and_the_exact_mean(world, stage, case):
     """Each bucket's gradients are written with one call (a call per gradient cost ~10 us of host time each, see
     bench/results/backward_hooks_cpu.md), also when buckets fill out of order (each bucket's gradients wait in
-    .grad until it launches: grad_hold.py); what waits is at most one bucket's when they fill in order and at most
+    .grad until it launches: bucket_runtime.py); what waits is at most one bucket's when they fill in order and at most
     HOLD_ELEMENTS (plus the last gradient) in all; every .grad is freed by the end of backward; and the grad shard
     holds the exact mean, also when buckets fill out of order or a gradient arrives twice."""
     cap = 100 if case == "capped" else None  # HOLD_ELEMENTS: a weight is 64 elements, a bias 8
@@ -209,7 +209,7 @@ def test_one_write_per_bucket_and_the_exact_mean(world, stage, case):
 @pytest.mark.parametrize("case", ["in_order", "twice"])
 def test_stage1_fp32_accumulation_writes_once_per_bucket(world, case):
     for buckets, writes, held, leftover in run_on_ranks(world, _backward_writes, 1, case == "twice", False, True):
-        assert leftover == [] and (held <= BUCKET or case == "twice")  # twice: two buckets wait (grad_hold.py)
+        assert leftover == [] and (held <= BUCKET or case == "twice")  # twice: two buckets wait (bucket_runtime.py)
         assert writes == buckets if case == "in_order" else buckets <= writes < 16, (writes, buckets)
 
 

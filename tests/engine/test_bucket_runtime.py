@@ -18,9 +18,9 @@ def _opt(stage):
 class _NothingToSend:
     """A gradient strategy with nothing on the wire (as one process at stage 2): the launch moves the phase only."""
 
-    reduce_dtype, accumulate = torch.float32, True
+    reduce_dtype, accumulate, writes_to_staging = torch.float32, True, False
 
-    def send(self, gb):
+    def send(self, *values):
         return None
 
 

@@ -155,7 +155,7 @@ class SlowStreams(NcclCommunicator):
 
     SLEEP_CYCLES = 20_000_000  # ~10 ms on an H100
 
-    def _on_stream(self, stream, kind, collective, epilogue, tensors):
+    def _on_stream(self, stream, kind, collective, epilogue, tensors, bucket=None):
         def slow_collective():
             torch.cuda._sleep(self.SLEEP_CYCLES)
             return collective()
@@ -165,7 +165,7 @@ class SlowStreams(NcclCommunicator):
             if epilogue is not None:
                 epilogue()
 
-        return super()._on_stream(stream, kind, slow_collective, slow_epilogue, tensors)
+        return super()._on_stream(stream, kind, slow_collective, slow_epilogue, tensors, bucket)
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -25,9 +25,9 @@ class LateGather(GlooCommunicator):
     parameters hold their values of the previous step. Anything that reads a parameter without waiting for its
     bucket reads stale values, deterministically."""
 
-    def start_all_gather(self, output, input):
+    def start_all_gather(self, output, input, bucket=None):
         landing = torch.empty_like(output)
-        inner = super().start_all_gather(landing, input.clone())
+        inner = super().start_all_gather(landing, input.clone(), bucket)
         return Pending(epilogue=lambda: (inner.wait(), output.copy_(landing)), tensors=(output, landing))
 
 

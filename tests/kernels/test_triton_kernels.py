@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from zero_ext.kernels import accumulate_, cast_scale
-from zero_ext.ops.hyperparams import split_scalar
+from zero_ext.ops import split_scalar
 
 # The interpreter does fp math in numpy, which warns on inf/nan arithmetic the tests do on purpose.
 pytestmark = pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning")
@@ -228,7 +228,7 @@ def test_cast_scale_errors_leave_everything_untouched():
 
 
 def test_scale_split_is_the_one_the_cpp_ops_use():
-    """The launchers leave the number-or-tensor split of `scale` to zero_ext.ops.hyperparams.split_scalar, which
+    """The launchers leave the number-or-tensor split of `scale` to zero_ext.ops.split_scalar, which
     fused_adamw_'s wrapper uses too: one rule, one wording."""
     x = torch.randn(4)
     for bad in ("2", None, True, [1.0]):

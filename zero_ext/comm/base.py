@@ -20,6 +20,7 @@ no streams: gloo runs the transfer in its own threads and the epilogue runs insi
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Callable, Optional
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_gather_flat
-from .divergence import DivergenceWatch, Position
+from .divergence import RING, DivergenceWatch
 
 # The profiler range each collective is launched in (bench/profile_overlap.py finds the device work by them).
 PROFILER_LABELS = {kind: f"zero_ext::{kind}" for kind in ("reduce_scatter", "all_gather", "all_reduce")}
@@ -69,7 +70,10 @@ class Pending:
                 if self._watch is None:
                     self._work.wait()
                 else:  # with a deadline; past it, the ranks' positions are compared (divergence.py)
-                    self._watch.wait(self._work, self._seq)
+                    try:
+                        self._work.wait(self._watch.limit)
+                    except RuntimeError as e:
+                        self._watch.waited_past_deadline(e, self._work, self._seq)
             if self._epilogue is not None:
                 self._epilogue()
         self._done = True
@@ -86,6 +90,31 @@ class Pending:
 
 
 DONE = Pending()  # an operation that needed no communication
+
+
+class Position:
+    """Where this rank is in zero_ext's collectives (``divergence.py``, which compares them): ``phase``/``module``
+    are set by the hooks (:meth:`at`), and each collective is recorded as it is issued, labelled with the bucket its
+    issuer names (an argument of the collective, ``bucket=``)."""
+
+    __slots__ = ("count", "ring", "phase", "module", "step")
+
+    def __init__(self):
+        self.count = 0
+        self.ring: list = [None] * RING
+        self.phase, self.module, self.step = "construction", "", 0
+
+    def at(self, phase: str, module: str = "") -> None:
+        self.phase, self.module = phase, module
+
+    def issued(self, kind: str, numel: int, bucket=None) -> int:
+        """One more collective (of ``bucket``, None: no bucket's); returns its count."""
+        self.count += 1
+        self.ring[self.count % RING] = (self.count, kind, numel, bucket, self.phase, self.module, self.step)
+        return self.count
+
+    def recent(self) -> list:
+        return sorted((e for e in self.ring if e is not None), key=lambda e: e[0])
 
 
 class CommCounts:
@@ -223,24 +252,26 @@ class Communicator:
         reduce_dtype: torch.dtype,
         accumulate: bool,
         workspace: Optional[torch.Tensor] = None,
+        bucket=None,
     ) -> Pending:
         """Start turning every rank's ``send`` (a bucket in :meth:`wire_dtype`, pre-scaled by :meth:`prescale`)
         into this rank's slice of their mean in ``out`` (the fp32 grad shard of the bucket): written, or added
         with ``accumulate``. ``accumulate`` consumes ``send`` (it may be overwritten once transferred).
-        ``workspace`` (bytes, :meth:`workspace_bytes`) and ``send`` must stay untouched until waited for."""
+        ``workspace`` (bytes, :meth:`workspace_bytes`) and ``send`` must stay untouched until waited for.
+        ``bucket``: the key of the bucket it reduces (labels the collective, ``divergence.py``; a mesh keeps a
+        bucket's held sums under it, ``hsdp.py``)."""
         raise NotImplementedError
 
-    def start_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
+    def start_all_gather(self, output: torch.Tensor, input: torch.Tensor, bucket=None) -> Pending:
         """Start gathering every rank's ``input`` into ``output`` (in place when ``input`` is this rank's slice
-        of ``output``). The same on every backend that communicates (on the all-gather stream on CUDA)."""
-        self.counts.add("all_gather", output)
-        collective = lambda: all_gather_flat(output, input, group=self.group, async_op=True)  # noqa: E731
-        return self._on_stream(self.all_gather_stream, "all_gather", collective, None, (output, input))
+        of ``output``). The same on every backend that communicates (on the all-gather stream on CUDA).
+        ``bucket``: the key of the bucket it gathers (labels the collective)."""
+        collective = functools.partial(all_gather_flat, output, input, group=self.group, async_op=True)
+        return self._on_stream(self.all_gather_stream, "all_gather", collective, None, (output, input), bucket)
 
     def start_all_reduce(self, tensor: torch.Tensor) -> Pending:
         """Start summing ``tensor`` over ranks, in place."""
-        self.counts.add("all_reduce", tensor)
-        collective = lambda: dist.all_reduce(tensor, group=self.group, async_op=True)  # noqa: E731
+        collective = functools.partial(dist.all_reduce, tensor, group=self.group, async_op=True)
         return self._on_stream(self.all_gather_stream, "all_reduce", collective, None, (tensor,))
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Optional[dist.ProcessGroup] = None) -> None:
@@ -275,11 +306,21 @@ class Communicator:
         Pending(collective(), None, None, None, (tensor,), self.watch, seq).wait()
 
     def _on_stream(
-        self, stream, kind: str, collective: Callable[[], object], epilogue: Optional[Callable[[], None]], tensors
+        self,
+        stream,
+        kind: str,
+        collective: Callable[[], object],
+        epilogue: Optional[Callable[[], None]],
+        tensors,
+        bucket=None,
     ) -> Pending:
+        """Issue ``collective()`` (its work) on ``stream``, counted (``tensors[0]``: what it sends) and recorded in
+        the position (labelled ``bucket``), with ``epilogue`` behind it. ``collective`` is best torch's own function
+        (a ``functools.partial``): control then leaves zero_ext here and does not come back into the caller."""
         # A named range per collective, so that a profiler trace shows which device work each one launched.
         label = PROFILER_LABELS[kind]
-        seq = self.position.issued(kind, tensors[0].numel())
+        self.counts.add(kind, tensors[0])
+        seq = self.position.issued(kind, tensors[0].numel(), bucket)
         if stream is None:
             with torch.profiler.record_function(label):
                 return Pending(collective(), None, None, epilogue, tensors, self.watch, seq)

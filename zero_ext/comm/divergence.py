@@ -8,7 +8,7 @@ loop whose length differs per rank, a module run on one rank only, a rank skippi
 the collectives pair up wrongly and the job waits forever (DeepSpeed #860, #7844): rank 0 in a parameter gather,
 rank 1 in a staging acquire. Here:
 
-- Each rank keeps its :class:`Position`: how many zero_ext collectives it issued and, for the last :data:`RING`,
+- Each rank keeps its :class:`~zero_ext.comm.base.Position` (its communicator's): how many zero_ext collectives it issued and, for the last :data:`RING`,
   what each was (kind, elements, bucket, phase, module, step). The hooks set the phase and module, the callers
   the bucket: a few attribute writes per collective, no communication.
 - A wait (:class:`DivergenceWatch`, through :meth:`zero_ext.comm.Pending.wait`) blocks on the collective with a
@@ -87,31 +87,6 @@ def describe(entry) -> str:
     return f"#{count} {kind} of {numel} elements ({where}), {phase}{module}, step {step}"
 
 
-class Position:
-    """Where this rank is in zero_ext's collectives (see the module docstring). ``phase``/``module`` are set by
-    the hooks, ``bucket`` by whoever issues the next collective (it labels that one only)."""
-
-    __slots__ = ("count", "ring", "phase", "module", "bucket", "step")
-
-    def __init__(self):
-        self.count = 0
-        self.ring: list = [None] * RING
-        self.phase, self.module, self.bucket, self.step = "construction", "", None, 0
-
-    def at(self, phase: str, module: str = "") -> None:
-        self.phase, self.module = phase, module
-
-    def issued(self, kind: str, numel: int) -> int:
-        """One more collective; returns its count."""
-        self.count += 1
-        self.ring[self.count % RING] = (self.count, kind, numel, self.bucket, self.phase, self.module, self.step)
-        self.bucket = None
-        return self.count
-
-    def recent(self) -> list:
-        return sorted((e for e in self.ring if e is not None), key=lambda e: e[0])
-
-
 def _timed_out(error: RuntimeError) -> bool:
     text = str(error).lower()  # work.wait: "Operation timed out!"; store.wait: "Wait timeout ..."
     return "timed out" in text or "timeout" in text
@@ -137,7 +112,7 @@ class DivergenceWatch:
 
     def __init__(self, comm, timeout: float):
         self.comm, self.timeout = comm, float(timeout)
-        self._limit = datetime.timedelta(seconds=self.timeout)
+        self.limit = datetime.timedelta(seconds=self.timeout)  # the deadline of every wait (Pending.wait's own)
         self._poll = min(2.0, max(0.05, self.timeout / 20))
         name = self._group().group_name
         number = DivergenceWatch._instances[name] = DivergenceWatch._instances.get(name, 0) + 1
@@ -149,11 +124,16 @@ class DivergenceWatch:
     def wait(self, work, seq: int) -> None:
         """Wait for collective ``seq``'s ``work``; raises :class:`RanksDiverged` where the ranks parted."""
         try:
-            work.wait(self._limit)  # fast path: the ordinary wait, with a deadline
-            return
+            work.wait(self.limit)  # fast path: the ordinary wait, with a deadline
         except RuntimeError as e:
-            if not _timed_out(e):
-                raise
+            self.waited_past_deadline(e, work, seq)
+
+    def waited_past_deadline(self, error: RuntimeError, work, seq: int) -> None:
+        """A wait for collective ``seq``'s ``work`` with :attr:`limit` raised ``error``: anything but the deadline is
+        raised again; past the deadline the ranks' positions are compared (the slow path; the fast path is
+        :meth:`zero_ext.comm.Pending.wait`'s own wait with the deadline, or :meth:`wait`)."""
+        if not _timed_out(error):
+            raise error
         self._diagnose(lambda seconds: wait_for(work, seconds), {"in": "collective", "seq": seq})
 
     def enter_gathered(self) -> None:

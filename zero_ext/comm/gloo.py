@@ -10,6 +10,7 @@ travels in its own dtype, unscaled, and the sum is taken in fp32 and divided by 
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Optional
 
@@ -58,7 +59,7 @@ class GlooCommunicator(Communicator):
         sum_dtype = torch.float32 if self._exact(reduce_dtype) else reduce_dtype
         return receive + bucket_numel // self.world_size * sum_dtype.itemsize
 
-    def start_reduce_scatter(self, send, out, *, reduce_dtype, accumulate, workspace=None) -> Pending:
+    def start_reduce_scatter(self, send, out, *, reduce_dtype, accumulate, workspace=None, bucket=None) -> Pending:
         n, world = send.numel(), self.world_size
         shard = n // world
         need = self.workspace_bytes(n, send.dtype, reduce_dtype, accumulate)
@@ -95,10 +96,9 @@ class GlooCommunicator(Communicator):
             elif total is not out:
                 out.copy_(total)
 
-        self.counts.add("reduce_scatter", send)
-        collective = lambda: dist.all_to_all_single(received, send, group=self.group, async_op=True)  # noqa: E731
+        collective = functools.partial(dist.all_to_all_single, received, send, group=self.group, async_op=True)
         return self._on_stream(
-            self.reduce_scatter_stream, "reduce_scatter", collective, epilogue, (send, out, workspace)
+            self.reduce_scatter_stream, "reduce_scatter", collective, epilogue, (send, out, workspace), bucket
         )
 
     def reduce_step_stats(self, flags: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:

@@ -200,28 +200,28 @@ class MeshCommunicator(Communicator):
             self._unlaunched.append(pending)
         return pending
 
-    def start_reduce_scatter(self, send, out, *, reduce_dtype, accumulate, workspace=None) -> Pending:
+    def start_reduce_scatter(self, send, out, *, reduce_dtype, accumulate, workspace=None, bucket=None) -> Pending:
         """The shard group's reduce-scatter into the chunk, then the replicas' (or their all-reduce) into ``out``.
         Under ``no_sync()`` (:meth:`hold_replicas`) the chunk is added to the bucket's held sum instead and ``out``
         gets nothing of this micro-batch (zeros, or unchanged with ``accumulate``); the synchronising micro-batch
-        (or :meth:`start_release`) sends the sum across nodes once."""
+        (or :meth:`start_release`) sends the sum across nodes once. ``bucket``: the key the held sum is kept under
+        (and the collectives' label)."""
         self._advance()
         n = send.numel()
         a, c, b = self._segments(n, send.dtype, reduce_dtype, accumulate)
         if workspace is None or workspace.dtype != torch.uint8 or workspace.numel() < a + c + b:
             raise ValueError(f"start_reduce_scatter: `workspace` must be a uint8 buffer of at least {a + c + b} bytes")
         chunk = workspace[a : a + c].view(reduce_dtype)[: n // self.shard.world_size]
-        key = self.position.bucket  # the bucket this reduction is for (set by the reducer, labels the collective)
         first = self.shard.start_reduce_scatter(
-            send, chunk, reduce_dtype=reduce_dtype, accumulate=False, workspace=workspace[:a]
+            send, chunk, reduce_dtype=reduce_dtype, accumulate=False, workspace=workspace[:a], bucket=bucket
         )
         stream = self.replicate.reduce_scatter_stream
         if self._holding:
 
             def hold() -> None:
-                held = self._held.get(key)
+                held = self._held.get(bucket)
                 if held is None:
-                    self._held[key] = chunk.clone()
+                    self._held[bucket] = chunk.clone()
                 else:
                     held.add_(chunk)
                 if not accumulate:
@@ -230,23 +230,24 @@ class MeshCommunicator(Communicator):
             return self._two_level(
                 first, lambda: _local(stream, hold, (chunk, out)), self.replicate, "reduce_scatter_stream"
             )
-        held = self._held.pop(key, None)
+        held = self._held.pop(bucket, None)
 
         def then() -> Pending:
             if held is not None:  # the synchronising micro-batch: the held micro-batches' sums go with it
                 _local(stream, lambda: chunk.add_(held), (chunk, held))
-            return self._across(chunk, out, accumulate, send.dtype, reduce_dtype, workspace[a + c :])
+            return self._across(chunk, out, accumulate, send.dtype, reduce_dtype, workspace[a + c :], bucket)
 
         return self._two_level(first, then, self.replicate, "reduce_scatter_stream")
 
-    def _across(self, chunk, out, accumulate, wire_dtype, reduce_dtype, workspace) -> Pending:
+    def _across(self, chunk, out, accumulate, wire_dtype, reduce_dtype, workspace, bucket=None) -> Pending:
         """The node-reduced ``chunk`` across nodes into ``out``."""
         if self.replicate_state:
-            return self._all_reduce_chunk(chunk, out, accumulate, self._divides(wire_dtype, reduce_dtype))
+            return self._all_reduce_chunk(chunk, out, accumulate, self._divides(wire_dtype, reduce_dtype), bucket)
         if self.codec is not None:
-            return self._compressed_across(chunk, out, accumulate, self._divides(wire_dtype, reduce_dtype), workspace)
+            divide = self._divides(wire_dtype, reduce_dtype)
+            return self._compressed_across(chunk, out, accumulate, divide, workspace, bucket)
         return self.replicate.start_reduce_scatter(
-            chunk, out, reduce_dtype=reduce_dtype, accumulate=accumulate, workspace=workspace
+            chunk, out, reduce_dtype=reduce_dtype, accumulate=accumulate, workspace=workspace, bucket=bucket
         )
 
     def hold_replicas(self, hold: bool) -> bool:
@@ -267,12 +268,12 @@ class MeshCommunicator(Communicator):
         elif not self.replicate_state:
             need = self.replicate.workspace_bytes(held.numel(), reduce_dtype, reduce_dtype, accumulate)
             workspace = torch.empty(need, dtype=torch.uint8, device=held.device)
-        return self._across(held, out, accumulate, reduce_dtype, reduce_dtype, workspace)
+        return self._across(held, out, accumulate, reduce_dtype, reduce_dtype, workspace, key)
 
     def drop_held(self) -> None:
         self._held.clear()
 
-    def _compressed_across(self, chunk, out, accumulate: bool, divide: bool, workspace) -> Pending:
+    def _compressed_across(self, chunk, out, accumulate: bool, divide: bool, workspace, bucket=None) -> Pending:
         """inter_node_reduce_dtype: encode the chunk's R slices, one all-to-all of the messages, then the decoded
         messages added in fp32 in replica order (compress.py's error model) into ``out``. The encoding runs when
         the collective is issued: on CPU when the second level starts, on CUDA queued on the replicas' stream
@@ -280,7 +281,6 @@ class MeshCommunicator(Communicator):
         codec, replicate = self.codec, self.replicate
         send, received, decoded, total = codec.split(workspace, chunk.numel(), self.replicas)
         target = out if not accumulate and out.dtype == torch.float32 else total
-        replicate.counts.add("reduce_scatter", send.view(-1))
 
         def collective():
             codec.encode(chunk, send)
@@ -294,12 +294,12 @@ class MeshCommunicator(Communicator):
                 out.copy_(target)
 
         tensors = (send, chunk, out, workspace)
-        return replicate._on_stream(replicate.reduce_scatter_stream, "reduce_scatter", collective, epilogue, tensors)
+        stream = replicate.reduce_scatter_stream
+        return replicate._on_stream(stream, "reduce_scatter", collective, epilogue, tensors, bucket)
 
-    def _all_reduce_chunk(self, chunk, out, accumulate: bool, divide: bool) -> Pending:
+    def _all_reduce_chunk(self, chunk, out, accumulate: bool, divide: bool, bucket=None) -> Pending:
         """replicate_state: sum the shard group's reduced slice over the replicas, into ``out``."""
         replicate = self.replicate
-        replicate.counts.add("all_reduce", chunk)
 
         def epilogue() -> None:
             if divide:
@@ -310,25 +310,26 @@ class MeshCommunicator(Communicator):
                 out.copy_(chunk)
 
         collective = lambda: dist.all_reduce(chunk, group=replicate.group, async_op=True)  # noqa: E731
-        return replicate._on_stream(replicate.reduce_scatter_stream, "all_reduce", collective, epilogue, (chunk, out))
+        stream = replicate.reduce_scatter_stream
+        return replicate._on_stream(stream, "all_reduce", collective, epilogue, (chunk, out), bucket)
 
-    def start_all_gather(self, output, input) -> Pending:
+    def start_all_gather(self, output, input, bucket=None) -> Pending:
         """Gather every rank's ``input`` into ``output``: a slice of ``1/N`` (stages 1 and 2's updated slice) over
         the replicas into the chunk, then over the shard group; a chunk (``1/S``: stage 3's kept parameters, or
         every gather with ``replicate_state``) over the shard group only, inside the node."""
         self._advance()
         S = self.shard.world_size
         if input.numel() * S == output.numel():
-            return self.shard.start_all_gather(output, input)
+            return self.shard.start_all_gather(output, input, bucket)
         if input.numel() * S * self.replicas != output.numel():
             raise ValueError(
                 f"start_all_gather: `input` must be 1/{S} or 1/{S * self.replicas} of `output`, got {input.numel()} "
                 f"and {output.numel()} elements"
             )
         chunk = output.view(S, -1)[self.shard.rank]
-        first = self.replicate.start_all_gather(chunk, input)
+        first = self.replicate.start_all_gather(chunk, input, bucket)
         return self._two_level(
-            first, lambda: self.shard.start_all_gather(output, chunk), self.shard, "all_gather_stream"
+            first, lambda: self.shard.start_all_gather(output, chunk, bucket), self.shard, "all_gather_stream"
         )
 
     def start_replica_gather(self, chunk, slice_) -> Pending:

@@ -26,14 +26,14 @@ class LocalCommunicator(Communicator):
     def prescale(self, grad_dtype, reduce_dtype) -> float:
         return 1.0
 
-    def start_reduce_scatter(self, send, out, *, reduce_dtype, accumulate, workspace=None) -> Pending:
+    def start_reduce_scatter(self, send, out, *, reduce_dtype, accumulate, workspace=None, bucket=None) -> Pending:
         if accumulate:
             accumulate_into(out, send)
         else:
             out.copy_(send)
         return DONE
 
-    def start_all_gather(self, output, input) -> Pending:
+    def start_all_gather(self, output, input, bucket=None) -> Pending:
         if output.data_ptr() != input.data_ptr():  # in place (the engine's case) there is nothing to do
             output.copy_(input)
         return DONE

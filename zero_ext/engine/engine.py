@@ -22,13 +22,13 @@ import torch
 
 from ..comm.divergence import DivergenceWatch
 from ..state.sharded_state import FlatGroup, ShardedState
+from .bucket_runtime import StagingPool
 from .config import EngineConfig
 from .full_params import named_full_params
 from .param_sync import write_back
 from .reducer import GradSync
 from .runtime import BucketRuntimes
-from .sleep import refuse_if_asleep
-from .staging import StagingPool
+from .sleep import ASLEEP
 from .step import Stepper
 
 
@@ -41,8 +41,8 @@ class Engine:
         self.config, self.state, self.stage = config, state, config.strategy
         self.stepped = False  # a step() has applied an update (grad_norm reads it)
         self.closed = False
-        self.runtimes = BucketRuntimes(state, config.staging_buffers)
-        strategy = self.stage.grads(state, self.runtimes.staging, config)
+        strategy = self.stage.grads(state, config)
+        self.runtimes = BucketRuntimes(state, config.staging_buffers, strategy)
         self.grad_sync = GradSync(state, self.runtimes, strategy, self.stage)
         self.param_sync = self.stage.param_sync(state, self.runtimes, self.grad_sync, config)
         self.stepper = Stepper(state, self.grad_sync, self.param_sync, config.max_grad_norm)
@@ -162,7 +162,16 @@ class Engine:
     # ---------------------------------------------------------------- reads
     def refuse_if_asleep(self, what: str) -> None:
         """Raise, naming ``what`` and ``reload_states()``, while ``offload_states()`` holds some state in host memory."""
-        refuse_if_asleep(self.state, what)
+        sleeping = ASLEEP.get(self.state)  # (the common case asks sleep.py nothing)
+        if sleeping is not None:
+            raise sleeping.refusal(what)
+
+    def refuse_step_if_asleep(self, what: str, is_step: bool) -> None:
+        """``step()`` / ``clip_grad_norm_()`` (``what``) while ``offload_states()`` holds some state in host memory:
+        every rank raises (the step's agreement carries this rank's failure, ``Sleep.refuse_step``)."""
+        sleeping = ASLEEP.get(self.state)
+        if sleeping is not None:
+            sleeping.refuse_step(what, is_step=is_step)
 
     @property
     def staging(self) -> StagingPool:

@@ -207,7 +207,7 @@ class GradPlaceholders:
         self.dropped = True
         for gidx in gone:
             self._pending[gidx] = [_ZERO]
-        self.grad_sync.strategy.forget(gone)
+        self.grad_sync.forget(gone)
         self._norms = None
 
     def on_backward(self) -> None:

@@ -6,18 +6,20 @@
   staging buffer; the mean overwrites the bucket's grad shard. Inside ``no_sync()`` nothing is reduced; the
   next synchronised backward (or ``step()``) reduces the accumulated sum.
 - :class:`StagedGrads` (stages 2 and 3): no full-size buffer. A bucket's gradients are cast and pre-scaled into
-  its staging buffer, all in one call when the bucket launches (``grad_hold.py``: the gradients of the buckets
-  not launched yet wait in ``param.grad``), then freed (``param.grad = None``); the mean is added to the grad shard in fp32, so
-  several backward passes before ``step()`` accumulate. There is no buffer to accumulate a full gradient in, so
-  ``no_sync()`` still reduces every backward pass (as DeepSpeed's ZeRO-2).
+  its staging buffer, all in one call when the bucket launches (the bucket holds them in ``param.grad`` until then),
+  then freed (``param.grad = None``); the mean is added to the grad shard in fp32, so several backward passes before
+  ``step()`` accumulate. There is no buffer to accumulate a full gradient in, so ``no_sync()`` still reduces every
+  backward pass (as DeepSpeed's ZeRO-2).
 - :class:`ShardGrads` (stages 2 and 3 on one process): nothing to communicate, so a bucket's gradients are added
   straight into their places in the grad shard, in one call when it launches.
 
-A strategy answers three things: what to do when a gradient arrives (:meth:`on_grad`, asked by the reducer,
-:class:`zero_ext.engine.reducer.GradSync`), what to send when a bucket launches (:meth:`send`, asked by the bucket's
-:class:`~zero_ext.engine.bucket_runtime.BucketRuntime` as it launches), and whether the result overwrites or is
-added to the grad shard (``accumulate``). The strategies that hold a bucket's gradients (``grad_hold.py``) write
-what the hold lets go, which it returns.
+A policy is chosen once per engine (``stages.py``) and called by the buckets
+(:class:`~zero_ext.engine.bucket_runtime.BucketRuntime`) with values: a group, a bucket's layout, its send buffer,
+the gradients it held; it writes them where the stage keeps gradients and returns what goes on the wire
+(:meth:`GradStrategy.send`). It never calls a bucket back and keeps no bucket's state: which gradients a bucket holds,
+its fragments and its lease are the bucket's; the reducer (:class:`zero_ext.engine.reducer.GradSync`) asks the policy
+only what a stage decides for every bucket (``holds``, ``keeps_unsynced``, ``fragments``, ...). Which parameters have
+a gradient for the next ``step()`` is the buckets' record plus what the policy keeps outside them (stage 1).
 """
 
 from __future__ import annotations
@@ -30,18 +32,23 @@ import torch
 from ..kernels.dispatch import accumulate_into, add_flattened, cast_scale_into, flatten_into
 from ..layout import Slot
 from ..state.sharded_state import FlatGroup, ShardedState
-from .bucket_runtime import BucketRuntime
-from .grad_hold import Arrival, GradHold, Taken
-from .hand_grads import zero_hand_grads
-from .staging import StagingPool
 
 
 class GradStrategy:
-    accumulate = False  # the reduced bucket is added to the grad shard (True) or overwrites it
+    """The gradient policy of a stage: values in, values out. Each bucket
+    (:class:`~zero_ext.engine.bucket_runtime.BucketRuntime`) calls it with its group, layout and buffers; it never
+    calls a bucket back nor keeps a bucket's state."""
 
-    def __init__(self, state: ShardedState, pool: StagingPool, reduce_dtype: torch.dtype):
+    accumulate = False  # the reduced bucket is added to the grad shard (True) or overwrites it
+    holds = False  # a bucket's gradients wait in .grad until it launches (written in one call)
+    writes_to_staging = False  # ... into the bucket's staging send buffer (else into the policy's own buffers)
+    fragments = False  # a split parameter's gradient goes to its buckets as fragments written at their launch
+    keeps_unsynced = False  # inside no_sync() a gradient is kept by the policy at once (keep_unsynced), not counted
+    consumes = False  # step() consumes the gradients (the buckets forget which parameters had one)
+    waits_at_round_end = False  # a backward pass waits for its reductions before it returns
+
+    def __init__(self, state: ShardedState, reduce_dtype: torch.dtype):
         self.state, self.comm, self.reduce_dtype = state, state.comm, reduce_dtype
-        self.pool = pool  # sized from send_bytes() by GradSync
         self._travels: dict[torch.dtype, tuple[torch.dtype, float]] = {}
 
     def _travel(self, dtype: torch.dtype) -> tuple[torch.dtype, float]:
@@ -63,19 +70,49 @@ class GradStrategy:
         """Staging bytes per element of a bucket of ``group`` (0: sent without staging)."""
         return self.wire_dtype(group).itemsize
 
-    def on_grad(self, gb: BucketRuntime, slot: Slot, param: torch.Tensor, syncing: bool) -> bool:
-        """A gradient arrived in ``param.grad``; returns whether it counts towards launching its bucket now."""
+    def travel(self, group: FlatGroup) -> tuple[torch.dtype, float, bool]:
+        """How a bucket of ``group`` travels, fixed for its life: (wire dtype, pre-scale, whether it is sent from a
+        staging send buffer)."""
+        return self.wire_dtype(group), self.prescale(group), self.send_bytes(group) > 0
+
+    def on_grad(self, group: FlatGroup, slot: Slot, param: torch.Tensor, syncing: bool) -> bool:
+        """A policy that does not hold (stage 1's buffer): a gradient arrived in ``param.grad``; returns whether it
+        counts towards launching its bucket now."""
         raise NotImplementedError
 
-    def on_split_grad(self, gbs: tuple[BucketRuntime, ...], slot: Slot, param: torch.Tensor, syncing: bool) -> bool:
-        """The gradient of a parameter split across the buckets ``gbs`` arrived; returns whether its fragments count
-        towards launching them. Stage 1 keeps the whole gradient in its flat buffer (the parameter is contiguous
-        there): as any gradient, held with the first bucket, which launches before the others."""
-        return self.on_grad(gbs[0], slot, param, syncing)
+    def keep_unsynced(self, group: FlatGroup, slot: Slot, param: torch.Tensor) -> None:
+        """``keeps_unsynced``: inside ``no_sync()``, keep ``param``'s gradient now (no launch comes to write it)."""
+        raise NotImplementedError
 
-    def send(self, gb: BucketRuntime) -> Optional[torch.Tensor]:
-        """The bucket's gradients as they go on the wire (``gb.staging`` holds the pool entry), or None when
-        there is nothing to send."""
+    def write(self, group: FlatGroup, bucket, send, slots: list[Slot], grads: list[torch.Tensor], prescale) -> None:
+        """Write a bucket's held gradients ``grads`` (of ``slots``; ``send``: its staging send buffer when the policy
+        ``writes_to_staging``)."""
+        raise NotImplementedError
+
+    def add_again(self, group: FlatGroup, bucket, send, slot: Slot, grad: torch.Tensor, prescale) -> None:
+        """A second gradient for a slot already written this round: add it to what was written."""
+        raise NotImplementedError
+
+    def add_split(self, group: FlatGroup, slot: Slot, flat: torch.Tensor) -> None:
+        """A split parameter's flattened gradient, when the policy takes it whole (not ``fragments``)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def write_fragment(view: torch.Tensor, values: torch.Tensor, add: bool, prescale: float) -> None:
+        """``values`` cast and pre-scaled into ``view`` of a send buffer (``add``: added to what is there, in the wire
+        dtype, as the first was written)."""
+        if add:
+            scaled = torch.empty_like(view)
+            cast_scale_into(scaled, values, prescale)
+            view.add_(scaled)
+        else:
+            cast_scale_into(view, values, prescale)
+
+    def send(self, group: FlatGroup, bucket, view, held, fragments, complete: bool, prescale) -> Optional[torch.Tensor]:
+        """What a launching bucket sends: its ``held`` gradients ((slots, grads) or None) and split ``fragments``
+        written first, then the tensor that goes on the wire (``view``: the send buffer of the staging entry it
+        leases, None when it travels as it is), or None when there is nothing to send. ``complete``: all its
+        gradients arrived this round."""
         raise NotImplementedError
 
     @property
@@ -84,24 +121,24 @@ class GradStrategy:
         return False
 
     def got_grads(self) -> set[int]:
-        """Global indices of the parameters that have a gradient on this rank for the next ``step()`` (torch
-        updates exactly the parameters whose ``.grad`` is not None)."""
-        raise NotImplementedError
+        """Global indices of the parameters that have a gradient on this rank for the next ``step()``, besides those
+        the buckets recorded (torch updates exactly the parameters whose ``.grad`` is not None)."""
+        return set()
 
     def check_no_foreign_grads(self) -> None:
         """Raise if gradients arrived where this stage never puts them (another reducer is in the loop)."""
 
     def owns_grad(self, group: FlatGroup, slot: Slot, grad: torch.Tensor) -> bool:
         """Whether ``grad``, the parameter's ``.grad`` outside backward, is the engine's own (else it was assigned by
-        hand: ``hand_grads.py``). Stages 2 and 3 free every gradient they take: any ``.grad`` there is the user's."""
+        hand: ``reducer.py``). Stages 2 and 3 free every gradient they take: any ``.grad`` there is the user's."""
         return False
 
-    def load_hand(self, gb: BucketRuntime, hand: dict) -> None:
-        """Before ``gb`` is reduced again for gradients assigned by hand (``hand``: (group, slot) -> tensor, this
+    def load_hand(self, group: FlatGroup, bucket, send, hand: dict, prescale) -> None:
+        """Before a bucket is reduced again for gradients assigned by hand (``hand``: (group, slot) -> tensor, this
         rank's): put them where :meth:`send` sends them from, without writing into them or replacing ``.grad``."""
 
     def end_round(self) -> None:
-        """A backward pass's reductions were all launched."""
+        """A backward pass's reductions were all launched (and every held gradient written)."""
 
     def after_step(self) -> None:
         """``step()`` has read the grad shards."""
@@ -113,7 +150,9 @@ class GradStrategy:
         """The user dropped these parameters' gradients (``.grad`` set to None after backward,
         ``grad_placeholders.py``), whose pieces are being zeroed: they have no gradient for the next ``step()``."""
 
-    def zero_grad(self, set_to_none: bool) -> None:
+    def zero_grad(self, set_to_none: bool, arrived: bool) -> None:
+        """``arrived``: a gradient arrived since the last step() or zero_grad(). (A ``.grad`` assigned by hand was
+        zeroed first, by the reducer.)"""
         for group in self.state.groups:
             group.state.grad.zero_()
 
@@ -121,96 +160,36 @@ class GradStrategy:
         """Flat groups ``added`` (``add_param_group``; already in the state): what this strategy needs of them. What it
         holds of the others (gradients still to be applied, their reduction) stays; nothing is in flight."""
 
-    # ---------------------------------------------------------------- a bucket's gradients held (grad_hold.py)
-    def _write(self, gb: BucketRuntime, slots: list[Slot], grads: list[torch.Tensor]) -> None:
-        """Write the gradients ``grads`` of ``gb``'s ``slots``, let go by the hold (strategies that keep a
-        :class:`GradHold`)."""
-        raise NotImplementedError
-
-    def _write_taken(self, *taken: Optional[Taken]) -> None:
-        """Write, in order, what the hold let go (None: nothing)."""
-        for t in taken:
-            if t is not None:
-                self._write(*t)
-
 
 class ShardedGradStrategy(GradStrategy):
     """Stages 2 and 3: the gradients live only in the fp32 grad shard, so ``step()`` consumes them (zeroes the
-    shard: the next backward starts from zero, whatever ``model.zero_grad()`` did or did not do)."""
+    shard: the next backward starts from zero, whatever ``model.zero_grad()`` did or did not do). A bucket's
+    gradients wait in ``.grad`` and are written at once when it launches (the bucket holds them)."""
 
     accumulate = True
+    holds = True
+    consumes = True
 
-    def __init__(self, state: ShardedState, pool: StagingPool, reduce_dtype: torch.dtype):
-        super().__init__(state, pool, reduce_dtype)
-        self._clean = False  # the grad shards are zero and no gradient arrived since
-        self._got: set[int] = set()  # parameters whose gradient arrived since the last step() or zero_grad()
-        self._hold = GradHold()  # a bucket's gradients wait in .grad and are written at once
-        self._split_seen: set[tuple[int, int]] = set()  # (group, slot) of split parameters with a gradient this round
+    def __init__(self, state: ShardedState, reduce_dtype: torch.dtype):
+        super().__init__(state, reduce_dtype)
+        self._clean = False  # the grad shards are zero (and no gradient arrived since: the reducer says)
         _drop_early_grads(state.groups, state.stage, "the optimizer existed", state.optimizer_name)
-
-    def on_grad(self, gb, slot, param, syncing) -> bool:
-        grad = param.grad
-        if grad.layout is not torch.strided:
-            _dense(param, gb.group.names[slot.index], self.state.optimizer_name)
-        self.arrived(gb.group, slot)
-        arrival, writes = self._hold.arrive(gb, slot, param, grad)
-        self._write_taken(*writes)
-        if arrival is Arrival.AGAIN_WRITTEN:
-            self._add_again(gb, slot, param, grad)
-        return arrival is Arrival.FIRST
-
-    def on_split_grad(self, gbs, slot, param, syncing) -> bool:
-        grad = _dense(param, gbs[0].group.names[slot.index], self.state.optimizer_name)
-        self.arrived(gbs[0].group, slot)
-        key = (gbs[0].group.index, slot.index)
-        first = key not in self._split_seen
-        self._split_seen.add(key)
-        param.grad = None  # kept here until written: a second gradient this round arrives on its own
-        self._split_arrived(gbs, slot, grad.reshape(-1) if grad.is_contiguous() else grad.contiguous().view(-1), first)
-        return first
-
-    def _split_arrived(self, gbs, slot: Slot, grad: torch.Tensor, first: bool) -> None:
-        """Write (or schedule) the fragments of a split parameter's flattened gradient ``grad``; ``first``: its first
-        this round (else added to what its first wrote)."""
-        raise NotImplementedError
-
-    def _add_again(self, gb: BucketRuntime, slot: Slot, param: torch.Tensor, grad: torch.Tensor) -> None:
-        """A second gradient for a slot already written this round: add it to what was written, free ``.grad``."""
-        raise NotImplementedError
-
-    def end_round(self) -> None:
-        self._write_taken(*self._hold.end_round())
-        self._split_seen.clear()
-
-    def arrived(self, group: FlatGroup, slot: Slot) -> None:
-        self._clean = False
-        self._got.add(group.param_indices[slot.index])
-
-    def got_grads(self) -> set[int]:
-        return set(self._got)
 
     def after_step(self) -> None:
         for group in self.state.groups:
             group.state.grad.zero_()
         self._clean = True
-        self._got.clear()
-
-    def forget(self, gidxs: list[int]) -> None:
-        self._got.difference_update(gidxs)
 
     def extend(self, added) -> None:
         _drop_early_grads(added, self.state.stage, "their param group was added", self.state.optimizer_name)
 
-    def zero_grad(self, set_to_none: bool) -> None:
-        zero_hand_grads(self.state, self, set_to_none)  # a .grad assigned by hand, as torch zeroes it
-        if set_to_none:  # (zeroed in place, a gradient is still applied, as zero: torch's decay and moments move)
-            self._got.clear()
-        if not self._clean:  # after step() there is nothing to zero: no second pass over the shards
-            super().zero_grad(set_to_none)
+    def zero_grad(self, set_to_none: bool, arrived: bool) -> None:
+        if arrived or not self._clean:  # after step() there is nothing to zero: no second pass over the shards
+            super().zero_grad(set_to_none, arrived)
             self._clean = True
 
 
-def _dense(param: torch.Tensor, name: str, who: str) -> torch.Tensor:
+def dense_grad(param: torch.Tensor, name: str, who: str) -> torch.Tensor:
     grad = param.grad
     if grad.layout != torch.strided:
         raise RuntimeError(
@@ -223,8 +202,8 @@ def _dense(param: torch.Tensor, name: str, who: str) -> torch.Tensor:
 class BufferedGrads(GradStrategy):
     """Stage 1: a persistent flat grad buffer; the reduced bucket overwrites its grad shard."""
 
-    def __init__(self, state: ShardedState, pool: StagingPool, reduce_dtype: torch.dtype):
-        super().__init__(state, pool, reduce_dtype)
+    def __init__(self, state: ShardedState, reduce_dtype: torch.dtype):
+        super().__init__(state, reduce_dtype)
         self._unreduced = False
         self._views: dict[tuple[int, int], torch.Tensor] = {}  # (group, slot) -> its slot of the buffer, shaped
         # The grad buffers' version counters (which every .grad, a view of them, moves) when the last backward had
@@ -282,6 +261,9 @@ class BufferedGrads(GradStrategy):
     def send_bytes(self, group: FlatGroup) -> int:
         return self.wire_dtype(group).itemsize if self._staged(group) else 0
 
+    def travel(self, group: FlatGroup) -> tuple[torch.dtype, float, bool]:
+        return self.wire_dtype(group), self.prescale(group), self._staged(group)
+
     @property
     def unreduced(self) -> bool:
         return self._unreduced
@@ -292,9 +274,9 @@ class BufferedGrads(GradStrategy):
         return {gidx for group in self.state.groups for gidx, p in zip(group.param_indices, group.params)
                 if p.grad is not None}  # fmt: skip
 
-    def on_grad(self, gb, slot, param, syncing) -> bool:
+    def on_grad(self, group, slot, param, syncing) -> bool:
         self._reduced_at = None
-        self._adopt(gb.group, slot, param, _dense(param, gb.group.names[slot.index], self.state.optimizer_name))
+        self._adopt(group, slot, param, dense_grad(param, group.names[slot.index], self.state.optimizer_name))
         if not syncing:
             self._unreduced = True
         return syncing
@@ -302,30 +284,23 @@ class BufferedGrads(GradStrategy):
     def owns_grad(self, group, slot, grad) -> bool:
         return grad.data_ptr() == slot.param_range.of(group.grad_buffer).data_ptr()
 
-    def send(self, gb) -> torch.Tensor:
-        group, bucket = gb.group, gb.bucket
-        if gb.arrived < len(bucket.slots):
+    def send(self, group, bucket, view, held, fragments, complete, prescale) -> torch.Tensor:
+        if not complete:
             # Launched before all its parameters got a gradient this round: the slots of those parameters may hold
             # old gradients; make each hold what its .grad says (None: zero; a gradient assigned by hand is copied,
-            # and stays the user's .grad: hand_grads.py).
+            # and stays the user's .grad: reducer.py).
             for i in bucket.slots:
                 self._adopt(group, group.layout.slots[i], group.params[i], group.params[i].grad, keep=True)
-        grads = bucket.bucket_range.of(group.grad_buffer)
-        return self._stage(gb, grads)
+        return self._stage(bucket.bucket_range.of(group.grad_buffer), view, prescale)
 
-    def _stage(self, gb: BucketRuntime, grads: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _stage(grads: torch.Tensor, view: Optional[torch.Tensor], prescale: float) -> torch.Tensor:
         """What goes on the wire for the bucket's slice ``grads`` of the buffer: the slice itself, or it cast and
-        pre-scaled into the send buffer of a staging entry; the entry is leased either way (the communicator's
-        workspace is in it)."""
-        group = gb.group
-        staged = self._staged(group)
-        if gb.staging is None:
-            gb.staging = self.pool.acquire(gb, self.wire_dtype(group) if staged else None, gb.bucket.numel)
-        if not staged:
+        pre-scaled into ``view``, the send buffer of the staging entry the bucket leases (None: not staged)."""
+        if view is None:
             return grads
-        send = gb.staging.send_view
-        cast_scale_into(send, grads, self.prescale(group))
-        return send
+        cast_scale_into(view, grads, prescale)
+        return view
 
     def end_round(self) -> None:
         self._unreduced = False
@@ -339,7 +314,7 @@ class BufferedGrads(GradStrategy):
     def check_no_foreign_grads(self) -> None:
         """A .grad changed in place after backward had reduced it (through a reference kept from before: ``.grad``
         itself is then a placeholder, grad_placeholders.py) would be silently ignored: the step applies the
-        reduction. (A ``.grad`` replaced by another tensor is a gradient assigned by hand: hand_grads.py.)"""
+        reduction. (A ``.grad`` replaced by another tensor is a gradient assigned by hand: reducer.py.)"""
         if self._reduced_at is None:
             return
         for group, version in zip(self.state.groups, self._reduced_at):
@@ -378,12 +353,11 @@ class BufferedGrads(GradStrategy):
             if not keep:  # (``keep``: a gradient assigned by hand stays the user's tensor)
                 param.grad = view
 
-    def load_hand(self, gb, hand) -> None:
-        gb.arrived = 0  # send() copies every slot's .grad, hand-assigned ones included
+    def load_hand(self, group, bucket, send, hand, prescale) -> None:
+        pass  # the bucket counts no gradient: send() copies every slot's .grad, hand-assigned ones included
 
-    def zero_grad(self, set_to_none: bool) -> None:
-        zero_hand_grads(self.state, self, set_to_none)  # a .grad assigned by hand, as torch zeroes it
-        super().zero_grad(set_to_none)
+    def zero_grad(self, set_to_none: bool, arrived: bool) -> None:
+        super().zero_grad(set_to_none, arrived)
         self._reduced_at = None
         self._forgotten.clear()
         for group in self.state.groups:
@@ -398,15 +372,16 @@ class BufferedGrads(GradStrategy):
 
 class Fp32GradBuffer(BufferedGrads):
     """Stage 1 with ``grad_accum_dtype=torch.float32``: an fp32 flat grad buffer (Megatron's fp32 ``main_grad``).
-    Each low-precision gradient is added to its slot in fp32 (a bucket's at once, when it launches) and
-    ``param.grad`` is freed, so
-    micro-batches accumulate in fp32 as stage 2's grad shard does, instead of in bf16 ``.grad``. The gradients
-    live until ``zero_grad()``, as at stage 1."""
+    Each low-precision gradient is added to its slot in fp32 (a bucket's at once, when it launches: the bucket holds
+    them in ``.grad`` until then) and ``param.grad`` is freed, so micro-batches accumulate in fp32 as stage 2's grad
+    shard does, instead of in bf16 ``.grad``. The gradients live until ``zero_grad()``, as at stage 1."""
 
-    def __init__(self, state: ShardedState, pool: StagingPool, reduce_dtype: torch.dtype):
-        self._got: set[int] = set()
-        self._hold = GradHold()  # a synchronised pass adds a bucket's gradients at once (grad_hold.py)
-        super().__init__(state, pool, reduce_dtype)
+    holds = True
+    keeps_unsynced = True
+
+    def __init__(self, state: ShardedState, reduce_dtype: torch.dtype):
+        self._got: set[int] = set()  # parameters whose gradient was kept outside a bucket (early, no_sync())
+        super().__init__(state, reduce_dtype)
 
     def buffer_dtype(self, group: FlatGroup) -> torch.dtype:
         return torch.float32
@@ -425,44 +400,30 @@ class Fp32GradBuffer(BufferedGrads):
     def owns_grad(self, group, slot, grad) -> bool:
         return False  # (its gradients live in the fp32 buffer; .grad is freed as they are added there)
 
-    def load_hand(self, gb, hand) -> None:
-        group = gb.group
-        for i in gb.bucket.slots:
+    def load_hand(self, group, bucket, send, hand, prescale) -> None:
+        for i in bucket.slots:
             grad = hand.get((group.index, i))
             if grad is not None:  # overwrites: a hand .grad replaced what the slot held (dropped placeholders zero it)
                 group.layout.slots[i].param_range.of(group.grad_buffer).copy_(grad.reshape(-1))
 
-    def on_grad(self, gb, slot, param, syncing) -> bool:
-        grad = param.grad
-        if grad.layout is not torch.strided:
-            _dense(param, gb.group.names[slot.index], self.state.optimizer_name)
-        if not syncing:  # inside no_sync() no launch comes to write it: added now
-            self._write_taken(*self._hold.take_all())
-            self._keep_early_grad(gb.group, slot, param)
-            self._unreduced = True
-            return False
-        self._got.add(gb.group.param_indices[slot.index])
-        arrival, writes = self._hold.arrive(gb, slot, param, grad)
-        self._write_taken(*writes)
-        if arrival is Arrival.AGAIN_WRITTEN:
-            self._keep_early_grad(gb.group, slot, param)
-        return arrival is Arrival.FIRST
+    def keep_unsynced(self, group, slot, param) -> None:
+        self._keep_early_grad(group, slot, param)
+        self._unreduced = True
 
-    def _write(self, gb, slots, grads) -> None:
-        add_flattened(gb.group.grad_buffer, grads, [s.offset for s in slots])
+    def write(self, group, bucket, send, slots, grads, prescale) -> None:
+        add_flattened(group.grad_buffer, grads, [s.offset for s in slots])
 
-    def end_round(self) -> None:
-        self._write_taken(*self._hold.end_round())
-        super().end_round()
+    def add_again(self, group, bucket, send, slot, grad, prescale) -> None:
+        accumulate_into(slot.param_range.of(group.grad_buffer), grad)
 
-    def send(self, gb) -> torch.Tensor:
-        self._write_taken(self._hold.take(gb))
+    def send(self, group, bucket, view, held, fragments, complete, prescale) -> torch.Tensor:
+        if held is not None:
+            self.write(group, bucket, None, *held, prescale)
         # slots without a gradient hold what they accumulated
-        return self._stage(gb, gb.bucket.bucket_range.of(gb.group.grad_buffer))
+        return self._stage(bucket.bucket_range.of(group.grad_buffer), view, prescale)
 
-    def zero_grad(self, set_to_none: bool) -> None:
-        zero_hand_grads(self.state, self, set_to_none)
-        GradStrategy.zero_grad(self, set_to_none)
+    def zero_grad(self, set_to_none: bool, arrived: bool) -> None:
+        GradStrategy.zero_grad(self, set_to_none, arrived)
         if set_to_none:  # (zeroed in place, a gradient is still applied, as zero)
             self._got.clear()
         for group in self.state.groups:
@@ -471,7 +432,7 @@ class Fp32GradBuffer(BufferedGrads):
 
 class StagedGrads(ShardedGradStrategy):
     """Stages 2 and 3: a bucket's gradients go into its staging buffer, cast and pre-scaled, in one write when the
-    bucket launches (``grad_hold.py``: they wait in ``.grad`` until then), then are freed.
+    bucket launches (they wait in ``.grad`` until then), then are freed.
 
     A split parameter's gradient (autograd made it whole) waits until each of its buckets launches, which writes
     its fragment into that bucket's staging entry: the pool's entries are reused in launch order, so staging stays
@@ -479,69 +440,40 @@ class StagedGrads(ShardedGradStrategy):
     entry per fragment while the buckets before them in launch order are still filling). The gradient is freed
     with its last fragment's write."""
 
-    def __init__(self, state: ShardedState, pool: StagingPool, reduce_dtype: torch.dtype):
-        super().__init__(state, pool, reduce_dtype)
-        # bucket key -> fragments still to write at its launch: (place in the bucket, values, added or written)
-        self._fragments: dict[tuple[int, int], list[tuple]] = {}
+    writes_to_staging = True
+    fragments = True
 
-    def _send_buffer(self, gb) -> torch.Tensor:
-        entry = gb.staging
-        if entry is None:
-            entry = gb.staging = self.pool.acquire(gb, self.wire_dtype(gb.group), gb.bucket.numel)
-            entry.send_view.zero_()
-        return entry.send_view
+    def write(self, group, bucket, send, slots, grads, prescale) -> None:
+        start = bucket.offset
+        flatten_into(send, grads, [s.offset - start for s in slots], prescale)
 
-    def _write(self, gb, slots, grads) -> None:
-        start = gb.bucket.offset
-        flatten_into(self._send_buffer(gb), grads, [s.offset - start for s in slots], self.prescale(gb.group))
+    def add_again(self, group, bucket, send, slot, grad, prescale) -> None:
+        # (the whole parameter: its bucket's only fragment)
+        self.write_fragment(bucket.slot_range(slot).of(send), grad, True, prescale)
 
-    def _add_again(self, gb, slot, param, grad) -> None:
-        self._add_fragment(gb, gb.bucket.slot_range(slot), grad)  # (the whole parameter: its bucket's only fragment)
-        param.grad = None
-
-    def _split_arrived(self, gbs, slot, grad, first) -> None:
-        for gb in gbs:
-            at, values = gb.bucket.slot_range(slot), gb.bucket.fragment_range(slot).of(grad)
-            waiting = self._fragments.get(gb.key)
-            if first or waiting is not None:
-                self._fragments.setdefault(gb.key, []).append((at, values, not first))
-            else:  # its bucket took the first already: added to what was written, as _add_again does
-                self._add_fragment(gb, at, values)
-
-    def _add_fragment(self, gb, at, values) -> None:
-        """Add ``values`` at ``at`` in the bucket's send buffer, in the wire dtype, as the first was written."""
-        view = at.of(self._send_buffer(gb))
-        scaled = torch.empty_like(view)
-        cast_scale_into(scaled, values, self.prescale(gb.group))
-        view.add_(scaled)
-
-    def load_hand(self, gb, hand) -> None:
-        group = gb.group
-        for i in gb.bucket.slots:
+    def load_hand(self, group, bucket, send, hand, prescale) -> None:
+        for i in bucket.slots:
             grad = hand.get((group.index, i))
             if grad is None:
                 continue
             slot = group.layout.slots[i]
             flat = grad.reshape(-1) if grad.is_contiguous() else grad.contiguous().view(-1)  # (a copy, or a view read)
-            at = gb.bucket.slot_range(slot).of(self._send_buffer(gb))
-            cast_scale_into(at, gb.bucket.fragment_range(slot).of(flat), self.prescale(group))
+            cast_scale_into(bucket.slot_range(slot).of(send), bucket.fragment_range(slot).of(flat), prescale)
 
-    def send(self, gb) -> torch.Tensor:
-        self._write_taken(self._hold.take(gb))
-        for at, values, add in self._fragments.pop(gb.key, ()):
-            if add:
-                self._add_fragment(gb, at, values)
-            else:
-                cast_scale_into(at.of(self._send_buffer(gb)), values, self.prescale(gb.group))
-        return self._send_buffer(gb)  # zeros for a bucket none of whose parameters got a gradient
+    def send(self, group, bucket, view, held, fragments, complete, prescale) -> torch.Tensor:
+        if held is not None:
+            self.write(group, bucket, view, *held, prescale)
+        for at, values, add in fragments:
+            self.write_fragment(at.of(view), values, add, prescale)
+        return view  # zeros for a bucket none of whose parameters got a gradient
 
 
 class ShardGrads(ShardedGradStrategy):
     """Stages 2 and 3 on one process: the gradients are added straight into the grad shard (nothing to reduce), a
-    bucket's at once when it launches (``grad_hold.py``)."""
+    bucket's at once when it launches."""
 
-    def __init__(self, state: ShardedState, pool: StagingPool, reduce_dtype: torch.dtype):
-        super().__init__(state, pool, reduce_dtype)
+    def __init__(self, state: ShardedState, reduce_dtype: torch.dtype):
+        super().__init__(state, reduce_dtype)
         self._starts: dict[tuple[int, int], int] = {}  # (group, slot) -> where it starts in the grad shard
 
     def send_bytes(self, group: FlatGroup) -> int:
@@ -555,29 +487,28 @@ class ShardGrads(ShardedGradStrategy):
             start = self._starts[key] = group.layout.single_rank_shard_range(slot).start
         return start
 
-    def _write(self, gb, slots, grads) -> None:
-        add_flattened(gb.group.state.grad, grads, [self._start(gb.group, s) for s in slots])
+    def write(self, group, bucket, send, slots, grads, prescale) -> None:
+        add_flattened(group.state.grad, grads, [self._start(group, s) for s in slots])
 
-    def _add_again(self, gb, slot, param, grad) -> None:
-        start = self._start(gb.group, slot)
-        accumulate_into(gb.group.state.grad[start : start + slot.numel], grad)
-        param.grad = None
+    def add_again(self, group, bucket, send, slot, grad, prescale) -> None:
+        start = self._start(group, slot)
+        accumulate_into(group.state.grad[start : start + slot.numel], grad)
 
-    def _split_arrived(self, gbs, slot, grad, first) -> None:
-        start = self._start(gbs[0].group, slot)  # one process: the parameter is contiguous in the grad shard too
-        accumulate_into(gbs[0].group.state.grad[start : start + slot.numel], grad)
+    def add_split(self, group, slot, flat) -> None:
+        start = self._start(group, slot)  # one process: the parameter is contiguous in the grad shard too
+        accumulate_into(group.state.grad[start : start + slot.numel], flat)
 
-    def load_hand(self, gb, hand) -> None:
-        group = gb.group
-        for i in gb.bucket.slots:
+    def load_hand(self, group, bucket, send, hand, prescale) -> None:
+        for i in bucket.slots:
             grad = hand.get((group.index, i))
             slot = group.layout.slots[i]
-            if grad is not None and gb.bucket.index == slot.bucket:  # (a split parameter: once, with its first)
+            if grad is not None and bucket.index == slot.bucket:  # (a split parameter: once, with its first)
                 start = self._start(group, slot)  # one process: the parameter is contiguous in the grad shard
                 accumulate_into(group.state.grad[start : start + slot.numel], grad)
 
-    def send(self, gb) -> None:
-        self._write_taken(self._hold.take(gb))
+    def send(self, group, bucket, view, held, fragments, complete, prescale) -> None:
+        if held is not None:
+            self.write(group, bucket, None, *held, prescale)
         return None
 
 

@@ -70,19 +70,42 @@ what is drawn.
 from __future__ import annotations
 
 import contextlib
+import enum
 
 import torch
 
-from ..state.sharded_params import original_class, shard_class, unwatch, watch
+from ..state.sharded_params import original_class, shard_class, watch
 from ..state.sharded_state import ShardedState
-from .backward_hooks import Call, hook_outputs, in_backward, refuse_backward, wrap_inputs
-from .bucket_runtime import BucketRuntime, Hold, Key, ParamState
+from .backward_hooks import BackwardSignals, Call, in_backward, refuse_backward
+from .bucket_runtime import BucketRuntime, Key, ParamState
 from .gather_units import hooked_modules, own_params
 from .model_state import wrapping_in_ddp
 from .runtime import BucketRuntimes
 from .sleep import asleep
 
 SHARDED, GATHERING, GATHERED = ParamState.SHARDED, ParamState.GATHERING, ParamState.GATHERED
+
+
+class Hold(enum.Enum):
+    """Why a gathered bucket nobody is using now stays gathered."""
+
+    NONE = "none"  # nothing: released by the next trigger that finds it unused
+    AHEAD = "ahead"  # prefetched for a module about to run; not evicted
+    BACKWARD = "backward"  # kept from forward for the first modules of backward; may be evicted
+    RECOMPUTED = "recomputed"  # gathered for a forward activation checkpointing recomputes: until its backward
+    UNTIL_READY = "until_ready"  # read by backward and only its gradients' arrival (READY) says when it is done
+
+
+class _Use:
+    """The schedule's facts about one bucket (this file's alone): the module calls running forward / backward that
+    use it now, why it is held otherwise, and the uses still to come this step (predicted from the previous step)."""
+
+    __slots__ = ("forward_users", "backward_users", "hold", "forward_uses_left", "backward_uses_left")
+
+    def __init__(self):
+        self.forward_users = self.backward_users = self.forward_uses_left = self.backward_uses_left = 0
+        self.hold = Hold.NONE
+
 
 _LOCAL_BACKWARD = (
     "{name}(stage=3): backward through a forward that ran inside `opt.gathered_params()`. A forward "
@@ -112,12 +135,8 @@ class ParamGather:
         self._tail: list[Key] = []  # used first in backward: held from their last use in forward (predicted)
         self._manual = 0  # gathered_params() depth
         self.gather_units = gather_units
-        # Each bucket's parameters with their two classes: the checking one while the bucket is not GATHERED,
-        # their own once it is: a gathered parameter is an ordinary tensor, and the ops of forward and backward
-        # on it pay nothing for the checks (about 600 calls per step on the benchmark GPT).
-        # A parameter split across buckets (layout.py) is in the list of each, with all its keys: it becomes an
-        # ordinary tensor once every one of them is GATHERED, and checks again as soon as one is released.
-        self.classes: dict[Key, list[tuple[torch.Tensor, type, type, tuple[Key, ...]]]] = {}
+        self.use: dict[Key, _Use] = {}  # the schedule's facts about each bucket
+        self._signals = BackwardSignals()  # a module call's backward starts / is done
         # A bucket's run (the buckets of one split parameter, or itself) shares one gathered storage: its bytes,
         # which the window counts once for all the run's buckets that are not SHARDED.
         self.run_of: dict[Key, tuple[int, int]] = {}
@@ -142,6 +161,8 @@ class ParamGather:
     def _take(self, groups) -> None:
         """The parameters of ``groups`` become sharded tensors that their units' hooks gather."""
         where = {}
+        for key in self.runtime:
+            self.use.setdefault(key, _Use())
         for group in groups:
             layout = group.layout
             for run in layout.runs:
@@ -155,8 +176,10 @@ class ParamGather:
                 watch(p, self)  # (sharded_params: its reads gather through ensure())
                 original = original_class(type(p))  # (a class of its own already sharded)
                 p.__class__ = shard_class(original)
-                for key in keys:
-                    self.classes.setdefault(key, []).append((p, original, type(p), keys))
+                # the checking class while a bucket of it is not GATHERED, its own once all are (the bucket swaps)
+                buckets = tuple(self.runtime[key] for key in keys)
+                for rt in buckets:
+                    rt.add_member(p, original, type(p), buckets)
         for m, members in hooked_modules(self.module, self.gather_units):  # (gather_units.py: what one hook gathers)
             own = {key for p in own_params(members) if id(p) in where for key in where[id(p)]}
             if id(m) in self.keys:
@@ -227,49 +250,48 @@ class ParamGather:
             if not self._manual:
                 self.peak_bytes = max(self.peak_bytes, self.gathered_bytes())
         if wait:
-            if rt.hold is Hold.AHEAD:
-                rt.hold = Hold.NONE
+            if self.use[rt.key].hold is Hold.AHEAD:
+                self.use[rt.key].hold = Hold.NONE
             if rt.params is GATHERING:
-                rt.finish_param_sync()
-                for p, original, _, keys in self.classes[rt.key]:
-                    if len(keys) == 1 or all(self.runtime[k].params is GATHERED for k in keys):
-                        p.__class__ = original
+                rt.finish_param_sync()  # (its parameters become plain tensors: the bucket swaps their classes)
 
     def _release(self, rt: BucketRuntime) -> None:
         """The one path that frees a gathered bucket: when nothing uses it now and nothing holds it (the caller
         clears the holds its trigger ends). Waits for a gather in flight first (it writes into the storage)."""
-        if rt.params is SHARDED or rt.forward_users or rt.backward_users or rt.hold is not Hold.NONE:
+        if (
+            rt.params is SHARDED
+            or self.use[rt.key].forward_users
+            or self.use[rt.key].backward_users
+            or self.use[rt.key].hold is not Hold.NONE
+        ):
             return
         if rt.params is GATHERING:
             rt.finish_param_sync()
-        else:
-            for p, _, checking, _ in self.classes[rt.key]:
-                p.__class__ = checking
-        rt.reshard()
+        rt.reshard()  # (its parameters check their reads again)
         del self.live[rt.key]
 
     def _make_room(self, incoming: int) -> None:
         """Evict held buckets (gathered again at their next use) while ``incoming`` bytes would not fit, the one
         needed farthest ahead first; never one in use, prefetched, or that backward could not gather again."""
         while self._live_bytes() + incoming > self.window_bound and not self._manual:
-            held = [rt for rt in self.live.values() if not rt.forward_users and not rt.backward_users
-                    and rt.hold in (Hold.NONE, Hold.BACKWARD)]  # fmt: skip
+            held = [rt for rt in self.live.values() if not self.use[rt.key].forward_users and not self.use[rt.key].backward_users
+                    and self.use[rt.key].hold in (Hold.NONE, Hold.BACKWARD)]  # fmt: skip
             if not held:
                 return
             upcoming = self._last[self._pos :]
             next_use = {rt.key: next((i for i, m in enumerate(upcoming) if rt.key in self.keys[id(m)]), len(upcoming))
                         for rt in held}  # fmt: skip
             victim = max(held, key=lambda rt: next_use[rt.key])
-            victim.hold = Hold.NONE
+            self.use[victim.key].hold = Hold.NONE
             self._release(victim)
 
     def _release_everything(self, forward_too: bool) -> None:
         """Release every bucket but those a running forward uses (all of them with ``forward_too``)."""
         for rt in list(self.live.values()):
-            rt.backward_users = 0
+            self.use[rt.key].backward_users = 0
             if forward_too:
-                rt.forward_users = 0
-            rt.hold = Hold.NONE
+                self.use[rt.key].forward_users = 0
+            self.use[rt.key].hold = Hold.NONE
             self._release(rt)
 
     # ---------------------------------------------------------------- what step() and finish_sync() call
@@ -320,7 +342,7 @@ class ParamGather:
             for rt in runtimes:
                 if rt.key not in self.keys[id(owner)]:
                     self.keys[id(owner)].add(rt.key)
-                    rt.forward_users += 1  # in use like its own parameters until the module's post-hook
+                    self.use[rt.key].forward_users += 1  # in use like its own parameters until the module's post-hook
 
     def _gather_all(self, runtimes) -> None:
         """Gather ``runtimes`` (a split parameter's buckets): every all-gather started, then each waited for."""
@@ -350,10 +372,10 @@ class ParamGather:
             self.position.at("backward (recomputing forward)", self.names.get(id(module), ""))
             for key in self.keys[id(module)]:
                 rt = self.runtime[key]
-                if rt.hold is not Hold.UNTIL_READY:
-                    rt.hold = Hold.RECOMPUTED
+                if self.use[rt.key].hold is not Hold.UNTIL_READY:
+                    self.use[rt.key].hold = Hold.RECOMPUTED
                 self._gather(rt, wait=True)
-            recomputed = sum(rt.nbytes for rt in self.live.values() if rt.hold is Hold.RECOMPUTED)
+            recomputed = sum(rt.nbytes for rt in self.live.values() if self.use[rt.key].hold is Hold.RECOMPUTED)
             self._recompute_peak = max(self._recompute_peak, recomputed)
             return None
         if module is self.module and (not self._stack or self._stack[0] is module):
@@ -368,12 +390,12 @@ class ParamGather:
             self._trace.append(module)
         for key in self.keys[id(module)]:
             rt = self.runtime[key]
-            rt.forward_users += 1
+            self.use[rt.key].forward_users += 1
             self._gather(rt, wait=True)
         self._prefetch_after(module)
         if torch.is_grad_enabled() and self.keys[id(module)]:
             # keyword inputs too: attn(h, key=h, value=h) must still see one tensor (backward_hooks.wrap_inputs)
-            return wrap_inputs(module, (args, kwargs), self._post_backward)
+            return self._signals.wrap_inputs(module, (args, kwargs), self._post_backward)
         return None
 
     @torch.compiler.disable
@@ -388,18 +410,18 @@ class ParamGather:
         keys = self.keys[id(module)]
         runtimes = [self.runtime[k] for k in keys]
         for rt in runtimes:
-            rt.forward_users -= 1
+            self.use[rt.key].forward_users -= 1
         training = torch.is_grad_enabled()
-        if training and keys and not hook_outputs(module, output, self._pre_backward):
+        if training and keys and not self._signals.hook_outputs(module, output, self._pre_backward):
             for rt in runtimes:  # nothing will tell us when its backward starts: hold until READY
-                rt.hold = Hold.UNTIL_READY
+                self.use[rt.key].hold = Hold.UNTIL_READY
         if self.reshard_after_forward or not training:
             for rt in runtimes:
-                rt.forward_uses_left -= 1
-                if rt.forward_uses_left > 0 or rt.hold is Hold.UNTIL_READY:
+                self.use[rt.key].forward_uses_left -= 1
+                if self.use[rt.key].forward_uses_left > 0 or self.use[rt.key].hold is Hold.UNTIL_READY:
                     continue
                 if training and rt.key in self._tail:
-                    rt.hold = Hold.BACKWARD
+                    self.use[rt.key].hold = Hold.BACKWARD
                 else:
                     self._release(rt)
         if not self._stack and module is self.module:
@@ -409,36 +431,36 @@ class ParamGather:
         for module in self._stack:  # a forward that raised left these in use
             for key in self.keys[id(module)]:
                 rt = self.runtime[key]
-                rt.forward_users = max(0, rt.forward_users - 1)
+                self.use[rt.key].forward_users = max(0, self.use[rt.key].forward_users - 1)
         self._stack.clear()
         self._last, self._trace, self._pos = self._trace or self._last, [], 0
         for rt in self.runtime.values():
-            rt.forward_uses_left = 0
-            if rt.hold in (Hold.BACKWARD, Hold.UNTIL_READY):  # from a forward whose backward never came
-                rt.hold = Hold.NONE
+            self.use[rt.key].forward_uses_left = 0
+            if self.use[rt.key].hold in (Hold.BACKWARD, Hold.UNTIL_READY):  # from a forward whose backward never came
+                self.use[rt.key].hold = Hold.NONE
         for m in self._last:
             for key in self.keys[id(m)]:
-                self.runtime[key].forward_uses_left += 1
+                self.use[key].forward_uses_left += 1
         self._tail = self._backward_head(self._last)
 
     def _end_forward(self, training: bool) -> None:
         self._backward_due = training
         for rt in self.runtime.values():
-            rt.backward_uses_left = 0
+            self.use[rt.key].backward_uses_left = 0
         for m in self._trace:
             for key in self.keys[id(m)]:
-                self.runtime[key].backward_uses_left += 1
+                self.use[key].backward_uses_left += 1
         tail = self._backward_head(self._trace) if training else []
         if self.reshard_after_forward or not training:
             for rt in list(self.live.values()):
-                if rt.hold is Hold.AHEAD:  # prefetched for a module that did not run this time
-                    rt.hold = Hold.NONE
+                if self.use[rt.key].hold is Hold.AHEAD:  # prefetched for a module that did not run this time
+                    self.use[rt.key].hold = Hold.NONE
                 if not training:
-                    rt.hold = Hold.NONE
-                elif rt.key in tail and rt.hold is Hold.NONE:
-                    rt.hold = Hold.BACKWARD
-                elif rt.key not in tail and rt.hold is Hold.BACKWARD:
-                    rt.hold = Hold.NONE
+                    self.use[rt.key].hold = Hold.NONE
+                elif rt.key in tail and self.use[rt.key].hold is Hold.NONE:
+                    self.use[rt.key].hold = Hold.BACKWARD
+                elif rt.key not in tail and self.use[rt.key].hold is Hold.BACKWARD:
+                    self.use[rt.key].hold = Hold.NONE
                 self._release(rt)
         self._tail = []
 
@@ -469,7 +491,7 @@ class ParamGather:
     def _prefetch(self, upcoming) -> None:
         """Start gathering the first buckets ``upcoming`` modules use that are not present, keeping at most
         ``prefetch`` gathered ahead of use and the window within its bound."""
-        ahead = sum(rt.hold is Hold.AHEAD for rt in self.live.values())
+        ahead = sum(self.use[rt.key].hold is Hold.AHEAD for rt in self.live.values())
         for m in upcoming:
             for key in sorted(self.keys[id(m)]):
                 if ahead >= self.prefetch:
@@ -479,7 +501,7 @@ class ParamGather:
                     if self._live_bytes() + self._incoming(rt) > self.window_bound:
                         return
                     self._gather(rt, wait=False)
-                    rt.hold = Hold.AHEAD
+                    self.use[rt.key].hold = Hold.AHEAD
                     ahead += 1
 
     # ---------------------------------------------------------------- backward
@@ -495,7 +517,7 @@ class ParamGather:
         self.position.at("backward", self.names.get(id(module), ""))
         for key in self.keys[id(module)]:
             rt = self.runtime[key]
-            rt.backward_users += 1
+            self.use[rt.key].backward_users += 1
             self._gather(rt, wait=True)
         if self.prefetch and module in self._trace:  # the modules before it run their backward next
             # ... except the root: its outputs' gradient arrives first, so its pre-backward has run already, and a
@@ -507,17 +529,17 @@ class ParamGather:
     def _post_backward(self, call: Call) -> None:
         for key in self.keys[id(call.module)]:
             rt = self.runtime[key]
-            if call.started and rt.backward_users > 0:
-                rt.backward_users -= 1
-            rt.backward_uses_left -= 1
-            if rt.backward_uses_left <= 0 and rt.hold is not Hold.UNTIL_READY:
-                rt.hold = Hold.NONE
+            if call.started and self.use[rt.key].backward_users > 0:
+                self.use[rt.key].backward_users -= 1
+            self.use[rt.key].backward_uses_left -= 1
+            if self.use[rt.key].backward_uses_left <= 0 and self.use[rt.key].hold is not Hold.UNTIL_READY:
+                self.use[rt.key].hold = Hold.NONE
                 self._release(rt)
 
     def bucket_ready(self, rt: BucketRuntime) -> None:
         """All gradients of the bucket arrived (the reducer's READY): backward needs its parameters no more."""
-        rt.backward_users = 0
-        rt.hold = Hold.NONE
+        self.use[rt.key].backward_users = 0
+        self.use[rt.key].hold = Hold.NONE
         self._release(rt)
 
     def backward_done(self) -> None:
@@ -534,12 +556,12 @@ class ParamGather:
         self._manual += 1
         try:
             for rt in self.runtime.values():
-                rt.forward_users += 1
+                self.use[rt.key].forward_users += 1
                 self._gather(rt, wait=True)
             yield
         finally:
             for rt in self.runtime.values():
-                rt.forward_users -= 1
+                self.use[rt.key].forward_users -= 1
             self._manual -= 1
             self.settle()
 
@@ -551,17 +573,8 @@ class ParamGather:
         self._hooks.clear()
         with self.gathered():
             done = set()
-            for members in self.classes.values():
-                for p, original, _, _ in members:
-                    if id(p) in done:  # a split parameter is in each of its buckets' lists
-                        continue
-                    done.add(id(p))
-                    with torch._C.DisableTorchFunctionSubclass():
-                        full = p.data.clone()
-                    p.data = full
-                    p.__class__ = original
-                    unwatch(p)
-            self.classes = {key: [] for key in self.classes}  # released below without touching them again
+            for rt in self.runtime.values():
+                rt.unshard_params(done)  # released below without touching them again
             self.sharded.clear()
 
     def remove_hooks(self) -> None:

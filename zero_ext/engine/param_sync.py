@@ -18,7 +18,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from ..layout import Bucket
-from ..state.param_edits import master_follows
+from ..state.params import master_follows
 from ..state.sharded_state import FlatGroup, ShardedState
 from .bucket_runtime import Key, ParamState
 from .runtime import BucketRuntimes

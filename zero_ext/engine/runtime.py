@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Iterator
 
 from ..state.sharded_state import ShardedState
-from .bucket_runtime import BucketRuntime, Key
-from .staging import StagingPool
+from .bucket_runtime import BucketRuntime, Key, StagingPool
+from .grads import GradStrategy
 
 
 class BucketRuntimes:
@@ -22,10 +22,12 @@ class BucketRuntimes:
     gradient staging pool of at most ``staging_buffers`` entries (sized by the reducer, which knows how buckets
     travel)."""
 
-    def __init__(self, state: ShardedState, staging_buffers: int):
-        self.staging_buffers = staging_buffers
+    def __init__(self, state: ShardedState, staging_buffers: int, policy: GradStrategy):
+        """``policy``: the stage's gradient policy, which says once how each bucket's gradients travel."""
+        self.staging_buffers, self._policy = staging_buffers, policy
         self.buckets: dict[Key, BucketRuntime] = {
-            (g.index, b.index): BucketRuntime(g, b, order) for order, (g, b) in enumerate(state.launch_order())
+            (g.index, b.index): BucketRuntime(g, b, order, policy.travel(g))
+            for order, (g, b) in enumerate(state.launch_order())
         }
         self.staging = StagingPool(min(staging_buffers, len(self.buckets)), state.device)
 
@@ -37,9 +39,9 @@ class BucketRuntimes:
         for order, (g, b) in enumerate(state.launch_order()):
             runtime = self.buckets.get((g.index, b.index))
             if runtime is None:
-                self.buckets[(g.index, b.index)] = BucketRuntime(g, b, order)
+                self.buckets[(g.index, b.index)] = BucketRuntime(g, b, order, self._policy.travel(g))
             else:
-                runtime.order = order
+                runtime.reorder(order)
         self.staging.capacity = min(self.staging_buffers, len(self.buckets))
 
     def __getitem__(self, key: Key) -> BucketRuntime:

@@ -32,7 +32,6 @@ from .param_gather import ParamGather
 from .param_sync import ParamSync
 from .reducer import GradSync
 from .runtime import BucketRuntimes
-from .staging import StagingPool
 
 
 class Stage:
@@ -56,13 +55,13 @@ class Stage:
         """The dtype of a flat group's persistent gradient buffer, or None: only stage 1 keeps one."""
         return None
 
-    def grads(self, state: ShardedState, pool: StagingPool, config) -> GradStrategy:
-        """The gradient strategy (how a gradient gets from autograd to the wire), staging through ``pool``; chosen from
+    def grads(self, state: ShardedState, config) -> GradStrategy:
+        """The gradient policy (how a gradient gets from autograd to the wire, which each bucket calls); chosen from
         the configuration (``config``: the engine's EngineConfig), so it holds for flat groups added later too."""
         direct = not state.comm.communicates and placement_class(config.offload).adds_in_place_on(
             state.device, state.world_size
         )
-        return (ShardGrads if direct else StagedGrads)(state, pool, config.reduce_dtype)
+        return (ShardGrads if direct else StagedGrads)(state, config.reduce_dtype)
 
     def param_sync(self, state: ShardedState, runtimes: BucketRuntimes, grad_sync: GradSync, config):
         """What brings the updated parameters back to every rank (``config``: the engine's EngineConfig)."""
@@ -92,9 +91,9 @@ class Stage1(Stage):
         """``.grad``'s storage: the parameters' dtype, or fp32 with ``grad_accum_dtype=torch.float32``."""
         return torch.float32 if grad_accum_dtype == torch.float32 else param_dtype
 
-    def grads(self, state, pool, config) -> GradStrategy:
+    def grads(self, state, config) -> GradStrategy:
         buffered = Fp32GradBuffer if config.grad_accum_dtype == torch.float32 else BufferedGrads
-        return buffered(state, pool, config.reduce_dtype)
+        return buffered(state, config.reduce_dtype)
 
 
 class Stage2(Stage):

@@ -2,7 +2,7 @@
 
 1. *Agree* (host): every rank validates its hyperparameters and looks for gradients it should not have; every
    rank lists the parameters that got a gradient, and whether its parameters were changed in place since the last
-   step (stages 1 and 2, :mod:`zero_ext.state.param_edits`). One collective sums these flags (on gloo it is the norm's own
+   step (stages 1 and 2, :class:`zero_ext.state.params.ParamEdits`). One collective sums these flags (on gloo it is the norm's own
    all-reduce; on NCCL a gloo group of the same ranks carries them), so every rank learns, without reading the
    device, whether some rank failed or changed its parameters alone (then all raise, before anything changed)
    and which parameters update. Then the master follows the changed parameters.
@@ -28,7 +28,6 @@ from ..state.sharded_state import ShardedState
 from ..state.step_counts import update_runs
 from ..update.protocol import PARAMETERS
 from ..update.registry import rule_for_group
-from .hand_grads import find_hand_grads
 from .param_sync import ParamSync
 from .reducer import GradSync
 
@@ -65,7 +64,7 @@ class Stepper:
         try:
             scalars = resolve_scalars(state, param_groups)
             self.grad_sync.strategy.check_no_foreign_grads()
-            hand = find_hand_grads(state, self.grad_sync.strategy)
+            hand = self.grad_sync.find_hand_grads()
             check_params_in_place(state)
             check_still_frozen(state)
             edited = state.param_edits is not None and state.param_edits.changed()
@@ -73,7 +72,7 @@ class Stepper:
             error = e
         self.grad_sync.finish_grad_sync()
         # built on the host, one tensor (not one index per parameter): failed, parameters edited, and per parameter
-        # got a gradient (1) plus, assigned by hand (hand_grads.py), `hand` (world + 1: the sum over the ranks tells
+        # got a gradient (1) plus, assigned by hand (reducer.py), `hand` (world + 1: the sum over the ranks tells
         # both counts apart, exactly in fp32, in the same elements)
         hand_unit = float(state.world_size + 1)
         values = [0.0] * (2 + len(self._flag_of))
@@ -81,7 +80,7 @@ class Stepper:
         # parameters edited in place (1) plus, reduced gradients dropped (`model.zero_grad()`, `p.grad = None` or a
         # `.grad` replaced between backward and step: grad_placeholders.py), `hand_unit`: both rank counts in one
         values[1] = float(edited) + hand_unit * float(self.grad_sync.placeholders.dropped)
-        for gidx in self.grad_sync.strategy.got_grads():
+        for gidx in self.grad_sync.got_grads():
             values[2 + self._flag_of[gidx]] = 1.0
         for group_index, slot_index in hand:
             values[2 + self._flag_of[state.groups[group_index].param_indices[slot_index]]] += hand_unit

@@ -24,7 +24,7 @@ def report(
     replicate_state: bool = False,
 ) -> MemoryReport:
     """Every persistent byte ``state`` holds on this rank, by kind, and how it relates to the formula. ``staging``:
-    the engine's gradient staging pool (``engine.staging.StagingPool``), bounded, not per parameter; ``window``:
+    the engine's gradient staging pool (``engine.bucket_runtime.StagingPool``), bounded, not per parameter; ``window``:
     stage 3's gather scheduler (``engine.param_gather.ParamGather``), whose gathered buckets are bounded, not
     persistent. ``mesh=(R, S)`` (HSDP, ``comm.hsdp``): ``state``'s layout is that of the R x S ranks (layout rank
     ``s * R + r``; stage 3 keeps the param-dtype chunk of the R slices of shard rank s), or with

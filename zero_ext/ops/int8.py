@@ -38,10 +38,11 @@ from . import (
     _ADAMW_SCALARS,
     _C,  # noqa: F401  (loads the library that registers torch.ops.zero_ext.*)
     _FLOATS,
+    Scalar,
     _check_dense,
     _check_scalar_tensor,
+    split_scalar,
 )
-from .hyperparams import Scalar, split_scalar
 
 __all__ = ["fused_adamw_int8_", "MAX_BLOCK"]
 

@@ -108,6 +108,9 @@ class DeviceState:
             if k.name != MASTER or self.master_copy
         }
         self.grad = torch.zeros(n, dtype=torch.float32, device=device)
+        # Each bucket's slice of the grad shard, made once (the shard is never replaced; parking resizes its storage,
+        # which the views follow): a launch asks for its target without computing the range again
+        self._grad_targets: dict[int, torch.Tensor] = {}
         self.reset_master()
 
     def reset_master(self) -> None:
@@ -123,7 +126,10 @@ class DeviceState:
     def grad_target(self, bucket: Bucket) -> tuple[torch.Tensor, bool]:
         """Where ``bucket``'s reduce-scatter writes, on the params' device, and whether that is the grad shard
         itself (else :meth:`landed` moves it there)."""
-        return bucket.shard_range.of(self.grad), True
+        target = self._grad_targets.get(bucket.index)
+        if target is None:
+            target = self._grad_targets[bucket.index] = bucket.shard_range.of(self.grad)
+        return target, True
 
     def landed(self, bucket: Bucket, target: torch.Tensor, pending, accumulate: bool) -> None:
         """The reduce-scatter into ``target`` was launched (``pending``): move the mean to the grad shard."""

@@ -4,6 +4,19 @@ Stages 1 and 2 keep the whole flat param buffer on every rank (:class:`FullParam
 view into it. The AdamW kernel writes a rank's updated slice of each bucket straight into it, and that slice is
 the in-place all-gather's input. Stage 3 shards the parameters themselves: ``sharded_params.ShardedParams``
 keeps the rank's slices and a bucket's full buffer only while it is gathered.
+
+:class:`ParamEdits` (below): parameters changed outside the optimizer at stages 1 and 2 (``model.load_state_dict``
+after the optimizer was built, an in-place re-initialisation, weights swapped in and out for an EMA evaluation): the
+fp32 master must follow, else the next step writes ``master + update`` over the change and it is silently lost.
+
+Each parameter's autograd version counter moves with every in-place write through it (``copy_``, ``mul_``, what
+``load_state_dict`` does) and with nothing the optimizer does: its kernels and all-gathers write the flat buffer
+through other views. Where a counter moved since the last look, the elements of this rank's shard whose value
+differs from the master rounded to the parameter's dtype become the master's; unchanged elements keep their fp32
+bits. A write through ``p.data`` bypasses the counter and is not seen, as torch's own in-place checks do not see it.
+
+Stage 3 needs none of this: outside forward its parameters are shards, and edits go through
+``gathered_params(modifier_rank=...)``; nor do fp32 parameters updated in memory, which are their own master.
 """
 
 from __future__ import annotations
@@ -79,3 +92,59 @@ class FullParams:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"params": self.buffer}
+
+
+class ParamEdits:
+    def __init__(self, groups: Sequence):
+        # The groups whose master is not the parameters themselves (bf16/fp16 params, or offloaded state).
+        self.groups = [g for g in groups if g.state.master_copy]
+        self.versions: list[list[int]] = []
+        self.unchecked = False  # adopted outside a step: the next step still checks every rank changed them
+        self.record()
+
+    def extend(self, groups: Sequence) -> None:
+        """Flat groups added (``add_param_group``): followed from their values now (the others' record, and whether a
+        local adoption is still unchecked, stay as they are)."""
+        added = [g for g in groups if g.state.master_copy]
+        self.groups += added
+        self.versions += [[p._version for p in g.params] for g in added]
+
+    def record(self, unchecked: bool = False) -> None:
+        """The parameters and the master agree now: on every rank (after a load or a write-back, collectives), or,
+        ``unchecked``, on this rank only so far."""
+        self.versions = [[p._version for p in g.params] for g in self.groups]
+        self.unchecked = unchecked
+
+    def changed(self) -> bool:
+        """Whether some parameter was written in place since the last step (or load, or write-back)."""
+        return self.unchecked or any(self._moved(g, seen) for g, seen in zip(self.groups, self.versions))
+
+    @staticmethod
+    def _moved(group, seen: list[int]) -> bool:
+        return any(p._version != v for p, v in zip(group.params, seen))
+
+    @torch.no_grad()
+    def adopt(self, checked: bool) -> None:
+        """This rank's master follows every element of its shard that was changed (local: no collective).
+        ``checked``: the step agreed that every rank or none changed its parameters (else, e.g. before a
+        ``state_dict()``, the next step still checks)."""
+        moved = False
+        for group, seen in zip(self.groups, self.versions):
+            if self._moved(group, seen):
+                moved = True
+                for bucket in group.layout.buckets:
+                    master_follows(group, bucket, group.flat_params.rank_slice(bucket))
+        self.record(unchecked=(self.unchecked or moved) and not checked)
+
+
+def master_follows(group, bucket, values: torch.Tensor) -> None:
+    """``bucket``'s master on this rank := ``values`` (this rank's slice, in the parameters' dtype) wherever they
+    differ from the master rounded to that dtype (the value the optimizer last gave the parameter); through the
+    placement, since the master may live on the host or on disk."""
+    master = group.state.read("master", bucket.shard_range)
+    values = values.to(master.device)
+    changed = values != master.to(values.dtype)
+    if bool(changed.any()):
+        master = master.clone()
+        master[changed] = values[changed].float()
+        group.state.write("master", bucket.shard_range, master)

@@ -20,8 +20,7 @@ from ..layout import Bucket, Layout, OwnedPiece
 from ..placement.device import DeviceState
 from ..update.protocol import UpdateRule
 from ..update.registry import DEFAULT_RULE, rule_for_group
-from .param_edits import ParamEdits
-from .params import FullParams
+from .params import FullParams, ParamEdits
 from .step_counts import StepCounts
 
 
@@ -115,6 +114,7 @@ class ShardedState:
     ):
         self.mesh = mesh  # the layout's communicator; for HSDP also its shard and replicate groups (comm/mesh.py)
         self.comm: Communicator = mesh.comm  # every collective of the layout goes through it
+        self.world_size, self.rank = self.comm.world_size, self.comm.rank  # (the layout's: fixed for the state's life)
         self.stage = stage
         self.bucket_size = bucket_size
         self.groups = list(groups)
@@ -136,8 +136,8 @@ class ShardedState:
         # Parameters given to the optimizer with requires_grad=False: left alone, and not sharded (step() refuses
         # to go on if one becomes trainable: it would never be updated).
         self.frozen: list[tuple[str, torch.nn.Parameter]] = list(frozen)
-        # In-place changes to full parameters, which the master must follow (param_edits.py): where the stage keeps
-        # the parameters full on every rank (its ``tracks_param_edits``, which the builder passes).
+        # In-place changes to full parameters, which the master must follow (params.py, ParamEdits): where the stage
+        # keeps the parameters full on every rank (its ``tracks_param_edits``, which the builder passes).
         self.param_edits = ParamEdits(self.groups) if tracks_param_edits else None
 
     def add_groups(self, added: Sequence[FlatGroup], names: dict[int, str]) -> None:
@@ -150,14 +150,6 @@ class ShardedState:
         self.step_counts.extend([gidx for g in added for gidx in g.param_indices])
         if self.param_edits is not None:
             self.param_edits.extend(added)
-
-    @property
-    def world_size(self) -> int:
-        return self.comm.world_size
-
-    @property
-    def rank(self) -> int:
-        return self.comm.rank
 
     def buckets(self) -> Iterator[tuple[FlatGroup, Bucket]]:
         """Every (group, bucket), groups in order, buckets in layout order."""

@@ -1,6 +1,6 @@
 """torch.optim.AdamW's constructor checks (torch/optim/adam.py, torch 2.13), in its order, with its exception types and
 its words after zero_ext's prefix, so that code matching torch's messages (``pytest.raises(match=...)``, torch's own
-``optim_error_inputs_func_adamw``) matches ZeroAdamW's. ZeroAdamW's own checks (:mod:`zero_ext.ops.hyperparams`: a
+``optim_error_inputs_func_adamw``) matches ZeroAdamW's. ZeroAdamW's own checks (:mod:`zero_ext.ops`: a
 finite lr, eps and weight_decay, the types) run after these and are stricter; ``fused`` with ``foreach`` or with
 ``differentiable``, which torch checks after its param groups, are checked here, before them."""
 

@@ -55,8 +55,8 @@ import torch
 
 from .. import ops
 from ..layout import PARAM_ALIGN
+from ..ops import Scalar, check_hyperparameters
 from ..ops import int8 as ops_int8
-from ..ops.hyperparams import Scalar, check_hyperparameters
 from . import blockwise_int8
 from .protocol import MASTER, ElementwiseRule, StateKind, UpdateRule
 from .registry import RuleOptions, all_kind_names, register, rule_for_group, rule_for_saved_group
