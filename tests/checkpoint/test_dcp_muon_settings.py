@@ -7,9 +7,16 @@ into it as it encodes them (round to nearest even)."""
 
 import pytest
 import torch
-from dcp_runs import BUCKET, grad_for, read_whole, zero_full, zero_load, zero_save
+from dcp_runs import (
+    BUCKET,
+    check_settings_across_world_sizes,
+    read_whole,
+    setting_kwargs,
+    zero_load,
+    zero_save,
+    zero_steps,
+)
 from distributed import run_on_ranks
-from engine_reference import offload_kwargs
 from mesh_runs import make_mesh
 from muon_reference import MUON, freeze, zero_muon_groups
 from tiny_transformer import build
@@ -29,63 +36,20 @@ def _model():
 
 
 def _optimizer(model, setting, root, rank, tag, **kw):
-    offload, shape, stage, replicated = setting
-    extra = offload_kwargs(offload, root, rank, tag, 3 * 12 * 4096) if offload != "none" else {}
-    if shape is not None:
-        extra.update(mesh=make_mesh(shape), replicate_state=replicated)
-    return ZeroMuon(zero_muon_groups(model), **MUON, stage=stage, module=model, bucket_size=BUCKET, **extra, **kw)
+    extra = setting_kwargs(setting, root, rank, tag)
+    if setting[1] is not None:
+        extra["mesh"] = make_mesh(setting[1])
+    return ZeroMuon(zero_muon_groups(model), **MUON, stage=setting[2], module=model, bucket_size=BUCKET, **extra, **kw)
 
 
-def _steps(model, opt, start, stop):
-    for step in range(start, stop):
-        for name, p in model.named_parameters():
-            if p.requires_grad:
-                p.grad = grad_for(name, p.shape, step)
-        opt.step()
-        opt.zero_grad()
-
-
-def _save_all(rank, world, root, settings):
-    finals = {}
-    for i, setting in enumerate(settings):
-        model = _model()
-        opt = _optimizer(model, setting, root, rank, f"save-w{world}-{i}")
-        _steps(model, opt, 0, SAVED_AT)
-        zero_save(model, opt, f"{root}/w{world}-{i}")
-        _steps(model, opt, SAVED_AT, STOP)
-        finals[f"w{world}-{i}"] = zero_full(model, opt)
-        opt.close()
-    return finals
-
-
-def _resume_all(rank, world, root, settings, sources):
-    out = {}
-    for i, setting in enumerate(settings):
-        for source in sources:
-            model = _model()
-            opt = _optimizer(model, setting, root, rank, f"load-w{world}-{i}-{source}")
-            zero_load(model, opt, f"{root}/{source}")
-            _steps(model, opt, SAVED_AT, STOP)
-            out[(source, i)] = zero_full(model, opt)
-            opt.close()
-    return out
+def _build(setting, root, rank, tag):
+    model = _model()
+    return model, _optimizer(model, setting, root, rank, tag)
 
 
 @pytest.mark.slow
 def test_zero_muon_offload_meshes_stages_across_world_sizes_bitwise(tmp_path):
-    root = str(tmp_path)
-    finals = {**run_on_ranks(2, _save_all, root, AT_2)[0], **run_on_ranks(3, _save_all, root, AT_3)[0]}
-    first = next(iter(finals.values()))
-    for name, params in finals.items():  # the uninterrupted runs: one result whatever the setting
-        for key, value in params.items():
-            assert torch.equal(value, first[key]), f"uninterrupted {name}: {key}"
-    for world, settings, sources in (
-        (3, AT_3, [f"w2-{i}" for i in range(3)]),
-        (2, AT_2, [f"w3-{i}" for i in range(3)]),
-    ):
-        for (source, i), params in run_on_ranks(world, _resume_all, root, settings, sources)[0].items():
-            for key, value in params.items():
-                assert torch.equal(value, first[key]), f"{source} -> {settings[i]} on {world} ranks: {key}"
+    check_settings_across_world_sizes(str(tmp_path), AT_2, AT_3, _build, SAVED_AT, STOP)
 
 
 def _precision_run(rank, world, root, bf16, source):
@@ -95,7 +59,7 @@ def _precision_run(rank, world, root, bf16, source):
     opt = _optimizer(model, ("none", None, 2 if source is None else 3, False), root, rank, "p", **kw)
     name = "bf16" if bf16 else "fp32"
     if source is None:
-        _steps(model, opt, 0, SAVED_AT)
+        zero_steps(model, opt, 0, SAVED_AT)
         zero_save(model, opt, f"{root}/{name}")
     else:
         zero_load(model, opt, f"{root}/{source}")

@@ -6,9 +6,17 @@ exactly, and from fp32 into each setting as that setting encodes it."""
 
 import pytest
 import torch
-from dcp_runs import model_for, read_whole, zero_full, zero_load, zero_optimizer, zero_save, zero_steps
+from dcp_runs import (
+    check_settings_across_world_sizes,
+    model_for,
+    read_whole,
+    setting_kwargs,
+    zero_load,
+    zero_optimizer,
+    zero_save,
+    zero_steps,
+)
 from distributed import run_on_ranks
-from engine_reference import offload_kwargs
 
 from zero_ext.update import blockwise_int8 as q8
 
@@ -18,52 +26,14 @@ AT_3 = [("cpu", (3, 1), 3, False), ("nvme", None, 2, False), ("none", (1, 3), 1,
 SAVED_AT, STOP = 2, 4
 
 
-def _optimizer(model, setting, root, rank, tag, **kw):
-    offload, shape, stage, replicated = setting
-    extra = offload_kwargs(offload, root, rank, tag, 3 * 12 * 4096) if offload != "none" else {}
-    if shape is not None:
-        extra["replicate_state"] = replicated
-    return zero_optimizer(model, stage, shape, **extra, **kw)
-
-
-def _save_all(rank, world, root, settings):
-    finals = {}
-    for i, setting in enumerate(settings):
-        model = model_for(torch.float32)
-        opt = _optimizer(model, setting, root, rank, f"save-w{world}-{i}")
-        zero_steps(model, opt, 0, SAVED_AT)
-        zero_save(model, opt, f"{root}/w{world}-{i}")
-        zero_steps(model, opt, SAVED_AT, STOP)
-        finals[f"w{world}-{i}"] = zero_full(model, opt)
-    return finals
-
-
-def _resume_all(rank, world, root, settings, sources):
-    out = {}
-    for i, setting in enumerate(settings):
-        for source in sources:
-            model = model_for(torch.float32)
-            opt = _optimizer(model, setting, root, rank, f"load-w{world}-{i}-{source}")
-            zero_load(model, opt, f"{root}/{source}")
-            zero_steps(model, opt, SAVED_AT, STOP)
-            out[(source, i)] = zero_full(model, opt)
-    return out
+def _build(setting, root, rank, tag):
+    model = model_for(torch.float32)
+    return model, zero_optimizer(model, setting[2], setting[1], **setting_kwargs(setting, root, rank, tag))
 
 
 @pytest.mark.slow
 def test_offload_meshes_stages_across_world_sizes_bitwise(tmp_path):
-    root = str(tmp_path)
-    finals = {**run_on_ranks(2, _save_all, root, AT_2)[0], **run_on_ranks(3, _save_all, root, AT_3)[0]}
-    first = next(iter(finals.values()))
-    for name, params in finals.items():  # the uninterrupted runs: one result whatever the setting
-        assert all(torch.equal(v, first[k]) for k, v in params.items()), name
-    for world, settings, sources in (
-        (3, AT_3, [f"w2-{i}" for i in range(4)]),
-        (2, AT_2, [f"w3-{i}" for i in range(4)]),
-    ):
-        for (source, i), params in run_on_ranks(world, _resume_all, root, settings, sources)[0].items():
-            for key, value in params.items():
-                assert torch.equal(value, first[key]), f"{source} -> {settings[i]} on {world} ranks: {key}"
+    check_settings_across_world_sizes(str(tmp_path), AT_2, AT_3, _build, SAVED_AT, STOP)
 
 
 PRECISIONS = {

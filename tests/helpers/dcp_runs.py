@@ -156,3 +156,61 @@ def read_whole(path: str) -> dict:
     flat, _ = flatten_state_dict(whole)
     assert any(k.startswith("model.") for k in flat), f"{path}: nothing read"
     return flat
+
+
+# ---------------------------------------------------------------- one run per setting, saved on 2 ranks, resumed on 3
+def setting_kwargs(setting, root: str, rank: int, tag: str) -> dict:
+    """The optimizer keywords of ``setting`` = (offload, mesh shape or None, stage, replicate_state) other than the
+    stage and the mesh: nvme state in a directory of its own per rank and run ``tag``."""
+    from engine_reference import offload_kwargs
+
+    offload, shape, _, replicated = setting
+    extra = offload_kwargs(offload, root, rank, tag, 3 * 12 * 4096) if offload != "none" else {}
+    if shape is not None:
+        extra["replicate_state"] = replicated
+    return extra
+
+
+def _save_each(rank, world, root, settings, build, saved_at, stop):
+    finals = {}
+    for i, setting in enumerate(settings):
+        model, opt = build(setting, root, rank, f"save-w{world}-{i}")
+        zero_steps(model, opt, 0, saved_at)
+        zero_save(model, opt, f"{root}/w{world}-{i}")
+        zero_steps(model, opt, saved_at, stop)
+        finals[f"w{world}-{i}"] = zero_full(model, opt)
+        opt.close()
+    return finals
+
+
+def _resume_each(rank, world, root, settings, sources, build, saved_at, stop):
+    out = {}
+    for i, setting in enumerate(settings):
+        for source in sources:
+            model, opt = build(setting, root, rank, f"load-w{world}-{i}-{source}")
+            zero_load(model, opt, f"{root}/{source}")
+            zero_steps(model, opt, saved_at, stop)
+            out[(source, i)] = zero_full(model, opt)
+            opt.close()
+    return out
+
+
+def check_settings_across_world_sizes(root: str, at_2: list, at_3: list, build, saved_at: int, stop: int) -> None:
+    """Each setting of ``at_2`` (on 2 ranks) and ``at_3`` (on 3) trains ``stop`` steps saving at ``saved_at``; every
+    uninterrupted run ends bitwise the same, and every checkpoint of one world size resumed under every setting of
+    the other ends bitwise the same too. ``build(setting, root, rank, tag) -> (model, optimizer)``, module-level."""
+    from distributed import run_on_ranks
+
+    args = (build, saved_at, stop)
+    finals = {**run_on_ranks(2, _save_each, root, at_2, *args)[0], **run_on_ranks(3, _save_each, root, at_3, *args)[0]}
+    first = next(iter(finals.values()))
+    for name, params in finals.items():  # the uninterrupted runs: one result whatever the setting
+        for key, value in params.items():
+            assert torch.equal(value, first[key]), f"uninterrupted {name}: {key}"
+    for world, settings, sources in (
+        (3, at_3, [f"w2-{i}" for i in range(len(at_2))]),
+        (2, at_2, [f"w3-{i}" for i in range(len(at_3))]),
+    ):
+        for (source, i), params in run_on_ranks(world, _resume_each, root, settings, sources, *args)[0].items():
+            for key, value in params.items():
+                assert torch.equal(value, first[key]), f"{source} -> {settings[i]} on {world} ranks: {key}"
