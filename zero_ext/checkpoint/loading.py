@@ -155,8 +155,8 @@ def load(path: str | os.PathLike, optimizer, *, timeout: float | None = None) ->
     """Collective: every rank of the optimizer's group must call it. Loads a checkpoint saved at any world size
     and stage into ``optimizer`` (and its params; with ``module=`` also the model's buffers and frozen parameters)
     and returns the ``extra`` state it was saved with (None if none). A call on some ranks only raises a
-    ``CheckpointError`` on the calling ranks after ``timeout`` seconds instead of hanging (default: the optimizer's ``collective_timeout``,
-    or 300 s where it is None)."""
+    ``CheckpointError`` on the calling ranks after ``timeout`` seconds instead of hanging (default: the optimizer's
+    ``collective_timeout``, or 300 s where it is None)."""
     state = sharded_state_of(optimizer, "load")
     comm = state.comm
     arrive(comm, 0, timeout, f"loading {os.fspath(path)}")
