@@ -109,11 +109,6 @@ class BucketRuntime:
     def wire_dtype(self) -> torch.dtype:
         return self._wire_dtype
 
-    @property
-    def held_numel(self) -> int:
-        """Elements of gradient it holds in ``.grad`` now (the reducer bounds their sum over every bucket)."""
-        return self._held_numel
-
     def got(self) -> list[int]:
         """Global indices of its parameters with a gradient since the gradients were last consumed."""
         return [self.group.param_indices[i] for i in self._got]
