@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--old-rev", required=True, help="the commit whose versions of the files are the baseline")
     ap.add_argument("--out", required=True, help="markdown result file")
     ap.add_argument("--old-files", nargs="*", help="the old version's files, when they differ from the new ones")
+    ap.add_argument("--pytest-args", default="", help="more pytest arguments for both runs, e.g. \"-n 2\" (xdist)")
     ap.add_argument("files", nargs="+")
     args = ap.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="cov_old_"))
@@ -60,8 +61,9 @@ def main() -> None:
         # Each run's data in a folder of its own: several comparisons may run at once.
         (scratch / "old").mkdir()
         (scratch / "new").mkdir()
-        old, old_tally, old_wall = measure(scratch, args.old_files or args.files, scratch / "old" / ".coverage", [])
-        new, new_tally, new_wall = measure(ROOT, args.files, scratch / "new" / ".coverage", [])
+        extra = args.pytest_args.split()
+        old, old_tally, old_wall = measure(scratch, args.old_files or args.files, scratch / "old" / ".coverage", extra)
+        new, new_tally, new_wall = measure(ROOT, args.files, scratch / "new" / ".coverage", extra)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     for tally in (old_tally, new_tally):
@@ -74,7 +76,8 @@ def main() -> None:
     lines = [
         f"# zero_ext lines hit: {' '.join(args.files)}",
         "",
-        f"`python tests/coverage/compare_lines.py --old-rev {args.old_rev} --out {args.out} {' '.join(args.files)}`"
+        f"`python tests/coverage/compare_lines.py --old-rev {args.old_rev} --out {args.out}"
+        f"{f' --pytest-args {args.pytest_args!r}' if args.pytest_args else ''} {' '.join(args.files)}`"
         f" at {rev.strip()} (the old files from {args.old_rev}); wall times on a shared 2-core machine.",
         "",
         "| version | zero_ext lines hit | pytest | wall s |",

@@ -8,6 +8,7 @@ In the parent test: :func:`torchrun` writes the script and launches it. In the s
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -34,5 +35,9 @@ def init_ranks(backend: str) -> torch.device:
 def torchrun(script: str, path: Path, world: int, timeout: float = 600) -> subprocess.CompletedProcess:
     """Write ``script`` to ``path`` and run it on ``world`` ranks with torchrun; its output, captured."""
     path.write_text(script)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", str(path)]
+    # A free port, not torchrun's default 29500: another pytest worker (pytest-xdist) may be launching beside it.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", f"--master_port={port}", str(path)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)

@@ -130,6 +130,11 @@ class GradPlaceholders:
         weakref.finalize(self, _drop_all, self._pairs)
         self._restore: dict[int, Optional[torch.Tensor]] = {}  # gidx -> the .grad a placeholder stands in for
         self.installed = False
+        # The next gradient hook has something to do first (placeholders installed or scaling recorded): a plain
+        # attribute, so that the hook of a backward's first gradient reads it without entering this file. Set by
+        # everything that installs or records, cleared only where all of it is gone (on_backward, zero_grad): it may
+        # be True with nothing to do (then on_backward is a no-op), never False with something to do.
+        self.armed = False
         self._pending: dict[int, list[torch.Tensor]] = {}  # gidx -> coefficients recorded, not applied yet
         self.deferred: Optional[torch.Tensor] = None  # one coefficient for every parameter, for the next step()
         # stage 1: a coefficient the step applied in its kernel that the gradients (kept until zero_grad) still owe
@@ -153,11 +158,6 @@ class GradPlaceholders:
         self._norms = None
 
     # ---------------------------------------------------------------- life
-    @property
-    def active(self) -> bool:
-        """Placeholders are installed or scaling is recorded (the next gradient has something to do first)."""
-        return self.installed or bool(self._pending) or self.deferred is not None or self._owed is not None
-
     def install(self) -> None:
         """End of a synchronised backward: every trainable parameter's ``.grad`` becomes its placeholder (a
         ``.grad`` some other code wrote at stages 2 and 3 is left for ``step()`` to refuse)."""
@@ -173,7 +173,7 @@ class GradPlaceholders:
                 ph = self._ph[gidx]
                 ph._added = None
                 p.grad = ph
-        self.installed = True
+        self.installed = self.armed = True
 
     def drop(self) -> None:
         """Every ``.grad`` that is still a placeholder becomes what it stood for again (None; stage 1: its view of
@@ -204,7 +204,7 @@ class GradPlaceholders:
         leaves a parameter whose ``.grad`` is None. At stages 2 and 3 the shard is the only copy of the gradient:
         without this the step applied it anyway. (A ``.grad`` the user put in its place instead is refused at
         ``step()`` at stages 2 and 3; before the next backward it is that backward's starting value, as in torch.)"""
-        self.dropped = True
+        self.dropped = self.armed = True
         for gidx in gone:
             self._pending[gidx] = [_ZERO]
         self.grad_sync.forget(gone)
@@ -216,6 +216,7 @@ class GradPlaceholders:
         self.drop()
         if self._pending or self.deferred is not None or self._owed is not None:
             self._materialise()
+        self.armed = False
 
     def settle(self, defer: bool) -> Optional[torch.Tensor]:
         """Before ``step()`` (``defer``) or the engine's own norm: the placeholders go; returns the coefficient the
@@ -226,6 +227,7 @@ class GradPlaceholders:
         elif self._pending and defer and self._uniform():
             coef = _product(self._pending[self.members[0][1]], self.state.update_device)
             self.deferred = coef if self.deferred is None else self.deferred * coef
+            self.armed = True
             self._pending.clear()
         elif self._pending or (self.deferred is not None and not defer):
             self._materialise()
@@ -249,6 +251,7 @@ class GradPlaceholders:
         self.dropped = False  # (every gradient goes now, on every rank that calls it)
         self._pending.clear()
         self.deferred = self._owed = None
+        self.armed = False
 
     def _uniform(self) -> bool:
         first = self._pending.get(self.members[0][1])
@@ -400,11 +403,13 @@ class GradPlaceholders:
                         "can be multiplied in place by a scalar only (as clipping does), use opt.clip_grad_norm_"
                     )
                 self._pending.setdefault(t._gidx, []).append(f)
+                self.armed = True
         self._norms = None
         return args[0] if func in (aten.mul_.Tensor, aten.mul_.Scalar) else None
 
     def _zero(self, gidx: int) -> None:
         self._pending[gidx] = [_ZERO]
+        self.armed = True
         self._norms = None
 
     def _accumulate(self, ph: GradPlaceholder, new: torch.Tensor, out_of_place: bool = False):

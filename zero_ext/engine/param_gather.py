@@ -80,6 +80,7 @@ from .backward_hooks import BackwardSignals, Call, in_backward, refuse_backward
 from .bucket_runtime import BucketRuntime, Key, ParamState
 from .gather_units import hooked_modules, own_params
 from .model_state import wrapping_in_ddp
+from .param_sync import start_after_update
 from .runtime import BucketRuntimes
 from .sleep import asleep
 
@@ -302,7 +303,7 @@ class ParamGather:
         (``state.sharded_params.ChunkedParams``), in flight until the first gather after ``step()`` (or
         :meth:`settle`) waits for them all: ``step()`` returns without waiting (this scheduler is ``deferred``), and
         a gather from a chunk still being written would send the previous step's slices of the other replicas."""
-        pending = group.flat_params.sync_after_update(self.comm, bucket)
+        pending = start_after_update(self.comm, group, bucket)
         if pending is not None:
             self._replica_syncs.append(pending)
 

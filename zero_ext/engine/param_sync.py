@@ -118,6 +118,16 @@ def write_back(state: ShardedState, modifier_rank: int) -> None:
         state.param_edits.record()
 
 
+def start_after_update(comm, group: FlatGroup, bucket: Bucket):
+    """Start the gather ``group``'s params need after ``bucket``'s update (state/params.py ``AfterUpdate``): its
+    Pending, or None where the next use gathers anyway (stage 3 on a 1-D layout)."""
+    need = group.flat_params.after_update(bucket)
+    if need is None:
+        return None
+    start = comm.start_all_gather if need.over == "all" else comm.start_replica_gather
+    return start(need.into, need.own)
+
+
 def params_from_master(state: ShardedState) -> None:
     """Collective: round this rank's master slices into the param buffer and gather every rank's (after the master
     was loaded: checkpoints, local state dicts). The sharded state is data; this is the engine's collective on it."""
@@ -127,7 +137,7 @@ def params_from_master(state: ShardedState) -> None:
             mine = group.flat_params.rank_slice(bucket)  # None: stage 3 casts the master at each gather
             if group.state.master_copy and mine is not None:
                 mine.copy_(group.state.read("master", bucket.shard_range))
-            synced = group.flat_params.sync_after_update(state.comm, bucket)
+            synced = start_after_update(state.comm, group, bucket)
             if synced is not None:
                 pending.append(synced)
     for p in pending:

@@ -131,7 +131,7 @@ class GradSync:
             refuse_if_asleep(self.state, "a backward reached the gradient hooks")
         self.epoch += 1
         # (inside an open round the first gradient's hook did this already: nothing records scaling in backward)
-        if not self._round_open and self.placeholders.active:  # the gradients change from here: they go first
+        if not self._round_open and self.placeholders.armed:  # the gradients change from here: they go first
             self.placeholders.on_backward()
 
     @torch.compiler.disable

@@ -21,11 +21,21 @@ Stage 3 needs none of this: outside forward its parameters are shards, and edits
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
 from ..layout import Bucket, Layout
+
+
+class AfterUpdate(NamedTuple):
+    """The gather an update of ``own`` (a slice of ``into``) needs before the next use: every rank's ``own`` into
+    ``into``, over all the layout's ranks (``over="all"``) or over the replicas of a mesh chunk (``"replicas"``). This
+    layer only says what; the engine starts the collective (engine/param_sync.py ``start_after_update``)."""
+
+    over: str
+    into: torch.Tensor
+    own: torch.Tensor
 
 
 class FullParams:
@@ -86,9 +96,9 @@ class FullParams:
     def follow(self, bucket: Bucket, full: torch.Tensor) -> None:
         """Nothing: the slice is part of ``full``."""
 
-    def sync_after_update(self, comm, bucket: Bucket):
-        """Every rank's updated slice into the full buffer (in place); its Pending."""
-        return comm.start_all_gather(self.gathered(bucket), self.rank_slice(bucket))
+    def after_update(self, bucket: Bucket) -> Optional[AfterUpdate]:
+        """Every rank's updated slice into the full buffer (an in-place all-gather)."""
+        return AfterUpdate("all", self.gathered(bucket), self.rank_slice(bucket))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"params": self.buffer}

@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..layout import Bucket, Layout, Range, Run
+from .params import AfterUpdate
 
 # Properties that read no data: their getters (and .data/.grad/.requires_grad setters) pass straight through.
 _METADATA = frozenset(
@@ -299,8 +300,8 @@ class ShardedParams:
         if shard is not None:
             shard.copy_(bucket.rank_range(self.rank).shifted(-bucket.offset).of(full))
 
-    def sync_after_update(self, comm, bucket: Bucket):
-        """Nothing to communicate after an update: the next use gathers the updated shard (None)."""
+    def after_update(self, bucket: Bucket) -> Optional[AfterUpdate]:
+        """Nothing to gather after an update: the next use gathers the updated shard (None)."""
         return None
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -312,7 +313,7 @@ class ChunkedParams(ShardedParams):
     *chunk* of every bucket in the param dtype, the ``replicas`` contiguous slices of its shard-group rank (``1/S``
     of the bucket, where the master and moments are ``1/N``), so the gathers of forward and backward run inside the
     shard group (inside the node) from the chunk. The update writes this rank's slice of the chunk
-    (:meth:`rank_slice`); :meth:`sync_after_update` then gathers the replicas' updated slices into it (across nodes,
+    (:meth:`rank_slice`); :meth:`after_update` then asks the engine to gather the replicas' updated slices into it (across nodes,
     once per step). The chunk is kept, never cast from the master at each gather: the other replicas' slices are
     not on this rank."""
 
@@ -358,5 +359,5 @@ class ChunkedParams(ShardedParams):
     def follow(self, bucket: Bucket, full: torch.Tensor) -> None:
         self.chunk(bucket).copy_(self._chunk_range(bucket).shifted(-bucket.offset).of(full))
 
-    def sync_after_update(self, comm, bucket: Bucket):
-        return comm.start_replica_gather(self.chunk(bucket), self.rank_slice(bucket))
+    def after_update(self, bucket: Bucket) -> Optional[AfterUpdate]:
+        return AfterUpdate("replicas", self.chunk(bucket), self.rank_slice(bucket))
