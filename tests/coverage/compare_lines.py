@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--old-rev", required=True, help="the commit whose versions of the files are the baseline")
     ap.add_argument("--out", required=True, help="markdown result file")
     ap.add_argument("--old-files", nargs="*", help="the old version's files, when they differ from the new ones")
-    ap.add_argument("--pytest-args", default="", help="more pytest arguments for both runs, e.g. \"-n 2\" (xdist)")
+    ap.add_argument("--pytest-args", default="", help='more pytest arguments for both runs, e.g. "-n 2" (xdist)')
     ap.add_argument("files", nargs="+")
     args = ap.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="cov_old_"))

@@ -39,5 +39,6 @@ def torchrun(script: str, path: Path, world: int, timeout: float = 600) -> subpr
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", f"--master_port={port}", str(path)]
+    launch = [sys.executable, "-m", "torch.distributed.run", f"--master_port={port}"]
+    cmd = [*launch, f"--nproc_per_node={world}", str(path)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
