@@ -107,8 +107,11 @@ class Position:
     def at(self, phase: str, module: str = "") -> None:
         self.phase, self.module = phase, module
 
-    def issued(self, kind: str, numel: int, bucket=None) -> int:
-        """One more collective (of ``bucket``, None: no bucket's); returns its count."""
+    def issued(self, kind: str, numel: int, bucket=None, phase=None) -> int:
+        """One more collective (of ``bucket``, None: no bucket's); returns its count. ``phase``: the phase its issuer
+        says it opens (:meth:`at` with no module), so that the issuer need not call in here separately."""
+        if phase is not None:
+            self.phase, self.module = phase, ""
         self.count += 1
         self.ring[self.count % RING] = (self.count, kind, numel, bucket, self.phase, self.module, self.step)
         return self.count
@@ -253,13 +256,15 @@ class Communicator:
         accumulate: bool,
         workspace: Optional[torch.Tensor] = None,
         bucket=None,
+        phase: Optional[str] = None,
     ) -> Pending:
         """Start turning every rank's ``send`` (a bucket in :meth:`wire_dtype`, pre-scaled by :meth:`prescale`)
         into this rank's slice of their mean in ``out`` (the fp32 grad shard of the bucket): written, or added
         with ``accumulate``. ``accumulate`` consumes ``send`` (it may be overwritten once transferred).
         ``workspace`` (bytes, :meth:`workspace_bytes`) and ``send`` must stay untouched until waited for.
         ``bucket``: the key of the bucket it reduces (labels the collective, ``divergence.py``; a mesh keeps a
-        bucket's held sums under it, ``hsdp.py``)."""
+        bucket's held sums under it, ``hsdp.py``). ``phase``: the phase it opens, recorded in the position before
+        it (the first reduce-scatter of a stage-1/2 backward says "backward")."""
         raise NotImplementedError
 
     def start_all_gather(self, output: torch.Tensor, input: torch.Tensor, bucket=None) -> Pending:
@@ -313,6 +318,7 @@ class Communicator:
         epilogue: Optional[Callable[[], None]],
         tensors,
         bucket=None,
+        phase: Optional[str] = None,
     ) -> Pending:
         """Issue ``collective()`` (its work) on ``stream``, counted (``tensors[0]``: what it sends) and recorded in
         the position (labelled ``bucket``), with ``epilogue`` behind it. ``collective`` is best torch's own function
@@ -320,7 +326,7 @@ class Communicator:
         # A named range per collective, so that a profiler trace shows which device work each one launched.
         label = PROFILER_LABELS[kind]
         self.counts.add(kind, tensors[0])
-        seq = self.position.issued(kind, tensors[0].numel(), bucket)
+        seq = self.position.issued(kind, tensors[0].numel(), bucket, phase)
         if stream is None:
             with torch.profiler.record_function(label):
                 return Pending(collective(), None, None, epilogue, tensors, self.watch, seq)

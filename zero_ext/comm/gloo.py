@@ -59,7 +59,9 @@ class GlooCommunicator(Communicator):
         sum_dtype = torch.float32 if self._exact(reduce_dtype) else reduce_dtype
         return receive + bucket_numel // self.world_size * sum_dtype.itemsize
 
-    def start_reduce_scatter(self, send, out, *, reduce_dtype, accumulate, workspace=None, bucket=None) -> Pending:
+    def start_reduce_scatter(
+        self, send, out, *, reduce_dtype, accumulate, workspace=None, bucket=None, phase=None
+    ) -> Pending:
         n, world = send.numel(), self.world_size
         shard = n // world
         need = self.workspace_bytes(n, send.dtype, reduce_dtype, accumulate)
@@ -98,7 +100,7 @@ class GlooCommunicator(Communicator):
 
         collective = functools.partial(dist.all_to_all_single, received, send, group=self.group, async_op=True)
         return self._on_stream(
-            self.reduce_scatter_stream, "reduce_scatter", collective, epilogue, (send, out, workspace), bucket
+            self.reduce_scatter_stream, "reduce_scatter", collective, epilogue, (send, out, workspace), bucket, phase
         )
 
     def reduce_step_stats(self, flags: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:

@@ -200,7 +200,9 @@ class MeshCommunicator(Communicator):
             self._unlaunched.append(pending)
         return pending
 
-    def start_reduce_scatter(self, send, out, *, reduce_dtype, accumulate, workspace=None, bucket=None) -> Pending:
+    def start_reduce_scatter(
+        self, send, out, *, reduce_dtype, accumulate, workspace=None, bucket=None, phase=None
+    ) -> Pending:
         """The shard group's reduce-scatter into the chunk, then the replicas' (or their all-reduce) into ``out``.
         Under ``no_sync()`` (:meth:`hold_replicas`) the chunk is added to the bucket's held sum instead and ``out``
         gets nothing of this micro-batch (zeros, or unchanged with ``accumulate``); the synchronising micro-batch
@@ -213,7 +215,13 @@ class MeshCommunicator(Communicator):
             raise ValueError(f"start_reduce_scatter: `workspace` must be a uint8 buffer of at least {a + c + b} bytes")
         chunk = workspace[a : a + c].view(reduce_dtype)[: n // self.shard.world_size]
         first = self.shard.start_reduce_scatter(
-            send, chunk, reduce_dtype=reduce_dtype, accumulate=False, workspace=workspace[:a], bucket=bucket
+            send,
+            chunk,
+            reduce_dtype=reduce_dtype,
+            accumulate=False,
+            workspace=workspace[:a],
+            bucket=bucket,
+            phase=phase,
         )
         stream = self.replicate.reduce_scatter_stream
         if self._holding:

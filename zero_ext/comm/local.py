@@ -26,7 +26,11 @@ class LocalCommunicator(Communicator):
     def prescale(self, grad_dtype, reduce_dtype) -> float:
         return 1.0
 
-    def start_reduce_scatter(self, send, out, *, reduce_dtype, accumulate, workspace=None, bucket=None) -> Pending:
+    def start_reduce_scatter(
+        self, send, out, *, reduce_dtype, accumulate, workspace=None, bucket=None, phase=None
+    ) -> Pending:
+        if phase is not None:  # (nothing is issued on one rank, but the position still says where it is)
+            self.position.at(phase)
         if accumulate:
             accumulate_into(out, send)
         else:

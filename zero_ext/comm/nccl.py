@@ -41,7 +41,9 @@ class NcclCommunicator(Communicator):
         direct = not accumulate and wire_dtype == torch.float32
         return 0 if direct else bucket_numel // self.world_size * wire_dtype.itemsize
 
-    def start_reduce_scatter(self, send, out, *, reduce_dtype, accumulate, workspace=None, bucket=None) -> Pending:
+    def start_reduce_scatter(
+        self, send, out, *, reduce_dtype, accumulate, workspace=None, bucket=None, phase=None
+    ) -> Pending:
         shard = send.numel() // self.world_size
         need = self.workspace_bytes(send.numel(), send.dtype, reduce_dtype, accumulate)
         if need and (workspace is None or workspace.dtype != torch.uint8 or workspace.numel() < need):
@@ -56,7 +58,7 @@ class NcclCommunicator(Communicator):
 
         collective = functools.partial(reduce_scatter_flat, target, send, group=self.group, async_op=True)
         return self._on_stream(
-            self.reduce_scatter_stream, "reduce_scatter", collective, epilogue, (send, out, workspace), bucket
+            self.reduce_scatter_stream, "reduce_scatter", collective, epilogue, (send, out, workspace), bucket, phase
         )
 
     def reduce_step_stats(self, flags: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:

@@ -256,12 +256,13 @@ class BucketRuntime:
         return self._staging.send_view
 
     # ---------------------------------------------------------------- gradients: the reduce-scatter
-    def start_grad_sync(self, comm, policy, pool) -> int:
+    def start_grad_sync(self, comm, policy, pool, phase=None) -> int:
         """Launch its reduce-scatter: READY -> SYNCING. Its reduction of an earlier round, if still in flight, lands
         first; what it holds is written and the policy says what goes on the wire (from the staging entry it
         leases, or as it is; None: nothing to send, no collective); the mean goes into its grad shard, or into the
         landing buffer its placement gives (offload), which then takes it. The lease passes back to the pool with
-        the collective, which reuses the entry once it is waited for. Returns the elements it held."""
+        the collective, which reuses the entry once it is waited for. ``phase``: the phase the collective opens (its
+        position label, comm/base.py). Returns the elements it held."""
         self._check_grad_move(GradState.SYNCING)  # before anything is written or launched
         self.wait_grad()
         held = self._take_held() if self._held else None
@@ -288,6 +289,7 @@ class BucketRuntime:
                 accumulate=accumulate and direct,
                 workspace=None if entry is None else entry.workspace,
                 bucket=self.key,
+                phase=phase,
             )
             if not direct:
                 placement.landed(self.bucket, target, pending, accumulate)

@@ -67,6 +67,7 @@ class GradSync:
         self.on_round_end = None  # called at the end of every backward pass
         self.epoch = 0  # changes whenever the gradients may have: the step's agreement is cached per epoch
         self._round_open = False
+        self._phase = None  # the phase the round's first launch names (_open_round)
         self._next = 0  # position in launch order of the next bucket to launch this round
         # The buckets holding gradients in .grad, oldest first (order -> bucket), and the elements they hold: at
         # most HOLD_ELEMENTS, beyond which the oldest bucket writes its own (see below)
@@ -241,8 +242,9 @@ class GradSync:
         if self._round_open:
             return
         self._round_open = True
-        if not self.comm.position.phase.startswith("backward"):  # stages 1, 2 (stage 3's hooks name the module)
-            self.comm.position.at("backward")
+        # Stages 1 and 2 (stage 3's hooks name the phase and module): the round's first reduce-scatter says
+        # "backward" to the position (comm/base.py), so that no gradient hook calls into comm to say it itself.
+        self._phase = None if self.comm.position.phase.startswith("backward") else "backward"
         for gb in self.buckets:
             gb.begin_round()
         self._next = 0
@@ -281,7 +283,8 @@ class GradSync:
     def start_grad_sync(self, gb: BucketRuntime) -> None:
         """Launch ``gb``'s reduce-scatter into its grad shard: the bucket does it all (its policy says what goes on
         the wire, the pool lends the staging); the reducer only chose when."""
-        self._launched(gb, gb.start_grad_sync(self.comm, self.strategy, self.pool))
+        phase, self._phase = self._phase, None
+        self._launched(gb, gb.start_grad_sync(self.comm, self.strategy, self.pool, phase))
 
     def _launched(self, gb: BucketRuntime, released: int) -> None:
         """``gb`` launched, releasing ``released`` elements it held in .grad (counted in the bound)."""
