@@ -7,6 +7,12 @@ BUILD ?= build/cmake
 # Tools installed by the dev extra live next to the interpreter, wherever PATH points.
 SCRIPTS := $(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_path('scripts'))")
 CLANG_FORMAT ?= $(SCRIPTS)/clang-format
+# The suite on two pytest-xdist workers, one per core (each computes with one torch thread: tests/conftest.py). Work
+# stealing keeps both busy to the end: the slowest tests (torchrun launches, the benchmark smoke runs) take 20-60 s.
+# On 2 cores: 13:52 for `make test` with two workers against ~17 min with one (bench/results/suite_time.md).
+# TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist worksteal
 
 .PHONY: install reinstall run test test-fast test-unit test-cuda coverage ctest lint format cuda-link
 
@@ -39,13 +45,13 @@ run: install
 
 test: install
 	@echo "== pytest: the CPU suite; tests marked cuda are deselected here (make test-cuda runs them on a GPU machine)"
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q $(XDIST)
 
 # The quick loop, 2 minutes on 2 cores: everything but the tests marked slow (the 67M-parameter offload memory test,
 # the benchmark smoke runs, and every multi-rank test but the first quick one of its module: tests/conftest.py).
 # Both markers are named: a -m given here replaces pyproject's -m 'not cuda'.
 test-fast: install
-	$(PYTHON) -m pytest -q -m "not slow and not cuda"
+	$(PYTHON) -m pytest -q -m "not slow and not cuda" $(XDIST)
 
 # The single-process unit tests alone (kernels, checkpoint format, docs and tooling checks): no gloo rank is launched.
 test-unit: install
@@ -59,7 +65,7 @@ test-cuda: install
 # new: tests/coverage/compare_lines.py.
 coverage: install
 	$(PYTHON) -m coverage erase
-	$(PYTHON) -m coverage run -m pytest -q
+	$(PYTHON) -m coverage run -m pytest -q $(XDIST)
 	$(PYTHON) -m coverage combine -q
 	$(PYTHON) -m coverage report | tee build/coverage/report.txt | tail -3
 

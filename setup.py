@@ -95,6 +95,7 @@ setup(
     extras_require={
         "dev": [
             "pytest>=7",
+            "pytest-xdist>=3.2",  # `make test` runs the suite on two workers (--dist worksteal: 3.2+)
             "hypothesis>=6",
             "triton>=3.0",
             "ruff>=0.5",

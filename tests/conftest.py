@@ -13,6 +13,11 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 import zero_ext  # noqa: E402, F401
 
+# `make test` runs two pytest-xdist workers on the two cores: each computes with one torch thread, since two workers
+# of two OpenMP threads each oversubscribe the cores and their spinning threads burn what the other worker needs.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 # Modules whose tests without the cuda marker all run Triton kernels on CPU tensors.
 TRITON_CPU_MODULES = {"test_triton_kernels.py"}
 
