@@ -125,13 +125,17 @@ def _scenario(rank, world, name, configs, root):
 
 
 def _configs(name, offloads):
-    """Buckets that split parameters into fragments, then buckets that hold them whole (int8: with remainders)."""
+    """Buckets that split parameters into fragments, or buckets that hold them whole (int8: with remainders). With
+    one offload, both for every stage; with several, every pair of the three axes (issue 47: pairwise, not the full
+    product: the bucket goes by the parity of stage + offload, so each stage and each offload meets both)."""
     whole_remainders = MOMENT_DTYPES[name].remainders
+    buckets = ((SMALL, False), (LARGE, whole_remainders))
+    if len(offloads) == 1:
+        return [(stage, offloads[0], *bucket) for stage in (1, 2, 3) for bucket in buckets]
     return [
-        (stage, offload, bucket, remainders)
-        for stage in (1, 2, 3)
-        for offload in offloads
-        for bucket, remainders in ((SMALL, False), (LARGE, whole_remainders))
+        (stage, offload, *buckets[(i + j) % 2])
+        for i, stage in enumerate((1, 2, 3))
+        for j, offload in enumerate(offloads)
     ]
 
 

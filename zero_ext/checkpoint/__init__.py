@@ -22,10 +22,9 @@ consolidate offline.
 only (:mod:`zero_ext.torch_compat.state_dict_hooks`); state of your own goes in ``extra``.
 """
 
+import importlib
+
 from .consolidate import adamw_state_dict, consolidate, torch_state_dicts
-from .dcp_app import AppState, load_dcp
-from .dcp_staging import CachedStager
-from .dcp_state_dict import get_state_dict, set_state_dict
 from .format import FORMAT_VERSION, CheckpointError
 from .loading import load
 from .reader import Checkpoint, read_extra
@@ -47,3 +46,26 @@ __all__ = [
     "CheckpointError",
     "FORMAT_VERSION",
 ]
+
+# The DCP names load torch.distributed.checkpoint (and with it DTensor and sympy): 0.6 s of the 2.6 s `import
+# zero_ext` took on this 2-core machine, paid by every process that imports zero_ext (each gloo rank, each torchrun
+# child) whether it checkpoints through DCP or not. They are imported on first use instead.
+_LAZY = {
+    "AppState": "dcp_app",
+    "load_dcp": "dcp_app",
+    "CachedStager": "dcp_staging",
+    "get_state_dict": "dcp_state_dict",
+    "set_state_dict": "dcp_state_dict",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
