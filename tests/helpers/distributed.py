@@ -6,7 +6,7 @@
 every test folder and tests/helpers on sys.path before the first test runs, and spawned workers inherit it).
 Return values come back per rank. An exception on any rank fails the call with every failing rank's traceback; a
 call that does not finish within ``timeout`` seconds (e.g. a collective that never matched) kills the pool, which is
-respawned next time. Spawning a pool costs a few seconds; every later call costs milliseconds. A worker becomes a
+respawned next time. Starting a pool costs about a second (a fork per rank); every later call costs milliseconds. A worker becomes a
 rank as bench/harness.py's ``join_group`` makes a benchmark's process one on CPU (gloo over TCP on 127.0.0.1, one
 torch thread): written out here so that the tests need nothing from bench/harness.py.
 """
@@ -27,7 +27,13 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-_CTX = mp.get_context("spawn")
+# Ranks fork from a server process that imported torch and zero_ext once (multiprocessing's forkserver, preloaded),
+# instead of each starting a fresh interpreter that imports them itself (spawn): about 3 s of CPU per rank on this
+# machine, paid again by every pool a test discards. The server runs no torch op, so it holds no thread pool a fork
+# could break, and each rank still joins its own gloo group. A rank inherits the server's environment, not the test's
+# at the time of the call: the server starts with the first pool, inside _Pool's OMP_NUM_THREADS=1 window.
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "zero_ext"])
 _POOLS: dict[int, "_Pool"] = {}
 
 
