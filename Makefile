@@ -9,7 +9,8 @@ SCRIPTS := $(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_path('scr
 CLANG_FORMAT ?= $(SCRIPTS)/clang-format
 # The suite on two pytest-xdist workers, one per core (each computes with one torch thread: tests/conftest.py). Work
 # stealing keeps both busy to the end: the slowest tests (torchrun launches, the benchmark smoke runs) take 20-60 s.
-# On 2 cores: 13:52 for `make test` with two workers against ~17 min with one (bench/results/suite_time.md).
+# The gloo ranks fork from a preloaded server (tests/helpers/distributed.py). On 2 cores: 10:47 for `make test`
+# against 16:45-20:29 in one process with spawned ranks (bench/results/suite_time.md).
 # TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist worksteal
