@@ -111,7 +111,7 @@ class Position:
         """One more collective (of ``bucket``, None: no bucket's); returns its count. ``phase``: the phase its issuer
         says it opens (:meth:`at` with no module), so that the issuer need not call in here separately."""
         if phase is not None:
-            self.phase, self.module = phase, ""
+            self.at(phase)
         self.count += 1
         self.ring[self.count % RING] = (self.count, kind, numel, bucket, self.phase, self.module, self.step)
         return self.count

@@ -313,9 +313,9 @@ class ChunkedParams(ShardedParams):
     *chunk* of every bucket in the param dtype, the ``replicas`` contiguous slices of its shard-group rank (``1/S``
     of the bucket, where the master and moments are ``1/N``), so the gathers of forward and backward run inside the
     shard group (inside the node) from the chunk. The update writes this rank's slice of the chunk
-    (:meth:`rank_slice`); :meth:`after_update` then asks the engine to gather the replicas' updated slices into it (across nodes,
-    once per step). The chunk is kept, never cast from the master at each gather: the other replicas' slices are
-    not on this rank."""
+    (:meth:`rank_slice`); :meth:`after_update` then asks the engine to gather the replicas' updated slices into it
+    (across nodes, once per step). The chunk is kept, never cast from the master at each gather: the other replicas'
+    slices are not on this rank."""
 
     def __init__(self, layout: Layout, rank: int, dtype: torch.dtype, device: torch.device, replicas: int):
         self.replicas = replicas
