@@ -1,14 +1,14 @@
-"""Run a function on N gloo ranks from a pytest test, in a pool of workers spawned once per world size.
+"""Run a function on N gloo ranks from a pytest test, in a pool of workers started once per world size.
 
     results = run_on_ranks(3, my_fn, arg)   # my_fn(rank, world_size, arg) on every rank, in parallel
 
 ``my_fn`` must be a module-level function of an importable module (a test module works: pytest puts
-every test folder and tests/helpers on sys.path before the first test runs, and spawned workers inherit it).
+every test folder and tests/helpers on sys.path before the first test runs, and the workers inherit it).
 Return values come back per rank. An exception on any rank fails the call with every failing rank's traceback; a
 call that does not finish within ``timeout`` seconds (e.g. a collective that never matched) kills the pool, which is
-respawned next time. Starting a pool costs about a second (a fork per rank); every later call costs milliseconds. A worker becomes a
-rank as bench/harness.py's ``join_group`` makes a benchmark's process one on CPU (gloo over TCP on 127.0.0.1, one
-torch thread): written out here so that the tests need nothing from bench/harness.py.
+started again next time. Starting a pool costs about a second (a fork per rank, below); every later call costs
+milliseconds. A worker becomes a rank as bench/harness.py's ``join_group`` makes a benchmark's process one on CPU
+(gloo over TCP on 127.0.0.1, one torch thread): written out here so that the tests need nothing from bench/harness.py.
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that no one listens on now (a rendezvous port for a gloo group or a torchrun launch)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -69,7 +70,7 @@ def _free_port() -> int:
 class _Pool:
     def __init__(self, world_size: int):
         self.world_size = world_size
-        port = _free_port()
+        port = free_port()
         self.outbox = _CTX.Queue()
         self.inboxes = [_CTX.Queue() for _ in range(world_size)]
         env = dict(os.environ)

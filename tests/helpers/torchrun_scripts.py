@@ -8,13 +8,13 @@ In the parent test: :func:`torchrun` writes the script and launches it. In the s
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from distributed import free_port
 
 HELPERS = os.path.dirname(os.path.abspath(__file__))  # tests/helpers: a script puts it on sys.path
 
@@ -36,9 +36,6 @@ def torchrun(script: str, path: Path, world: int, timeout: float = 600) -> subpr
     """Write ``script`` to ``path`` and run it on ``world`` ranks with torchrun; its output, captured."""
     path.write_text(script)
     # A free port, not torchrun's default 29500: another pytest worker (pytest-xdist) may be launching beside it.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    launch = [sys.executable, "-m", "torch.distributed.run", f"--master_port={port}"]
+    launch = [sys.executable, "-m", "torch.distributed.run", f"--master_port={free_port()}"]
     cmd = [*launch, f"--nproc_per_node={world}", str(path)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
