@@ -11,10 +11,8 @@ from dcp_runs import (
     BUCKET,
     check_settings_across_world_sizes,
     read_whole,
+    save_or_resave,
     setting_kwargs,
-    zero_load,
-    zero_save,
-    zero_steps,
 )
 from distributed import run_on_ranks
 from mesh_runs import make_mesh
@@ -58,12 +56,7 @@ def _precision_run(rank, world, root, bf16, source):
     kw = dict(moment_dtype=torch.bfloat16) if bf16 else {}
     opt = _optimizer(model, ("none", None, 2 if source is None else 3, False), root, rank, "p", **kw)
     name = "bf16" if bf16 else "fp32"
-    if source is None:
-        zero_steps(model, opt, 0, SAVED_AT)
-        zero_save(model, opt, f"{root}/{name}")
-    else:
-        zero_load(model, opt, f"{root}/{source}")
-        zero_save(model, opt, f"{root}/{source}-into-{name}")
+    save_or_resave(model, opt, root, name, source, SAVED_AT)
     opt.close()
     return True
 

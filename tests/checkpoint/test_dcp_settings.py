@@ -10,11 +10,9 @@ from dcp_runs import (
     check_settings_across_world_sizes,
     model_for,
     read_whole,
+    save_or_resave,
     setting_kwargs,
-    zero_load,
     zero_optimizer,
-    zero_save,
-    zero_steps,
 )
 from distributed import run_on_ranks
 
@@ -50,12 +48,7 @@ def _precision_run(rank, world, root, name, source):
     kw = dict(PRECISIONS[name])
     model = model_for(kw.pop("dtype", torch.float32))
     opt = zero_optimizer(model, 2 if source is None else 3, **kw)
-    if source is None:
-        zero_steps(model, opt, 0, SAVED_AT)
-        zero_save(model, opt, f"{root}/{name}")
-    else:
-        zero_load(model, opt, f"{root}/{source}")
-        zero_save(model, opt, f"{root}/{source}-into-{name}")
+    save_or_resave(model, opt, root, name, source, SAVED_AT)
     return True
 
 

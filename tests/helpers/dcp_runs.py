@@ -129,6 +129,17 @@ def zero_load(model, opt, path: str) -> None:
     zc.set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
 
+def save_or_resave(model, opt, root: str, name: str, source, saved_at: int) -> None:
+    """The precision round trip's two halves: ``source`` None, train ``saved_at`` steps and save as ``name``; else
+    load ``source`` and save again at once as ``<source>-into-<name>`` (what the setting ``name`` holds of it)."""
+    if source is None:
+        zero_steps(model, opt, 0, saved_at)
+        zero_save(model, opt, f"{root}/{name}")
+    else:
+        zero_load(model, opt, f"{root}/{source}")
+        zero_save(model, opt, f"{root}/{source}-into-{name}")
+
+
 def fsdp_save(model, opt, path: str) -> None:
     msd, osd = torch_get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
