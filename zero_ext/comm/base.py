@@ -136,6 +136,10 @@ class CommCounts:
 
     def __init__(self, group_size: int = 1, link: str = "intra"):
         self.group_size, self.link = group_size, link
+        # A group spanning nodes with several of its ranks per node (a mesh's world group): the share of a rank's
+        # peers inside its node, whose part of each collective counts as intra-node. Exact for an all-to-all (the
+        # gloo reduce-scatter: n/g to each peer); the share of peers for a ring's hops.
+        self.intra_share = 0.0
         self._elements = dict.fromkeys(self.KINDS, 0)
         self._bytes = dict.fromkeys(self.KINDS, 0)
         self._wire = {(kind, link): 0 for kind in self.KINDS for link in self.LINKS}
@@ -145,7 +149,10 @@ class CommCounts:
         self._elements[kind] += tensor.numel()
         self._bytes[kind] += n
         g = self.group_size
-        self._wire[(kind, self.link)] += (2 if kind == "all_reduce" else 1) * (g - 1) * n // g
+        wire = (2 if kind == "all_reduce" else 1) * (g - 1) * n // g
+        intra = round(wire * self.intra_share) if self.link == "inter" else 0
+        self._wire[(kind, self.link)] += wire - intra
+        self._wire[(kind, "intra")] += intra
 
     def as_dict(self) -> dict[str, int]:
         """``{kind}_elements``, ``{kind}_bytes``, ``{kind}_{link}_node_bytes`` for every kind, and the wire totals

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from ..kernels.dispatch import accumulate_into
 from .base import DONE, CommCounts, Communicator, Pending
 from .compress import InterNodeCodec
+from .gloo import GlooCommunicator
 
 
 def _aligned(nbytes: int) -> int:
@@ -109,11 +110,14 @@ class MeshCommunicator(Communicator):
         self.reduce_scatter_stream, self.all_gather_stream = shard.reduce_scatter_stream, shard.all_gather_stream
         self.cpu_group = world.cpu_group
         self.process_rank, self.process_count = world.process_rank, world.process_count
-        # the mesh's convention: the shard group inside a node, the replicas (and so the world) across nodes
+        # the mesh's convention: the shard group inside a node, the replicas (and so the world) across nodes; the
+        # world's S - 1 of N - 1 peers share a node (its flat reduce-scatter's part inside the node)
         shard.counts.link, replicate.counts.link, world.counts.link = "intra", "inter", "inter"
+        world.counts.intra_share = (S - 1) / max(1, R * S - 1)
         for c in (shard, replicate, world):  # one position: the divergence watch sees every group's collectives
             c.position = self.position
         self._unlaunched: list[TwoLevel] = []  # CPU: second levels not started yet, in order
+        self._process_slices: Optional[torch.Tensor] = None  # the flat reduce-scatter's send order (_flat_order)
         # no_sync(): each bucket's node-reduced gradient sum (1/S of it, in reduce_dtype) until it crosses nodes
         self._holding = False
         self._held: dict = {}
@@ -168,6 +172,21 @@ class MeshCommunicator(Communicator):
             return 1.0
         return 1.0 / (self.replicas * self.shard.world_size)
 
+    def flat_reduce_scatter(self, wire_dtype: torch.dtype, reduce_dtype: torch.dtype) -> bool:
+        """Whether a bucket's gradients are reduce-scattered by one all-to-all over every rank instead of the two
+        levels: on gloo, state sharded over every rank, no inter-node codec, ``R, S > 1``, and when it sends no
+        more bytes across nodes. gloo's reduce-scatter is an all-to-all: over all ``N = R x S`` ranks a rank sends
+        ``wire x n (N - S) / N`` bytes of a bucket of ``n`` elements to the other nodes; the two levels send the
+        node's sums, ``reduce x n / S x (R - 1) / R``. The first is no more than the second exactly when
+        ``wire x S <= reduce``: bf16 gradients summed in fp32 on nodes of 2 ranks (the two levels would send as
+        many bytes across, in two collectives where one does: bench/results/hsdp_launch_variants.md). On nodes
+        of more ranks, with fp32 gradients or bf16 sums, the two levels send fewer bytes across and are kept."""
+        if self.replicate_state or self.codec is not None or self.replicas == 1 or self.shard.world_size == 1:
+            return False
+        if not isinstance(self.world, GlooCommunicator):  # NCCL's algorithms are its own: the two levels
+            return False
+        return wire_dtype.itemsize * self.shard.world_size <= reduce_dtype.itemsize
+
     def _divides(self, grad_dtype, reduce_dtype) -> bool:
         return self.prescale(grad_dtype, reduce_dtype) == 1.0
 
@@ -185,7 +204,13 @@ class MeshCommunicator(Communicator):
         return _aligned(first), _aligned(chunk * reduce_dtype.itemsize), _aligned(second)
 
     def workspace_bytes(self, bucket_numel, wire_dtype, reduce_dtype, accumulate) -> int:
-        return sum(self._segments(bucket_numel, wire_dtype, reduce_dtype, accumulate))
+        two_levels = sum(self._segments(bucket_numel, wire_dtype, reduce_dtype, accumulate))
+        if not self.flat_reduce_scatter(wire_dtype, reduce_dtype):
+            return two_levels
+        # the flat path: the send in process order, then the world's own workspace (no_sync() takes the two levels)
+        flat = _aligned(bucket_numel * wire_dtype.itemsize)
+        flat += self.world.workspace_bytes(bucket_numel, wire_dtype, reduce_dtype, accumulate)
+        return max(two_levels, flat)
 
     # ---------------------------------------------------------------- collectives
     def _advance(self) -> None:
@@ -210,6 +235,8 @@ class MeshCommunicator(Communicator):
         (and the collectives' label)."""
         self._advance()
         n = send.numel()
+        if not self._holding and bucket not in self._held and self.flat_reduce_scatter(send.dtype, reduce_dtype):
+            return self._flat_reduce_scatter(send, out, reduce_dtype, accumulate, workspace, bucket, phase)
         a, c, b = self._segments(n, send.dtype, reduce_dtype, accumulate)
         if workspace is None or workspace.dtype != torch.uint8 or workspace.numel() < a + c + b:
             raise ValueError(f"start_reduce_scatter: `workspace` must be a uint8 buffer of at least {a + c + b} bytes")
@@ -246,6 +273,24 @@ class MeshCommunicator(Communicator):
             return self._across(chunk, out, accumulate, send.dtype, reduce_dtype, workspace[a + c :], bucket)
 
         return self._two_level(first, then, self.replicate, "reduce_scatter_stream")
+
+    def _flat_reduce_scatter(self, send, out, reduce_dtype, accumulate, workspace, bucket, phase) -> Pending:
+        """One all-to-all over every rank (:meth:`flat_reduce_scatter`): ``send``'s slices reordered so that
+        process ``g`` receives the slice of its layout rank, then the world's reduce-scatter (every rank's slices
+        summed in process order, divided by ``N``)."""
+        n, N = send.numel(), self.world.world_size
+        need = self.workspace_bytes(n, send.dtype, reduce_dtype, accumulate)
+        if workspace is None or workspace.dtype != torch.uint8 or workspace.numel() < need:
+            raise ValueError(f"start_reduce_scatter: `workspace` must be a uint8 buffer of at least {need} bytes")
+        if self._process_slices is None:
+            self._process_slices = torch.tensor(self.layout_ranks(), dtype=torch.int64)
+        a = n * send.element_size()
+        ordered = workspace[:a].view(send.dtype)
+        torch.index_select(send.view(N, -1), 0, self._process_slices, out=ordered.view(N, -1))
+        return self.world.start_reduce_scatter(
+            ordered, out, reduce_dtype=reduce_dtype, accumulate=accumulate, workspace=workspace[_aligned(a) :],
+            bucket=bucket, phase=phase,
+        )  # fmt: skip
 
     def _across(self, chunk, out, accumulate, wire_dtype, reduce_dtype, workspace, bucket=None) -> Pending:
         """The node-reduced ``chunk`` across nodes into ``out``."""
