@@ -142,7 +142,8 @@ def prediction_text(rows: list[dict], params_b: float, stage: int, buckets: int,
         "timed as NCCL's rings (`zero_ext.comm_time.step_link_load(..., algorithm=\"nccl\")`, "
         "`collective_seconds`): a node's inter-node bytes shared by its 8 NICs, the busiest GPU's NVLink bytes at "
         "the same time, plus the ring's (g-1) steps of alpha per pass (the inter-node alpha for a group that "
-        "spans nodes); the mesh's two levels add up (not pipelined across buckets: an upper bound for the mesh). In parentheses: the gradient reduction's and the all-gather's seconds.",
+        "spans nodes); the mesh's two levels add up (not pipelined across buckets: an upper bound for the mesh). "
+        "In parentheses: the gradient reduction's and the all-gather's seconds.",
         "",
         head,
         *lines,
