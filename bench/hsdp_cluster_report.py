@@ -16,7 +16,7 @@ def chart(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5.4), gridspec_kw={"width_ratios": [1.25, 1]})
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 7), gridspec_kw={"width_ratios": [1.25, 1]})
     rows = [r for r in result["rows"] if "predicted_s" in r]
     key = "predicted_out_s" if all("predicted_out_s" in r for r in rows) else "predicted_s"
     what = "out of sample" if key == "predicted_out_s" else "in sample"
@@ -30,7 +30,7 @@ def chart(result: dict, path: str) -> None:
     ax.set_xlabel("inter-node link (Mbit/s, tc tbf on the veth)")
     ax.set_ylabel("step time (s, median)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="lower left")  # the lines start high on the left: nothing hidden there
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3)  # below the axes: no line hidden
     for k, marker, label in (("predicted_s", "o", "constants from this run"),
                              ("predicted_out_s", "x", "constants from the other run")):  # fmt: skip
         pts = [r for r in rows if k in r]
