@@ -1,9 +1,11 @@
 """Two emulated nodes (``netns_cluster.py``): step time and bytes of the 1-D layout against the HSDP mesh at several
-inter-node link speeds, checked against the alpha-beta estimate (``zero_ext.comm_time``), and that estimate at 8 x 8
-H100s with 400 Gb/s links.
+inter-node link speeds, against the step time ``zero_ext.comm_time`` predicts from the bytes gloo's algorithms put
+on the link; and the 8 x 8 GPU prediction of a 7B model's step (``hsdp_prediction.py``).
 
     python bench/bench_hsdp_cluster.py [--rates 100mbit,1gbit,10gbit,none] [--stage 2] [--params-m 2] [--steps 6]
                                        [--out-dir bench/results]
+    python bench/bench_hsdp_cluster.py --reanalyse bench/results/a.json,bench/results/b.json   # no cluster
+    python bench/bench_hsdp_cluster.py --predict-only --out-dir bench/results --name hsdp_prediction_8x8
 
 Four gloo ranks, two per node: ranks 0, 1 in namespace a, ranks 2, 3 in namespace b, joined by a veth pair shaped by
 ``tc`` (``none``: unshaped); MASTER_ADDR is node a's veth address, each rank's gloo address its node's veth end, so
@@ -26,11 +28,11 @@ link speed (each timed from a barrier to a barrier):
   all-to-all, an all-gather into a tensor): the estimator's own model of the step, measured.
 
 Measured per step: seconds (median of the timed steps), the bytes ``comm_stats()`` counts, and the bytes that crossed
-the veth (node a's end). The check fits ``T = c[contender] + k * u`` over the shaped speeds, u the link's seconds at
-its nominal rate for the estimator's inter-node wire bytes (the two ranks of a node share the link: 2 W / rate), or
-for the bytes that crossed the veth; k = 1 when the link delivers its nominal rate (beta = rate / k), c what the rate
-does not change (compute, the node's own traffic, every collective's fixed cost); alpha is probed apart (a 1-element
-all-reduce), and each point's error. Without root or iproute2 it prints why and exits 0 (after the 8 x 8 prediction).
+the veth (node a's end and node b's). The analysis (``hsdp_cluster_analysis.py``) predicts each shaped row's step
+from the contender's unshaped step and the link bytes of gloo's algorithms with two constants of the machine
+(efficiency, overlap) fitted on a run's shaped rows; ``--reanalyse`` with several runs also predicts each run with the
+constants of the others (out of sample). alpha is probed apart (a 1-element all-reduce). Without root or iproute2 it
+prints why and exits 0 (after the 8 x 8 flat-model table).
 
 Each timed step ends when its traffic has: a ZeroAdamW step is ``backward(); step(); finish_sync()`` (at stage 3 on
 a mesh ``step()`` returns with the replicas' all-gather in flight), then a barrier; FSDP2's backward waits for its
@@ -41,8 +43,10 @@ column: a contender whose traffic outlives its timed step shows bytes there).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -51,71 +55,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from hsdp_cluster_analysis import LAYERS, MEASURED, MESH, PER_NODE, WORLD, analyse, measured_rows  # noqa: E402
+from hsdp_cluster_report import chart, markdown  # noqa: E402
+from hsdp_prediction import compressed_prediction, h100_prediction  # noqa: E402, F401  (tests reach them here)
 from netns_cluster import EmulatedCluster, parse_rate, tx_bytes, unavailable  # noqa: E402
 
 from zero_ext import comm_time  # noqa: E402
-from zero_ext.comm_time import GBIT, GBYTE, Cluster, Link  # noqa: E402
-
-WORLD, PER_NODE, LAYERS = 4, 2, 4
-MESH = (2, 2)
-
-
-# ------------------------------------------------------------------------------------------------ the prediction
-def h100_prediction(params_b=(7, 30, 70), stages=(2, 3), buckets: int = 32) -> tuple[list[dict], str]:
-    """The estimate at 8 nodes x 8 H100s: NVLink 450 GB/s (alpha 3 us) inside a node, a 400 Gb/s NIC per GPU (alpha
-    10 us) between nodes; fp32 gradient reduction (ZeroAdamW's default reduce_dtype), bf16 parameters."""
-    cluster = Cluster(8, 8, Link(450 * GBYTE, 3e-6), Link(400 * GBIT, 10e-6))
-    rows, lines = [], []
-    for b in params_b:
-        for stage in stages:
-            row = {"params_b": b, "stage": stage}
-            for name, kw in (("1d", {}), ("mesh", {"mesh": (8, 8)}),
-                             ("mesh_replicated", {"mesh": (8, 8), "replicate_state": True})):  # fmt: skip
-                e = comm_time.estimate_step(int(b * 1e9), cluster, stage, buckets=buckets, **kw)
-                row[name] = {"seconds": e.total_s, "inter_bytes": e.bytes_on(True), "intra_bytes": e.bytes_on(False),
-                             "collectives": e.rows()}  # fmt: skip
-            rows.append(row)
-            lines.append(f"| {b}B | {stage} | " + " | ".join(
-                f"{row[k]['seconds'] * 1e3:.0f} ms ({row[k]['inter_bytes'] / 1e9:.2f} GB)"
-                for k in ("1d", "mesh", "mesh_replicated")) + f" | {row['1d']['seconds'] / row['mesh']['seconds']:.2f}x |")  # fmt: skip
-    head = ("| params | stage | 1-D over 64 | mesh 8 x 8 (state over 64) | mesh 8 x 8, replicate_state | 1-D / mesh |\n"
-            "|---|---|---|---|---|---|")  # fmt: skip
-    text = (
-        "Predicted communication per step (`zero_ext.comm_time.estimate_step`, nothing overlapped; in parentheses "
-        "the inter-node wire bytes one GPU sends) at 8 nodes x 8 H100: NVLink 450 GB/s, alpha 3 us; a 400 Gb/s NIC "
-        f"per GPU, alpha 10 us; {buckets} buckets, fp32 gradient reduction, bf16 parameters.\n\n" + head + "\n"
-        + "\n".join(lines)
-    )  # fmt: skip
-    return rows, text
-
-
-def compressed_prediction(params_b: float = 7, stage: int = 2, buckets: int = 32) -> tuple[list[dict], str]:
-    """The estimate for a 7B model at 8 x 8 GPUs on 400 Gbit/s InfiniBand and on 100 Gbit/s Ethernet (a NIC per GPU;
-    NVLink 450 GB/s inside a node): 1-D over 64, the mesh, the mesh with bf16 and with int8 inter-node sums."""
-    links = {"400 Gbit/s InfiniBand": Link(400 * GBIT, 10e-6), "100 Gbit/s Ethernet": Link(100 * GBIT, 25e-6)}
-    layouts = {"1-D over 64": dict(), "mesh 8 x 8": dict(mesh=(8, 8)),
-               "mesh, bf16 inter-node": dict(mesh=(8, 8), replica_grad_bytes=2),
-               "mesh, int8 inter-node": dict(mesh=(8, 8), replica_grad_bytes=1 + 4 / 64)}  # fmt: skip
-    rows, lines = [], []
-    for link_name, link in links.items():
-        cluster = Cluster(8, 8, Link(450 * GBYTE, 3e-6), link)
-        cells = []
-        for name, kw in layouts.items():
-            e = comm_time.estimate_step(int(params_b * 1e9), cluster, stage, buckets=buckets, **kw)
-            inter_s = sum(t for c, t in zip(e.collectives, e.times) if c.inter_node)
-            rows.append({"link": link_name, "layout": name, "seconds": e.total_s, "inter_s": inter_s,
-                         "inter_bytes": e.bytes_on(True), "intra_bytes": e.bytes_on(False), "collectives": e.rows()})  # fmt: skip
-            cells.append(f"{e.total_s * 1e3:.0f} ms ({inter_s * 1e3:.0f} ms, {e.bytes_on(True) / 1e9:.2f} GB)")
-        lines.append(f"| {link_name} | " + " | ".join(cells) + " |")
-    head = "| inter-node link | " + " | ".join(layouts) + " |\n|---|" + "---|" * len(layouts)
-    text = (
-        f"Predicted communication per step of a {params_b:g}B model, stage {stage}, at 8 nodes x 8 GPUs "
-        f"(`zero_ext.comm_time.estimate_step`, nothing overlapped; NVLink 450 GB/s, alpha 3 us inside a node; one NIC "
-        f"per GPU: 400 Gbit/s InfiniBand alpha 10 us, or 100 Gbit/s Ethernet alpha 25 us; {buckets} buckets; fp32 "
-        "gradient sums in the node, bf16 parameters). In parentheses: the inter-node collectives' time and the "
-        "inter-node wire bytes one GPU sends.\n\n" + head + "\n" + "\n".join(lines)
-    )  # fmt: skip
-    return rows, text
+from zero_ext.comm_time import Cluster, Link  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------ one rank
@@ -317,177 +263,39 @@ def run_speed(cluster: EmulatedCluster, args, rate_text: str) -> dict:
             "rank2": ranks[2]}  # fmt: skip
 
 
-def emulated_estimate(psi: int, stage: int, buckets: int, mesh, replica_grad_bytes: float = 4,
-                      **kw) -> comm_time.StepComm:  # fmt: skip
-    """The estimate on the emulated cluster with unit bandwidths: its wire bytes and latency steps are what count.
-    gloo sends bf16 gradients as they are (2 bytes) and the replicas reduce their fp32 sums (4; 2 with
-    ``reduce_dtype=torch.bfloat16``)."""
-    cl = Cluster(2, PER_NODE, Link(1.0), Link(1.0), nics_per_node=1)
-    kw = {"grad_bytes": 2, **kw}
-    return comm_time.estimate_step(psi, cl, stage, mesh=mesh, replica_grad_bytes=replica_grad_bytes, buckets=buckets,
-                                   **kw)  # fmt: skip
+# ------------------------------------------------------------------------------------------------ results
+def write_analysis(name: str, meta_: dict, result: dict, out_dir: str, h100_text: str) -> str:
+    """``<name>.json``, ``.md`` and ``.png`` of an analysed result; returns the markdown body."""
+    from harness import write_results
+
+    os.makedirs(out_dir, exist_ok=True)
+    chart(result, os.path.join(out_dir, f"{name}.png"))
+    body = markdown({**result, "meta": meta_}, h100_text, f"{name}.png")
+    write_results(name, meta_, {k: v for k, v in result.items() if k != "meta"}, body, out_dir)
+    return body
 
 
-def replica_bytes(name: str) -> float:
-    """Bytes per element of the sums the replicas exchange: fp32 (4), bf16 (2: ``reduce_dtype`` or
-    ``inter_node_reduce_dtype``), int8 blocks (1 + 4 / 64)."""
-    if name.endswith("int8"):
-        return 1 + 4 / 64
-    return 2 if name.endswith("bf16") else 4
+def reanalyse(paths: list[str], argv) -> int:
+    """Analyse committed runs again from their measured fields (:data:`MEASURED`), each in sample and with the
+    constants of the others; rewrite each run's JSON, markdown and chart in place, its meta kept, the reanalysis
+    (command, commit, date) added to it."""
+    from harness import git_commit
 
-
-def fit(points: list[dict], key: str) -> dict:
-    """Least squares of T = c[contender] + k * u over ``points`` (u: ``point[key]``, the link's seconds at its nominal
-    rate): one intercept per contender (compute, the node's own traffic and every collective's fixed cost: nothing
-    that the link's rate changes) and one slope k for all (1: the link delivers its nominal rate to the bytes u
-    counts). The errors are then those of the bytes model across speeds and layouts."""
-    import numpy as np
-
-    names = list(dict.fromkeys(p["contender"] for p in points))
-    t = np.array([p["seconds"] for p in points])
-    design = np.array([[float(p["contender"] == n) for n in names] + [p[key]] for p in points])
-    coef, *_ = np.linalg.lstsq(design, t, rcond=None)
-    pred = design @ coef
-    err = (pred - t) / t
-    return {"c_s": dict(zip(names, map(float, coef[:-1]))), "k": float(coef[-1]), "predicted_s": pred.tolist(),
-            "rel_error": err.tolist(), "max_abs_rel_error": float(abs(err).max()),
-            "median_abs_rel_error": float(np.median(abs(err)))}  # fmt: skip
-
-
-def analyse(runs: list[dict], stage: int) -> dict:
-    """Per speed and contender: median step, bytes per step, veth bytes; the fits per family (zero, pattern)."""
-    table, families = [], {"zero": [], "pattern": []}
+    runs = [json.load(open(p)) for p in paths]
+    names = [os.path.basename(p).removesuffix(".json") for p in paths]
     for run in runs:
-        r0, r2 = run["rank0"], run["rank2"]
-        for name, times in r0["times"].items():
-            mesh = MESH if "mesh" in name or name.startswith("fsdp2") else None
-            nb = r0["buckets_by_contender"].get(name, r0["buckets"])
-            # FSDP2's HSDP: fp32 gradients reduce-scattered in the node, all-reduced across, one collective per layer
-            extra = dict(replicate_state=True, grad_bytes=4, reshard_after_forward=stage == 3) if name.startswith(
-                "fsdp2") else {}  # fmt: skip
-            if extra:
-                nb = LAYERS
-            est = emulated_estimate(r0["psi"], stage, nb, mesh, replica_grad_bytes=replica_bytes(name), **extra)
-            steps = len(times)
-            row = {"rate": run["rate"], "rate_bps": run["rate_bps"], "contender": name,
-                   "seconds": statistics.median(times), "q1_s": sorted(times)[steps // 4],
-                   "q3_s": sorted(times)[(3 * steps) // 4], "times": times,
-                   "veth_bytes_a_to_b": statistics.median(r0["tx"][name]),
-                   "veth_bytes_b_to_a": statistics.median(r2["tx"][name]),
-                   "quiet_bytes_a_to_b": max(r0.get("quiet", {}).get(name, [0])),
-                   "quiet_bytes_b_to_a": max(r2.get("quiet", {}).get(name, [0])),
-                   "comm_stats": r0["comm"][name][-1] if r0["comm"][name] else {},
-                   "est_inter_wire_bytes": est.bytes_on(True), "est_intra_wire_bytes": est.bytes_on(False),
-                   "latency_steps": est.latency_steps_on(True) + est.latency_steps_on(False)}  # fmt: skip
-            table.append(row)
-            if run["rate_bps"] is not None:
-                # seconds at the nominal rate: the estimate's wire bytes of the node's 2 ranks through one link (the
-                # flat model), and the bytes that crossed it (the busier direction)
-                row["u"] = 2 * est.bytes_on(True) * 8 / run["rate_bps"]
-                row["u_veth"] = max(row["veth_bytes_a_to_b"], row["veth_bytes_b_to_a"]) * 8 / run["rate_bps"]
-                families.setdefault(name.split("_")[0], []).append(row)
-    fits = {}
-    for fam, pts in families.items():
-        if len(pts) >= 3:
-            for key, tag in (("u", ""), ("u_veth", "_veth")):
-                f = fits[fam + tag] = fit(pts, key)
-                for p, pred, err in zip(pts, f["predicted_s"], f["rel_error"]):
-                    p["fit" + tag + "_s"], p["fit" + tag + "_rel_error"] = pred, err
-    # no fit at all: the step's increase over the unshaped run against the nominal link time
-    base = {r["contender"]: r["seconds"] for r in table if r["rate_bps"] is None}
-    for r in table:
-        if r["rate_bps"] is not None and r["contender"] in base:
-            r["measured_increase_s"] = r["seconds"] - base[r["contender"]]
-    return {"rows": table, "fits": fits}
-
-
-def chart(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10.5, 5.2))
-    rows = [r for r in result["rows"] if r["rate_bps"] is not None and r["contender"].startswith(("zero", "fsdp2"))]
-    for name in dict.fromkeys(r["contender"] for r in rows):
-        pts = sorted((r for r in rows if r["contender"] == name), key=lambda r: r["rate_bps"])
-        xs = [r["rate_bps"] / 1e6 for r in pts]
-        style = dict(color="black") if name.startswith("fsdp2") else {}  # FSDP2: measured only (no fit)
-        (line,) = ax.plot(xs, [r["seconds"] for r in pts], "o-", label=f"{name}, measured", **style)
-        for key, style, what in (("fit_s", "--", "fit, flat model's bytes"), ("fit_veth_s", ":", "fit, veth bytes")):
-            if all(key in r for r in pts):
-                ax.plot(xs, [r[key] for r in pts], style, color=line.get_color(), label=f"{name}, {what}")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("inter-node link (Mbit/s, tc tbf on the veth)")
-    ax.set_ylabel("step time (s, median)")
-    stage = result.get("stage", "?")
-    ax.set_title(f"2 emulated nodes x 2 gloo ranks, stage {stage}: zero_ext 1-D vs mesh vs FSDP2 HSDP")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes: no line hidden
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def markdown(result: dict, stage: int, h100_text: str) -> str:
-    from harness import markdown_table
-
-    rows = []
-    for r in result["rows"]:
-        cs = r["comm_stats"]
-        stats = f"{cs['inter_node_bytes'] / 2**20:.2f} / {cs['intra_node_bytes'] / 2**20:.2f}" if cs else "-"
-        fit_ = " / ".join(f"{r['fit' + t + '_s']:.3f} ({r['fit' + t + '_rel_error'] * 100:+.0f} %)"
-                          for t in ("", "_veth") if "fit" + t + "_s" in r) or "-"  # fmt: skip
-        inc = (
-            f"{r['measured_increase_s']:.3f} / {r['u']:.3f} / {r['u_veth']:.3f}" if "measured_increase_s" in r else "-"
-        )
-        rows.append([r["rate"], r["contender"], f"{r['seconds']:.3f} [{r['q1_s']:.3f}, {r['q3_s']:.3f}]",
-                     f"{r['veth_bytes_a_to_b'] / 2**20:.2f} / {r['veth_bytes_b_to_a'] / 2**20:.2f}",
-                     f"{r['est_inter_wire_bytes'] / 2**20:.2f} / {r['est_intra_wire_bytes'] / 2**20:.2f}",
-                     stats, inc, fit_,
-                     f"{r.get('quiet_bytes_a_to_b', 0) / 1024:.1f} / {r.get('quiet_bytes_b_to_a', 0) / 1024:.1f}"])  # fmt: skip
-    head = ["link", "contender", "step s, median [q1, q3]", "veth MiB a->b / b->a", "est. wire MiB/rank inter / intra",
-            "comm_stats wire MiB (rank 0) inter / intra", "s over unshaped: measured / flat model / veth bytes at the rate",
-            "fit s (error): flat model / veth bytes", "quiet: KiB on the veth after the step, max a->b / b->a"]  # fmt: skip
-    fits = []
-    for fam, f in result["fits"].items():
-        what = "the bytes that crossed the veth" if fam.endswith("_veth") else "the estimate's wire bytes (flat model)"
-        cs = ", ".join(f"{n} {c * 1e3:.0f}" for n, c in f["c_s"].items())
-        fits.append(f"- `{fam.removesuffix('_veth')}_*`, u from {what}: k = {f['k']:.3f} (beta = {1 / f['k']:.2f} x "
-                    f"the nominal rate); c (ms): {cs}; error median {f['median_abs_rel_error'] * 100:.1f} %, max "
-                    f"{f['max_abs_rel_error'] * 100:.1f} %")  # fmt: skip
-    r0 = result["rank0"]
-    probe = r0["alpha_probe"]
-    netem = "applied" if result["netem"] else "not in this kernel: bandwidth only (tbf); alpha is gloo's and the veth's"
-    mesh = "measured" if result["mesh_error"] is None else "not run: " + result["mesh_error"]
-    lines = [
-        f"Stage {stage}, {r0['psi']:,} bf16 parameters ({LAYERS} linear layers of {r0['dim']}), {r0['buckets']} "
-        f"buckets; 4 gloo ranks as 2 nodes x 2; {result['steps']} timed steps per contender and speed after "
-        f"{result['warmup']} warm-up, interleaved. Link latency (netem): {netem}.",
-        f"Mesh engine (`zero_mesh`): {mesh}.",
-        "",
-        markdown_table(head, rows),
-        "",
-        "Fits of T = c[contender] + k u over the shaped speeds, one k for every contender of a family (u: the "
-        "link's seconds at its nominal rate, from the estimate's inter-node wire bytes of the node's 2 ranks (2 W / "
-        "rate: the flat model, every rank's (g-1)/g through the link), or from the bytes that crossed the veth in "
-        "the busier direction; c: what the rate does not change, compute and every collective's fixed cost, alpha "
-        "included):",
-        *fits,
-        f"- alpha, probed (a 1-element all-reduce over 2 ranks, / 2 message steps, unshaped run): inside a node "
-        f"{probe['shard'] * 1e3:.3f} ms, across the link {probe['replicate'] * 1e3:.3f} ms",
-        "",
-        "Columns: veth bytes crossed node a's and node b's end of the link per step (median; the barriers' few "
-        "bytes included); est. wire bytes are `zero_ext.comm_time`'s (g-1)/g of each collective's tensor that one "
-        "rank sends, what `comm_stats()` reports as `inter_node_bytes` / `intra_node_bytes` (measured in the next column: "
-        "the engine's buckets are padded to whole granules, and its step adds small all-reduces of statistics).",
-        "",
-        "## The estimate at 8 x 8 H100s",
-        "",
-        h100_text,
-    ]
-    return "\n".join(lines)
+        run["rows"] = [{k: r[k] for k in MEASURED if k in r} for r in run["rows"]]
+        run.pop("fits", None)  # the per-contender-intercept fits the prediction replaces
+    _, h100_text = h100_prediction()
+    command = shlex.join(["python", "bench/bench_hsdp_cluster.py", *(argv if argv is not None else sys.argv[1:])])
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    for i, (path, run) in enumerate(zip(paths, runs)):
+        others = [r for j, r in enumerate(runs) if j != i]
+        analyse(run, others, [n for j, n in enumerate(names) if j != i])
+        meta_ = {**run.pop("meta"), "reanalysis": {"command": command, "commit": git_commit(), "date": when}}
+        write_analysis(names[i], meta_, run, os.path.dirname(path) or ".", h100_text)
+        print(f"reanalysed {path}: {json.dumps(run['link_model'], default=str)[:400]}")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -509,7 +317,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quiet-ms", type=float, default=50.0, help="the wait after each timed step, veth bytes counted")
     ap.add_argument("--out-dir", default=None, help="default bench/results")
     ap.add_argument("--name", default="hsdp_cluster")
-    ap.add_argument("--redraw", default=None, help="redraw the chart of a result's JSON (next to it) and exit")
+    ap.add_argument("--reanalyse", default=None,
+                    help="comma-separated result JSONs: analyse them again (no cluster), each with the others' "
+                         "constants out of sample; rewrites their .json/.md/.png in place")  # fmt: skip
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--master", default="", help=argparse.SUPPRESS)
@@ -519,21 +329,17 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    if args.redraw:
-        result = json.load(open(args.redraw))
-        command = result["meta"]["command"].split()
-        result.setdefault("stage", int(command[command.index("--stage") + 1]) if "--stage" in command else 2)
-        chart(result, args.redraw.removesuffix(".json") + ".png")
-        return 0
+    if args.reanalyse:
+        return reanalyse(args.reanalyse.split(","), argv)
     import torch
     from harness import RESULTS, meta, write_results
 
     info = meta(torch.device("cpu"))
     h100_rows, h100_text = h100_prediction()
     print(h100_text, flush=True)
+    out_dir = args.out_dir or str(RESULTS)
     if args.predict_only:
         rows, text = compressed_prediction()
-        out_dir = args.out_dir or str(RESULTS)
         write_results(args.name, info, {"compressed": rows, "h100_prediction": h100_rows}, text + "\n\n" + h100_text,
                       out_dir)  # fmt: skip
         print(text)
@@ -549,21 +355,15 @@ def main(argv=None) -> int:
             runs.append(run_speed(cluster, args, rate))
             r0 = runs[-1]["rank0"]
             print("  " + ", ".join(f"{k} {statistics.median(v):.3f} s" for k, v in r0["times"].items()), flush=True)
-    result = analyse(runs, args.stage)
     r0 = runs[0]["rank0"]
-    result.update(stage=args.stage, rank0={k: r0[k] for k in ("psi", "dim", "buckets", "alpha_probe")}, steps=args.steps,
-                  warmup=args.warmup, netem=any(r["netem"] for r in runs), mesh_error=r0["mesh_error"],
-                  qdiscs={r["rate"]: r["qdisc"] for r in runs}, h100_prediction=h100_rows)  # fmt: skip
     unshaped = [r for r in runs if r["rate_bps"] is None]
-    if unshaped:
-        result["rank0"]["alpha_probe"] = unshaped[0]["rank0"]["alpha_probe"]
-    out_dir = args.out_dir or str(RESULTS)
-    body = markdown(result, args.stage, h100_text)
-    png = os.path.join(out_dir, f"{args.name}.png")
-    os.makedirs(out_dir, exist_ok=True)
-    chart(result, png)
-    body = body.replace("## The estimate", f"![step time against link speed]({args.name}.png)\n\n## The estimate", 1)
-    write_results(args.name, info, result, body, out_dir)
+    probe = (unshaped[0] if unshaped else runs[0])["rank0"]["alpha_probe"]
+    result = {"rows": measured_rows(runs), "stage": args.stage, "steps": args.steps, "warmup": args.warmup,
+              "rank0": {"psi": r0["psi"], "dim": r0["dim"], "buckets": r0["buckets"], "alpha_probe": probe},
+              "netem": any(r["netem"] for r in runs), "mesh_error": r0["mesh_error"],
+              "qdiscs": {r["rate"]: r["qdisc"] for r in runs}, "h100_prediction": h100_rows}  # fmt: skip
+    analyse(result)
+    body = write_analysis(args.name, info, result, out_dir, h100_text)
     print(body)
     print(f"wrote {out_dir}/{args.name}.json, .md, .png")
     return 0

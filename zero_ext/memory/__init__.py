@@ -5,7 +5,9 @@ what a built one holds.
   element, the mesh's divisors, where ZeroMuon's matrices go (:func:`muon_owner_bytes`);
 - :mod:`.ledger`: :func:`report`, every byte a rank's sharded state holds, by kind, set against the formula;
 - :mod:`.memory_report`: :class:`MemoryReport` (what ``ZeroAdamW.memory_report()`` returns) and its table;
-- :mod:`.comm_time`: the alpha-beta model of a step's collectives (public as ``zero_ext.comm_time``).
+- :mod:`.comm_time`: the alpha-beta model of a step's collectives (public as ``zero_ext.comm_time``);
+- :mod:`.link_load`: the bytes those collectives put on the links between nodes, by algorithm (ring, gloo, NCCL),
+  and the step time they predict (also public as ``zero_ext.comm_time``).
 
 The names below are this package's public face (``zero_ext.memory.estimate``, ...), as they were when it was one
 module.
@@ -13,6 +15,7 @@ module.
 
 # ``X as X``: re-exported attributes of the one module before the split that __all__ never listed
 from . import comm_time as comm_time  # also public as zero_ext.comm_time (which re-exports its names)
+from . import link_load as link_load  # the same
 from .formula import GRAD_SHARD_BYTES as GRAD_SHARD_BYTES
 from .formula import (
     INT8_BLOCK,

@@ -171,25 +171,31 @@ def step_collectives(
     buckets: int = 1,
     reshard_after_forward: bool = True,
     replica_grad_bytes: Optional[float] = None,
+    kept_buckets: int = 0,
 ) -> list[Collective]:
     """The collectives one rank runs in a step (see the module docstring). ``mesh`` None: 1-D over every rank;
     ``(R, S)``: HSDP, ranks laid out as ``init_device_mesh`` lays them (the shard group: S consecutive ranks).
     ``replica_grad_bytes``: bytes per element of the gradient shard the replicas reduce (default ``grad_bytes``;
-    4 on gloo, whose shard-group reduce-scatter sends bf16 gradients as they are and sums them in fp32)."""
+    4 on gloo, whose shard-group reduce-scatter sends bf16 gradients as they are and sums them in fp32).
+    ``kept_buckets``: stage 3 with ``reshard_after_forward``: buckets backward finds still gathered from forward and
+    does not gather again (ZeroAdamW keeps the first ``prefetch + 1`` backward needs; default 0)."""
     if stage not in (1, 2, 3):
         raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
     if buckets < 1 or num_params < 0:
         raise ValueError(f"buckets must be >= 1 and num_params >= 0, got {buckets}, {num_params}")
+    if not 0 <= kept_buckets <= buckets or int(kept_buckets) != kept_buckets:
+        raise ValueError(f"kept_buckets must be a whole number in [0, buckets={buckets}], got {kept_buckets!r}")
     if replicate_state and mesh is None:
         raise ValueError("replicate_state=True describes a 2-D mesh: give mesh=(R, S)")
     world = cluster.world_size
     grads, params = num_params * grad_bytes / buckets, num_params * param_bytes / buckets
     gathers = (2 if reshard_after_forward else 1) if stage == 3 else 1
     when = "forward + backward" if gathers == 2 else ("forward" if stage == 3 else "after the step")
+    gather_calls = gathers * buckets - (kept_buckets if gathers == 2 else 0)
     if mesh is None or mesh[0] == 1:
         inter = _spans_nodes(cluster, [list(range(world))])
-        return [Collective("reduce_scatter", "world", world, grads, buckets, inter, "gradients"),
-                Collective("all_gather", "world", world, params, gathers * buckets, inter, f"parameters, {when}")]  # fmt: skip
+        gather = Collective("all_gather", "world", world, params, gather_calls, inter, f"parameters, {when}")
+        return [Collective("reduce_scatter", "world", world, grads, buckets, inter, "gradients"), gather]
     shard_groups, replica_groups = mesh_groups(world, mesh)
     r, s = mesh
     shard_inter, replica_inter = _spans_nodes(cluster, shard_groups), _spans_nodes(cluster, replica_groups)
@@ -200,7 +206,7 @@ def step_collectives(
     else:
         out += [Collective("reduce_scatter", "replicate", r, shard, buckets, replica_inter, "gradient shard"),
                 Collective("all_gather", "replicate", r, params / s, buckets, replica_inter, "updated shard")]  # fmt: skip
-    out.append(Collective("all_gather", "shard", s, params, gathers * buckets, shard_inter, f"parameters, {when}"))
+    out.append(Collective("all_gather", "shard", s, params, gather_calls, shard_inter, f"parameters, {when}"))
     return [c for c in out if c.size > 1]
 
 
