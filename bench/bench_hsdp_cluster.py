@@ -25,7 +25,9 @@ link speed (each timed from a barrier to a barrier):
   at stage 3, torch.optim.AdamW(foreach) on the sharded parameters;
 - ``pattern_1d`` / ``pattern_mesh``: only the collectives ``zero_ext.comm_time.step_collectives`` lists for each
   layout, on buffers of the same sizes, called as the engine's gloo communicator calls them (a reduce-scatter as one
-  all-to-all, an all-gather into a tensor): the estimator's own model of the step, measured.
+  all-to-all, an all-gather into a tensor): the estimator's own model of the step, measured. ``pattern_mesh``
+  reduce-scatters as the engine's mesh does on gloo: at 2 ranks per node, once over every rank
+  (``flat_reduce_scatter``; runs before 86b05d8 used the two levels, and their JSON says so).
 
 Measured per step: seconds (median of the timed steps), the bytes ``comm_stats()`` counts, and the bytes that crossed
 the veth (node a's end and node b's). The analysis (``hsdp_cluster_analysis.py``) predicts each shaped row's step
@@ -133,10 +135,15 @@ def worker(args) -> None:
     per = {name: sum(1 for _ in opt.sharded_state.buckets()) for name, opt in opts.items()}
     out.update(buckets=buckets, psi=psi, dim=dim, buckets_by_contender=per)
 
+    # the mesh's reduce-scatter as the engine runs it on gloo: bf16 gradients summed in fp32 (4 bytes) on nodes of
+    # PER_NODE ranks take one all-to-all over every rank when 2 x PER_NODE <= 4 (MeshCommunicator.flat_reduce_scatter)
+    out["pattern_mesh_flat"] = pattern_flat = 2 * PER_NODE <= 4
+
     def pattern(mesh_):
         cl = Cluster(2, PER_NODE, Link(1.0), Link(1.0))
+        flat = mesh_ is not None and pattern_flat
         plan = comm_time.step_collectives(psi, cl, args.stage, mesh=mesh_, grad_bytes=2, replica_grad_bytes=4,
-                                          buckets=buckets)  # fmt: skip
+                                          buckets=buckets, flat_reduce_scatter=flat)  # fmt: skip
         calls = []
         for c in plan:
             group = groups.get(c.group)  # "world": the default group
@@ -361,7 +368,8 @@ def main(argv=None) -> int:
     result = {"rows": measured_rows(runs), "stage": args.stage, "steps": args.steps, "warmup": args.warmup,
               "rank0": {"psi": r0["psi"], "dim": r0["dim"], "buckets": r0["buckets"], "alpha_probe": probe},
               "netem": any(r["netem"] for r in runs), "mesh_error": r0["mesh_error"],
-              "qdiscs": {r["rate"]: r["qdisc"] for r in runs}, "h100_prediction": h100_rows}  # fmt: skip
+              "qdiscs": {r["rate"]: r["qdisc"] for r in runs}, "h100_prediction": h100_rows,
+              "pattern_mesh_flat": r0.get("pattern_mesh_flat", False)}  # fmt: skip
     analyse(result)
     body = write_analysis(args.name, info, result, out_dir, h100_text)
     print(body)

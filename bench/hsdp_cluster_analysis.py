@@ -41,7 +41,19 @@ def replica_bytes(name: str) -> float:
     return 2 if name.endswith("bf16") else 4
 
 
-def plan(name: str, stage: int, buckets: int) -> dict:
+def ran_flat_reduce_scatter(row: dict) -> bool:
+    """Whether a mesh row's engine reduce-scattered each bucket once over every rank (since 86b05d8, bf16 gradients
+    summed in fp32 on nodes of 2 ranks: ``MeshCommunicator.flat_reduce_scatter``), read from what its
+    ``comm_stats()`` counted: the all-to-all over 2 x 2 ranks sends twice as many bytes across nodes as inside
+    (a quarter of the bucket to the node's other rank, two across); the two levels send half the bucket inside the
+    node and the sums of the other half across (as many bytes in fp32, half as many in bf16)."""
+    stats = row.get("comm_stats") or {}
+    intra = stats.get("reduce_scatter_intra_node_bytes", 0)
+    inter = stats.get("reduce_scatter_inter_node_bytes", 0)
+    return row["contender"].startswith("zero_mesh") and intra > 0 and abs(2 * intra - inter) <= 0.01 * inter
+
+
+def plan(name: str, stage: int, buckets: int, flat_reduce_scatter: bool = False) -> dict:
     """``step_collectives`` keywords of a contender: gloo sends bf16 gradients as they are (2 bytes) and the replicas
     reduce their sums (:func:`replica_bytes`); FSDP2's HSDP reduce-scatters fp32 gradients in the node and all-reduces
     the shard across, one collective per layer; ZeroAdamW at stage 3 does not gather its kept buckets again."""
@@ -51,14 +63,16 @@ def plan(name: str, stage: int, buckets: int) -> dict:
         kw.update(replicate_state=True, grad_bytes=4, reshard_after_forward=stage == 3, buckets=LAYERS)
     elif name.startswith("zero") and stage == 3:
         kw["kept_buckets"] = _kept_buckets()
+    if flat_reduce_scatter:
+        kw["flat_reduce_scatter"] = True
     return kw
 
 
-def loads(name: str, psi: int, stage: int, buckets: int):
+def loads(name: str, psi: int, stage: int, buckets: int, flat_reduce_scatter: bool = False):
     """The contender's step on the emulated cluster (2 nodes x 2 ranks, one link): gloo's and the flat model's
     link bytes, and the flat model's per-rank estimate (``comm_stats()``'s counting)."""
     cl = Cluster(2, PER_NODE, Link(1.0), Link(1.0), nics_per_node=1)
-    kw = plan(name, stage, buckets)
+    kw = plan(name, stage, buckets, flat_reduce_scatter)
     gloo = comm_time.step_link_load(psi, cl, stage, algorithm="gloo", **kw)
     flat = comm_time.step_link_load(psi, cl, stage, algorithm="ring", **kw)
     return gloo, flat, comm_time.estimate_step(psi, cl, stage, **kw)
@@ -125,7 +139,9 @@ def add_bytes(result: dict) -> None:
     r0, stage = result["rank0"], result["stage"]
     local = {r["contender"]: r["seconds"] for r in result["rows"] if r["rate_bps"] is None}
     for r in result["rows"]:
-        gloo, flat, est = loads(r["contender"], r0["psi"], stage, r.get("buckets", r0["buckets"]))
+        one = ran_flat_reduce_scatter(r) or (r["contender"] == "pattern_mesh" and result.get("pattern_mesh_flat"))
+        gloo, flat, est = loads(r["contender"], r0["psi"], stage, r.get("buckets", r0["buckets"]), bool(one))
+        r["flat_reduce_scatter"] = bool(one)
         r.update(link_bytes=gloo.per_direction, link_bytes_flat=flat.per_direction,
                  est_inter_wire_bytes=est.bytes_on(True), est_intra_wire_bytes=est.bytes_on(False),
                  latency_steps=est.latency_steps_on(True) + est.latency_steps_on(False))  # fmt: skip

@@ -140,6 +140,25 @@ def test_gloo_mesh_2x2_by_hand():
     assert int8.crossings[1].per_direction == pytest.approx(2 * 25 * (1 + 4 / 64))
 
 
+def test_flat_reduce_scatter_on_a_mesh_by_hand():
+    """ZeroAdamW's mesh on gloo with bf16 gradients summed in fp32 on nodes of 2 ranks: the reduce-scatter is one
+    all-to-all over the 4 ranks (the 1-D one: 200 B per direction, as many as the two levels' fp32 chunk), the
+    updated slices are gathered in two levels (100 B across)."""
+    kw = dict(mesh=(2, 2), grad_bytes=2, replica_grad_bytes=4)
+    flat = step_collectives(100, SMALL, 2, flat_reduce_scatter=True, **kw)
+    assert [(c.kind, c.group, c.size) for c in flat] == [("reduce_scatter", "world", 4), ("all_gather", "replicate", 2),
+                                                         ("all_gather", "shard", 2)]  # fmt: skip
+    load = step_link_load(100, SMALL, 2, algorithm="gloo", flat_reduce_scatter=True, **kw)
+    assert [x.per_direction for x in load.crossings] == [200, 100, 0] and load.per_direction == 300
+    assert load.crossings[0].intra_rank_max == 50  # a quarter of the 200 B bucket to the node's other rank
+    two_levels = step_link_load(100, SMALL, 2, algorithm="gloo", **kw)
+    assert two_levels.per_direction == load.per_direction  # the same bytes across: the tie the rule takes
+    with pytest.raises(ValueError, match="flat_reduce_scatter"):
+        step_collectives(100, SMALL, 2, flat_reduce_scatter=True, grad_bytes=2)  # no mesh
+    with pytest.raises(ValueError, match="flat_reduce_scatter"):
+        step_collectives(100, SMALL, 2, flat_reduce_scatter=True, mesh=(2, 2), replicate_state=True)
+
+
 def test_gloo_all_reduce_and_fsdp2_by_hand():
     # gloo's all-reduce: a ring (i sends to i - 1) of two passes, each edge 2 (g-1)/g of the buffer
     ar = crossing_bytes("all_reduce", [0, 2], 400.0, node_of_pairs, "gloo")

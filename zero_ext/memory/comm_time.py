@@ -172,13 +172,17 @@ def step_collectives(
     reshard_after_forward: bool = True,
     replica_grad_bytes: Optional[float] = None,
     kept_buckets: int = 0,
+    flat_reduce_scatter: bool = False,
 ) -> list[Collective]:
     """The collectives one rank runs in a step (see the module docstring). ``mesh`` None: 1-D over every rank;
     ``(R, S)``: HSDP, ranks laid out as ``init_device_mesh`` lays them (the shard group: S consecutive ranks).
     ``replica_grad_bytes``: bytes per element of the gradient shard the replicas reduce (default ``grad_bytes``;
     4 on gloo, whose shard-group reduce-scatter sends bf16 gradients as they are and sums them in fp32).
     ``kept_buckets``: stage 3 with ``reshard_after_forward``: buckets backward finds still gathered from forward and
-    does not gather again (ZeroAdamW keeps the first ``prefetch + 1`` backward needs; default 0)."""
+    does not gather again (ZeroAdamW keeps the first ``prefetch + 1`` backward needs; default 0).
+    ``flat_reduce_scatter``: a mesh with its state over every rank reduce-scatters the gradients once over every
+    rank instead of in two levels (ZeroAdamW on gloo when ``grad_bytes x S <= replica_grad_bytes``: bf16 gradients
+    summed in fp32 on nodes of 2 ranks; ``MeshCommunicator.flat_reduce_scatter``)."""
     if stage not in (1, 2, 3):
         raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
     if buckets < 1 or num_params < 0:
@@ -187,6 +191,8 @@ def step_collectives(
         raise ValueError(f"kept_buckets must be a whole number in [0, buckets={buckets}], got {kept_buckets!r}")
     if replicate_state and mesh is None:
         raise ValueError("replicate_state=True describes a 2-D mesh: give mesh=(R, S)")
+    if flat_reduce_scatter and (mesh is None or replicate_state):
+        raise ValueError("flat_reduce_scatter=True describes a 2-D mesh with its state over every rank")
     world = cluster.world_size
     grads, params = num_params * grad_bytes / buckets, num_params * param_bytes / buckets
     gathers = (2 if reshard_after_forward else 1) if stage == 3 else 1
@@ -199,9 +205,15 @@ def step_collectives(
     shard_groups, replica_groups = mesh_groups(world, mesh)
     r, s = mesh
     shard_inter, replica_inter = _spans_nodes(cluster, shard_groups), _spans_nodes(cluster, replica_groups)
-    out = [Collective("reduce_scatter", "shard", s, grads, buckets, shard_inter, "gradients")]
+    if flat_reduce_scatter:
+        out = [Collective("reduce_scatter", "world", world, grads, buckets, shard_inter or replica_inter,
+                          "gradients, one all-to-all over every rank")]  # fmt: skip
+    else:
+        out = [Collective("reduce_scatter", "shard", s, grads, buckets, shard_inter, "gradients")]
     shard = num_params * (grad_bytes if replica_grad_bytes is None else replica_grad_bytes) / buckets / s
-    if replicate_state:
+    if flat_reduce_scatter:
+        out.append(Collective("all_gather", "replicate", r, params / s, buckets, replica_inter, "updated shard"))
+    elif replicate_state:
         out.append(Collective("all_reduce", "replicate", r, shard, buckets, replica_inter, "gradient shard"))
     else:
         out += [Collective("reduce_scatter", "replicate", r, shard, buckets, replica_inter, "gradient shard"),
