@@ -117,8 +117,18 @@ class GroupedFusedReference:
                 same(mine, expected, f"{what}: {ref.name} {kind}")
 
 
-def tree_means(ref: GroupedFusedReference, step: int, world: int, shape, dtype) -> dict:
-    """The mesh's mean gradients at ``step`` (every rank's batch) for a model holding the reference's parameters."""
+def flat_on_gloo(shape, dtype, replicate_state: bool = False) -> bool:
+    """Whether ZeroAdamW's mesh on gloo reduce-scatters ``dtype`` gradients (summed in fp32) once over every rank:
+    state over every rank, ``R, S > 1`` and ``itemsize x S <= 4`` (``MeshCommunicator.flat_reduce_scatter``)."""
+    if shape is None or replicate_state:
+        return False
+    R, S = shape
+    return R > 1 and S > 1 and dtype.itemsize * S <= 4
+
+
+def tree_means(ref: GroupedFusedReference, step: int, world: int, shape, dtype, replicate_state=False) -> dict:
+    """The mesh's mean gradients at ``step`` (every rank's batch) for a model holding the reference's parameters: its
+    tree (:func:`tree_mean`), or the 1-D mean where the mesh reduce-scatters once over every rank."""
     model = model_for(dtype)
     ref.load_into(model)
     named = [(n, p) for n, p in model.named_parameters()]
@@ -126,7 +136,8 @@ def tree_means(ref: GroupedFusedReference, step: int, world: int, shape, dtype) 
     out = {}
     for i, (name, p) in enumerate(named):
         if p.requires_grad:
-            out[name] = tree_mean([g[i].float() for g in grads], shape)
+            flat = flat_on_gloo(shape, dtype, replicate_state)
+            out[name] = tree_mean([g[i].float() for g in grads], None if flat else shape)
     return out
 
 
@@ -139,7 +150,7 @@ def train_against_reference(rank, world, shape, stage, offload="none", dtype_nam
     opt = optimizer(model, shape, stage, offload, root, rank, f"m{stage}", **kw)
     ref = GroupedFusedReference(model_for(dtype))
     for step in range(steps):
-        ref.step(tree_means(ref, step, world, shape, dtype))
+        ref.step(tree_means(ref, step, world, shape, dtype, kw.get("replicate_state", False)))
         loss_fn(model, batch(step, rank)).backward()
         opt.step()
         opt.zero_grad()
