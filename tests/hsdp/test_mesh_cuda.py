@@ -4,7 +4,8 @@ reduce-scatter, then the replicas' behind an event, no host wait), the 1/N presc
 chunks of stage 3 gathered inside the node, the replicas' gathers of the updated slices. Checked against
 torch.optim.AdamW on the 1-D mean at fp32 tolerance (NCCL sums in its own order); stages 2 and 3 equal bitwise on
 one mesh; the replicated state (replicate_state=True) against the same reference; inter_node_reduce_dtype bf16 and
-int8 (NCCL all-to-all of the encoded slices; stages 2 and 3 bitwise equal, within the reach of 3 Adam steps). The script also runs on 4 gloo
+int8 (NCCL all-to-all of the encoded slices; stages 2 and 3 bitwise equal, within the reach of 3 Adam steps); bf16
+gradients keep the two levels on NCCL (one reduce-scatter over every rank is gloo's). The script also runs on 4 gloo
 ranks (test_the_script_runs_on_cpu_ranks) so that it cannot rot unseen."""
 
 import subprocess
@@ -70,6 +71,16 @@ _SCRIPT = textwrap.dedent(
         c3, _ = run(3, atol=6e-3, inter_node_reduce_dtype=dtype)
         assert c2 == c3, f"{{dtype}}: stage 3 differs from stage 2"
         assert cs2["reduce_scatter_inter_node_bytes"] * num == stats2["reduce_scatter_inter_node_bytes"] * den, dtype
+    # bf16 gradients summed in fp32 on nodes of 2 ranks: gloo reduce-scatters once over every rank (one bf16 element
+    # sent per element counted), NCCL keeps the two levels (its wire is fp32, and the node's sums cross too)
+    model = build(torch.bfloat16).to(device)
+    opt = ZeroAdamW(model.parameters(), **HYPER, stage=2, module=model, bucket_size=1500, mesh=mesh)
+    loss_fn(model, batch(0, rank).to(device)).backward()
+    opt.step()
+    bf16 = opt.comm_stats()
+    opt.close()
+    once = bf16["reduce_scatter_bytes"] == 2 * bf16["reduce_scatter_elements"]
+    assert once == (device.type == "cpu"), bf16
     print("ok", s2[:16], flush=True)
     os._exit(0)
     """
