@@ -107,3 +107,25 @@ def test_no_sync_holds_the_node_sums_and_then_matches_1d(pattern):
         assert crossed == [0, 0], crossed
     for a, b in zip(flat, mesh_runs[0][0]):
         torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-3)
+
+
+def _two_backwards(rank, world, shape, stage):
+    """Two backward passes before each step (no no_sync(): the second reduce-scatter adds into the grad shard)."""
+    model = model_for(torch.bfloat16)
+    opt = optimizer(model, shape, stage)
+    for step in range(2):
+        for micro in range(2):
+            loss_fn(model, batch(10 * step + micro, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+    with opt.gathered_params():
+        out = [p.detach().clone() for p in model.parameters()]
+    opt.close()
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_accumulating_reduce_scatters_match_1d_bitwise(stage):
+    one_d = run_on_ranks(4, _two_backwards, None, stage)[0]
+    mesh = run_on_ranks(4, _two_backwards, (2, 2), stage)[0]
+    assert all(torch.equal(a, b) for a, b in zip(one_d, mesh))
