@@ -10,11 +10,13 @@ the engine sees; it composes the two groups' own communicators (each with its st
   contiguous (its *chunk*, ``1/S`` of a bucket). So a reduce-scatter is the shard group's reduce-scatter into the
   chunk (inside the node) and then the replicas' reduce-scatter of the chunk into the slice (across nodes, ``1/S``
   of the bytes); an all-gather is the replicas' all-gather of the slice into the chunk, then the shard group's of the
-  chunk into the bucket. Across nodes travel ``2 (R-1)/R x Psi/S`` bytes per rank and step, what FSDP2 HSDP's
-  all-reduce of the chunk sends, but each rank keeps ``1/N`` of the master and moments instead of ``1/S``. Because
-  the layout is the 1-D layout of ``N`` ranks, the state, its checkpoints (written once: every rank holds different
-  bytes) and their consolidation are those of ``N`` ranks: a checkpoint moves between ``R x S`` meshes and 1-D runs
-  like one between world sizes. Stage 3 keeps each rank's chunk of the parameters (``1/S`` of them: what the
+  chunk into the bucket (on gloo, bf16 gradients summed in fp32 on nodes of 2 ranks are reduce-scattered once over
+  every rank instead: as many bytes across nodes in one collective, :meth:`MeshCommunicator.flat_reduce_scatter`).
+  Across nodes travel ``2 (R-1)/R x Psi/S`` bytes per rank and step, what FSDP2 HSDP's all-reduce of the chunk
+  sends, but each rank keeps ``1/N`` of the master and moments instead of ``1/S``. Because the layout is the 1-D
+  layout of ``N`` ranks, the state, its checkpoints (written once: every rank holds different bytes) and their
+  consolidation are those of ``N`` ranks: a checkpoint moves between ``R x S`` meshes and 1-D runs like one between
+  world sizes. Stage 3 keeps each rank's chunk of the parameters (``1/S`` of them: what the
   shard group gathers from, so forward and backward gathers never leave the node) and after each update the
   replicas all-gather their updated slices into it (``state.sharded_params.ChunkedParams``).
 - **State replicated over the R replicas** (``replicate_state=True``, FSDP2's HSDP): the layout is that of the
@@ -25,10 +27,10 @@ the engine sees; it composes the two groups' own communicators (each with its st
 The process identity (``process_rank``: the global rank) is what host agreements and error messages use; ``rank``
 is the layout's.
 
-On CPU (gloo) a two-level collective's second level starts when it is waited for, or when this communicator starts
-its next collective (whichever comes first; the same points on every rank, so each group sees its collectives in
-the same order everywhere); on CUDA both levels are queued at once, the second on its group's stream behind an
-event of the first (no host wait).
+On CPU (gloo) a two-level collective's second level (``two_level.py``) starts when it is waited for, or when this
+communicator starts its next collective (whichever comes first; the same points on every rank, so each group sees
+its collectives in the same order everywhere); on CUDA both levels are queued at once, the second on its group's
+stream behind an event of the first (no host wait).
 """
 
 from __future__ import annotations
@@ -42,47 +44,11 @@ from ..kernels.dispatch import accumulate_into
 from .base import DONE, CommCounts, Communicator, Pending
 from .compress import InterNodeCodec
 from .gloo import GlooCommunicator
+from .two_level import TwoLevel, local_work
 
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // 64) * 64
-
-
-class TwoLevel(Pending):
-    """A collective of two levels: ``first`` in flight, ``then()`` starts the second (its Pending)."""
-
-    __slots__ = ("_first", "_then", "_second", "_cuda_stream")
-
-    def __init__(self, first: Pending, then: Callable[[], Pending], second_stream=None):
-        super().__init__()
-        self._done = False
-        self._first, self._then, self._second = first, then, None
-        if second_stream is not None:  # CUDA: queue the second level now, behind the first's event
-            first.wait_on(second_stream)
-            self._second = then()
-
-    @property
-    def launched(self) -> bool:
-        return self._second is not None
-
-    def launch(self) -> None:
-        """CPU: wait for the first level (its epilogue runs) and start the second."""
-        if not self._done and self._second is None:
-            self._first.wait()
-            self._second = self._then()
-
-    def wait(self) -> None:
-        if self._done:
-            return
-        self.launch()
-        self._first.wait()  # CUDA: the current stream waits for both (also what keeps the first's tensors alive)
-        self._second.wait()
-        self._done = True
-        self._first = self._second = self._then = None
-
-    def wait_on(self, stream) -> None:
-        self.launch()
-        self._second.wait_on(stream)
 
 
 class MeshCommunicator(Communicator):
@@ -117,7 +83,7 @@ class MeshCommunicator(Communicator):
         for c in (shard, replicate, world):  # one position: the divergence watch sees every group's collectives
             c.position = self.position
         self._unlaunched: list[TwoLevel] = []  # CPU: second levels not started yet, in order
-        self._process_slices: Optional[torch.Tensor] = None  # the flat reduce-scatter's send order (_flat_order)
+        self._process_slices: Optional[torch.Tensor] = None  # the flat reduce-scatter's send order, by process
         # no_sync(): each bucket's node-reduced gradient sum (1/S of it, in reduce_dtype) until it crosses nodes
         self._holding = False
         self._held: dict = {}
@@ -263,13 +229,13 @@ class MeshCommunicator(Communicator):
                     out.zero_()
 
             return self._two_level(
-                first, lambda: _local(stream, hold, (chunk, out)), self.replicate, "reduce_scatter_stream"
+                first, lambda: local_work(stream, hold, (chunk, out)), self.replicate, "reduce_scatter_stream"
             )
         held = self._held.pop(bucket, None)
 
         def then() -> Pending:
             if held is not None:  # the synchronising micro-batch: the held micro-batches' sums go with it
-                _local(stream, lambda: chunk.add_(held), (chunk, held))
+                local_work(stream, lambda: chunk.add_(held), (chunk, held))
             return self._across(chunk, out, accumulate, send.dtype, reduce_dtype, workspace[a + c :], bucket)
 
         return self._two_level(first, then, self.replicate, "reduce_scatter_stream")
@@ -412,18 +378,6 @@ class MeshCommunicator(Communicator):
     def abort(self) -> None:
         for c in (self.shard, self.replicate, self.world):
             c.abort()
-
-
-def _local(stream, fn: Callable[[], None], tensors) -> Pending:
-    """Run ``fn`` (local tensor work) after what ``stream`` queued: on CPU now, on CUDA queued on ``stream``."""
-    if stream is None:
-        fn()
-        return DONE
-    with torch.cuda.stream(stream):
-        fn()
-        event = torch.cuda.Event()
-        event.record(stream)
-    return Pending(None, event, stream.device, None, tensors)
 
 
 class _MeshCounts:
