@@ -361,7 +361,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         bytes this rank sent by link, ``{kind}_intra_node_bytes`` / ``{kind}_inter_node_bytes`` with the totals
         ``intra_node_bytes`` and ``inter_node_bytes`` (a ring's ``(g-1)/g`` of each buffer, twice for an all-reduce;
         a group counts as inter-node when it spans nodes: a mesh's replicate group, or a 1-D group larger than
-        torchrun's ``LOCAL_WORLD_SIZE``). See ``docs/hsdp.md``."""
+        torchrun's ``LOCAL_WORLD_SIZE``; a mesh's reduce-scatter over every rank counts its part to peers in the
+        rank's own node as intra-node). See ``docs/hsdp.md``."""
         return self.sharded_state.comm.counts.as_dict()
 
     def memory_report(self) -> memory.MemoryReport:
