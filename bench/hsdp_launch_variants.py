@@ -194,7 +194,9 @@ def handed_to_gloo(numel: int) -> dict:
     # mesh: half the bf16 bucket to the node's other rank, half the fp32 node sums (e/2 elements) to the other node;
     # the parameters: the bf16 slice (e/4) to the other node, the bf16 chunk (e/2) to the node's other rank
     mesh = {"intra": e * 2 / 2 + e / 2 * 2, "inter": e / 2 * 4 / 2 + e / 4 * 2}
-    return {"1d": one_d, "mesh": mesh}
+    # the flat reduce-scatter: 1-D's all-to-all (a quarter of the bf16 bucket to each peer), the mesh's all-gather
+    flat = {"intra": e * 2 / 4 + e / 2 * 2, "inter": e * 2 * 2 / 4 + e / 4 * 2}
+    return {"1d": one_d, "mesh": mesh, "mesh, flat reduce-scatter": flat}
 
 
 def rank_main(rank: int, world: int, device, numel: int, warmup: int, reps: int) -> dict:
