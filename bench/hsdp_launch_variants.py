@@ -104,15 +104,27 @@ def variants(rank: int, numel: int) -> dict:
     def gather_node(b):
         return dist.all_gather_into_tensor(params[b], param_chunks[b], group=shard, async_op=True)
 
+    def gather_sequential():  # the mesh's parameter all-gather, two levels, each waited for before the next
+        for b in range(BUCKETS):
+            gather_across(b).wait()
+            gather_node(b).wait()
+
+    def gather_pipelined():  # every first level at once, each second level as its first finishes
+        firsts = [gather_across(b) for b in range(BUCKETS)]
+        seconds = []
+        for b, w in enumerate(firsts):
+            w.wait()
+            seconds.append(gather_node(b))
+        for w in seconds:
+            w.wait()
+
     def mesh_sequential():
         for b in range(BUCKETS):
             node_level(b).wait()
             node_sum(b)
             across(b).wait()
             sum_into(slices[b], chunks_in[b], 2)
-        for b in range(BUCKETS):
-            gather_across(b).wait()
-            gather_node(b).wait()
+        gather_sequential()
 
     def mesh_pipelined():
         firsts = [node_level(b) for b in range(BUCKETS)]
@@ -124,13 +136,7 @@ def variants(rank: int, numel: int) -> dict:
         for b, w in enumerate(seconds):
             w.wait()
             sum_into(slices[b], chunks_in[b], 2)
-        firsts = [gather_across(b) for b in range(BUCKETS)]
-        seconds = []
-        for b, w in enumerate(firsts):
-            w.wait()
-            seconds.append(gather_node(b))
-        for w in seconds:
-            w.wait()
+        gather_pipelined()
 
     def mesh_coalesced():
         for b in range(BUCKETS):
@@ -162,22 +168,14 @@ def variants(rank: int, numel: int) -> dict:
         for b in range(BUCKETS):
             flat(b).wait()
             sum_into(slices[b], received[b], 4)
-        for b in range(BUCKETS):
-            gather_across(b).wait()
-            gather_node(b).wait()
+        gather_sequential()
 
     def mesh_flat_pipelined():
         works = [flat(b) for b in range(BUCKETS)]
         for b, w in enumerate(works):
             w.wait()
             sum_into(slices[b], received[b], 4)
-        firsts = [gather_across(b) for b in range(BUCKETS)]
-        seconds = []
-        for b, w in enumerate(firsts):
-            w.wait()
-            seconds.append(gather_node(b))
-        for w in seconds:
-            w.wait()
+        gather_pipelined()
 
     return {"1d sequential": one_d_sequential, "1d pipelined": one_d_pipelined, "mesh sequential": mesh_sequential,
             "mesh pipelined": mesh_pipelined, "mesh coalesced": mesh_coalesced,

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 from distributed import run_on_ranks
-from mesh_runs import batch, loss_fn, model_for, optimizer, train_kw, train_steps
+from mesh_runs import batch, full_copies, loss_fn, model_for, optimizer, train_kw, train_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -88,9 +88,7 @@ def _accumulate_bf16(rank, world, shape, pattern):
         loss_fn(model, batch(step, rank)).backward()
         opt.step()
         opt.zero_grad()
-    out = [p.detach().float().clone() for p in model.parameters()]
-    opt.close()
-    return out, crossed
+    return full_copies(model, opt), crossed
 
 
 @pytest.mark.parametrize("pattern", ["sync-last", "dropped"])
@@ -118,10 +116,7 @@ def _two_backwards(rank, world, shape, stage):
             loss_fn(model, batch(10 * step + micro, rank)).backward()
         opt.step()
         opt.zero_grad()
-    with opt.gathered_params():
-        out = [p.detach().clone() for p in model.parameters()]
-    opt.close()
-    return out
+    return full_copies(model, opt)
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -98,7 +98,7 @@ def _accumulate(rank, world, shape, stage, pattern):
     """Two steps of two micro-batches; ``pattern``: "sync-last" (the first under no_sync), "step-in-no-sync" (both
     under no_sync: step() sends the held sums), "dropped" (a no_sync micro-batch, then opt.zero_grad(), then one),
     "model-dropped" (the same with model.zero_grad())."""
-    from mesh_runs import batch, loss_fn, model_for, optimizer
+    from mesh_runs import batch, full_copies, loss_fn, model_for, optimizer
 
     model = model_for(torch.float32)
     opt = optimizer(model, shape, stage)
@@ -117,10 +117,7 @@ def _accumulate(rank, world, shape, stage, pattern):
                 loss_fn(model, batch(step + 5, rank)).backward()
         opt.step()
         opt.zero_grad()
-    with opt.gathered_params():
-        out = [p.detach().clone() for p in model.parameters()]
-    opt.close()
-    return out
+    return full_copies(model, opt)
 
 
 @pytest.mark.parametrize("pattern", ["sync-last", "step-in-no-sync", "dropped", "model-dropped"])
